@@ -1,0 +1,107 @@
+"""The commit record: the one file whose presence makes a step committed (invariant I1).
+
+It is written by the finalizer after every participant's files and each role's metadata are
+durable, and removed first when a step is deleted, so a step without it is never loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from verl_ckpt.errors import CommitRecordError
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME
+
+__all__ = [
+    "COMMIT_FORMAT_VERSION",
+    "CommitRecord",
+    "FileEntry",
+    "read_commit_record",
+    "verify_files",
+    "write_commit_record",
+]
+
+COMMIT_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a committed step, relative to the step directory."""
+
+    path: str
+    size: int
+    checksum: str
+
+
+@dataclass
+class CommitRecord:
+    """What a committed step holds: who took part and every file with its size and checksum."""
+
+    step: int
+    participants: dict[str, int]
+    files: list[FileEntry]
+    format_version: int = COMMIT_FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    committed_at: float = field(default_factory=time.time)
+
+    def role_world_size(self, role: str) -> int | None:
+        return self.participants.get(role)
+
+
+def write_commit_record(step_path: Path, record: CommitRecord) -> None:
+    """Durably write the record: once this returns, the step is committed."""
+    payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
+    atomic_write_bytes(step_path / COMMIT_RECORD_FILENAME, payload)
+
+
+def read_commit_record(step_path: str | Path) -> CommitRecord:
+    """Read and validate the record of the step directory `step_path`.
+
+    Raises CommitRecordError naming the path when the record is missing, unparsable, or of
+    a format version this code does not know.
+    """
+    path = Path(step_path) / COMMIT_RECORD_FILENAME
+    if not Path(step_path).is_dir():
+        raise CommitRecordError(f"step directory {step_path} does not exist")
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CommitRecordError(
+            f"{step_path} is not a committed step: its commit record {path.name} is missing "
+            "(the save did not finish on every rank, or the step is being deleted)"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CommitRecordError(f"commit record {path} is corrupt: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format_version") != COMMIT_FORMAT_VERSION:
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        raise CommitRecordError(
+            f"commit record {path} has format_version {version!r}; this verl_ckpt reads "
+            f"version {COMMIT_FORMAT_VERSION} only"
+        )
+    try:
+        files = [FileEntry(**entry) for entry in raw.pop("files")]
+        return CommitRecord(files=files, **raw)
+    except (TypeError, KeyError) as exc:
+        raise CommitRecordError(f"commit record {path} is malformed: {exc}") from None
+
+
+def verify_files(step_path: Path, record: CommitRecord, prefix: str = "") -> list[str]:
+    """Re-read the files of `record` (those under `prefix`) and list every problem found."""
+    problems = []
+    for entry in record.files:
+        if not entry.path.startswith(prefix):
+            continue
+        path = step_path / entry.path
+        try:
+            size, checksum = file_checksum(path)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        if size != entry.size:
+            problems.append(f"{path}: size {size}, expected {entry.size}")
+        elif checksum != entry.checksum:
+            problems.append(f"{path}: checksum {checksum}, expected {entry.checksum}")
+    return problems

@@ -1,0 +1,45 @@
+"""Exceptions raised by verl_ckpt.
+
+Every error a user can cause names the path, key, role or rank involved, so that the
+message alone says what to fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointConfigError",
+    "CheckpointWriteError",
+    "CommitRecordError",
+    "CommitTimeoutError",
+    "StepNotCommittedError",
+    "TrackerError",
+]
+
+
+class CheckpointError(RuntimeError):
+    """Base class of every error raised by verl_ckpt."""
+
+
+class CheckpointConfigError(CheckpointError, ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+class TrackerError(CheckpointError):
+    """`latest_checkpointed_iteration.txt` is unreadable or names an unusable step."""
+
+
+class CommitRecordError(CheckpointError):
+    """A step's commit record is missing, corrupt or of an unknown format version."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A background write of this rank failed; raised once, on the next save() or wait()."""
+
+
+class CommitTimeoutError(CheckpointError, TimeoutError):
+    """A deadline passed before a step committed; the message names who is missing."""
+
+
+class StepNotCommittedError(CheckpointError):
+    """A step will never commit (a participant failed, or its reports were lost)."""

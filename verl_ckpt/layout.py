@@ -1,0 +1,57 @@
+"""Where things live under a checkpoint root (compatible with verl's layout).
+
+<root>/latest_checkpointed_iteration.txt   newest committed step, "N\\n"
+<root>/global_step_<N>/<role>/              megatron-core torch_dist directory per role
+<root>/global_step_<N>/driver_state.pt      the driver's own state
+<root>/global_step_<N>/verl_ckpt_commit.json   commit record, written last
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+__all__ = [
+    "COMMIT_RECORD_FILENAME",
+    "DRIVER_ROLE",
+    "DRIVER_STATE_FILENAME",
+    "TRACKER_FILENAME",
+    "list_step_dirs",
+    "role_dir",
+    "step_dir",
+    "step_of_dir",
+]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+COMMIT_RECORD_FILENAME = "verl_ckpt_commit.json"
+DRIVER_STATE_FILENAME = "driver_state.pt"
+# The driver reports as one more participant under this role name.
+DRIVER_ROLE = "driver"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"global_step_{step}"
+
+
+def role_dir(root: str | Path, step: int, role: str) -> Path:
+    return step_dir(root, step) / role
+
+
+def step_of_dir(path: str | Path) -> int | None:
+    """The step number of a `global_step_<N>` directory name, or None for anything else."""
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def list_step_dirs(root: str | Path) -> dict[int, Path]:
+    """Every `global_step_<N>` directory under `root`, committed or not, by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return {}
+    found = {}
+    for entry in root.iterdir():
+        step = step_of_dir(entry)
+        if step is not None and entry.is_dir():
+            found[step] = entry
+    return found

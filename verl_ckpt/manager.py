@@ -1,0 +1,461 @@
+"""CheckpointManager: the per-rank half of verl_ckpt, living inside each Megatron worker.
+
+Call order of one `save(step, ...)` on a rank (the training thread blocks for 1-4 only):
+  1. back-pressure: wait (with a deadline) until fewer than `max_in_flight` writes are
+     running, and raise a failure of an earlier write, once;
+  2. `begin_step` on the finalizer, which creates the step directory;
+  3. plan: agree with the other ranks of the save group (one small all-gather on that group)
+     on the step, the root and whether the structure hash changed; re-plan only if it did;
+  4. stage: copy every tensor into host buffers reused across saves (invariant I4);
+  5. write (background thread pool, or inline): one file per DCP bucket, fsynced and
+     checksummed as the bytes pass; then report to the finalizer, then free the buffers.
+Completion is never polled with collectives (I6): the finalizer learns it from the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+from verl_ckpt import megatron_compat
+from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
+from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
+from verl_ckpt.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CommitRecordError,
+    CommitTimeoutError,
+)
+from verl_ckpt.finalizer import get_finalizer
+from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.reports import RankReport
+from verl_ckpt.staging import StagingPool, StagingSlot, copy_into
+from verl_ckpt.structure import structure_hash
+
+__all__ = ["CheckpointManager", "SaveStats"]
+
+logger = logging.getLogger(__name__)
+
+EXTRA_STATE_KEY = "verl_ckpt.extra_state"
+
+
+@dataclass
+class SaveStats:
+    """Figures of one save on one rank. The write_* fields are set once the write ended."""
+
+    step: int
+    blocking_s: float
+    plan_s: float
+    stage_s: float
+    plan_reused: bool
+    bytes_staged: int
+    write_s: float | None = None
+    bytes_written: int | None = None
+    files_written: int | None = None
+
+
+@dataclass
+class _SaveJob:
+    step: int
+    save_id: str
+    role_dir: Path
+    slot: StagingSlot
+    prepared: megatron_compat.PreparedSave
+    extra_files: list[FileEntry]
+    stats: SaveStats
+    deadline: float
+
+
+class CheckpointManager:
+    """Saves and loads one rank's megatron-core sharded state for one role.
+
+    `process_group` must hold exactly the ranks of this role that save (None: the default
+    group); planning collectives run on it only, and ranks outside it never take part.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig | Any,
+        role: str,
+        rank: int,
+        world_size: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = to_checkpoint_config(config)
+        if not role or role == DRIVER_ROLE or "/" in role:
+            raise CheckpointError(f"role {role!r} is invalid (reserved or not a directory name)")
+        if not dist.is_initialized():
+            raise CheckpointError(
+                "torch.distributed is not initialised: CheckpointManager plans saves on the "
+                f"process group of role {role!r}"
+            )
+        if dist.get_world_size(process_group) != world_size or (
+            dist.get_rank(process_group) != rank
+        ):
+            raise CheckpointError(
+                f"{role} rank {rank}/{world_size} disagrees with its process group "
+                f"(rank {dist.get_rank(process_group)}/{dist.get_world_size(process_group)})"
+            )
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self._group = process_group
+        self._root = Path(self.config.root_dir).resolve()
+        self._timeout_s = float(self.config.timeout_s)
+        self._finalizer = get_finalizer(self._root, self._timeout_s)
+        self._pool = StagingPool(self.config.max_in_flight, self.config.staging.pin_memory)
+        self._plan_cache: megatron_compat.SavePlanCache | None = None
+        self._in_flight: deque[tuple[_SaveJob, Future]] = deque()
+        self._pending_error: BaseException | None = None
+        self._completed: list[SaveStats] = []
+        self._closed = False
+        background = self.config.writes_in_background
+        self._job_runner = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"verl_ckpt_{role}{rank}_save")
+            if background
+            else None
+        )
+        self._bucket_writers = ThreadPoolExecutor(
+            self.config.writer.threads, thread_name_prefix=f"verl_ckpt_{role}{rank}_write"
+        )
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        model: dict | None = None,
+        optimizer: dict | None = None,
+        extra: Any = None,
+    ) -> SaveStats:
+        """Snapshot this rank's state for `step`; return once the snapshot is taken.
+
+        `model` and `optimizer` are megatron-core sharded state dicts (`sharded_state_dict()`
+        of the model chunks and of the optimizer), built for this save and consumed by it;
+        `extra` is any small picklable object (RNG states, counters) saved per rank.
+        Every rank of the save group must call save() for the same step.
+        """
+        self._check_open()
+        start = time.perf_counter()
+        self._collect_finished()
+        self._raise_pending_error()
+        self._wait_for_capacity()
+        sharded = self._compose(model=model, optimizer=optimizer, extra=extra)
+        directory = Path(
+            self._call_finalizer("begin_step", step, self.role, self.rank, self.world_size)
+        )
+
+        plan_start = time.perf_counter()
+        sharded_part, common = megatron_compat.split_common_state(sharded)
+        items = megatron_compat.sharded_items(sharded_part)
+        digest = structure_hash(items)
+        reuse = self._agree_with_group(step, digest)
+        if not reuse:
+            megatron_compat.validate_sharding(items, self._group)
+        plan_s = time.perf_counter() - plan_start
+
+        stage_start = time.perf_counter()
+        tensors = [item for item in items if isinstance(item, ShardedTensor)]
+        slot = self._pool.acquire(digest, [t.data for t in tensors])
+        try:
+            staged = copy_into(slot, [t.data for t in tensors])
+            # From here on the save references only the snapshot, never the live tensors.
+            for item, buffer in zip(tensors, slot.buffers, strict=True):
+                item.data = buffer
+            stage_s = time.perf_counter() - stage_start
+            plan_start = time.perf_counter()
+            prepared = megatron_compat.plan_save(
+                sharded_part,
+                directory,
+                self._group,
+                self.config.writer.threads,
+                digest,
+                self._plan_cache if reuse else None,
+            )
+            extra_files = []
+            if self.rank == 0 and common:
+                written = megatron_compat.write_common(common, directory)
+                extra_files.append(
+                    FileEntry(f"{self.role}/{written.name}", written.size, written.checksum)
+                )
+        except BaseException:
+            self._pool.release(slot)
+            raise
+        self._plan_cache = prepared.plan_cache if self.config.assume_constant_structure else None
+        plan_s += time.perf_counter() - plan_start
+
+        stats = SaveStats(
+            step=step,
+            blocking_s=0.0,
+            plan_s=plan_s,
+            stage_s=stage_s,
+            plan_reused=reuse,
+            bytes_staged=staged,
+        )
+        job = _SaveJob(
+            step=step,
+            save_id=uuid.uuid4().hex,
+            role_dir=directory,
+            slot=slot,
+            prepared=prepared,
+            extra_files=extra_files,
+            stats=stats,
+            deadline=time.monotonic() + self._timeout_s,
+        )
+        if self._job_runner is None:
+            stats.blocking_s = time.perf_counter() - start
+            self._run_job(job)
+            stats.blocking_s = time.perf_counter() - start
+            self._completed.append(stats)
+        else:
+            self._in_flight.append((job, self._job_runner.submit(self._run_job, job)))
+            stats.blocking_s = time.perf_counter() - start
+        return stats
+
+    def wait(self, timeout_s: float | None = None) -> list[SaveStats]:
+        """Block until this rank's writes finished (not the commit); return their figures.
+
+        Raises CheckpointWriteError for a failed write (once), CommitTimeoutError naming the
+        steps still being written when the deadline passes.
+        """
+        deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
+        while self._in_flight:
+            job, future = self._in_flight[0]
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                steps = [j.step for j, _ in self._in_flight]
+                raise CommitTimeoutError(
+                    f"{self.role} rank {self.rank}: writes of steps {steps} under {self._root} "
+                    f"not finished within the deadline"
+                ) from None
+            except BaseException:  # noqa: BLE001 - stored, raised below once
+                pass
+            self._collect_finished()
+        self._raise_pending_error()
+        done, self._completed = self._completed, []
+        return done
+
+    def load(
+        self,
+        step_path: str | Path | int,
+        model: dict | None = None,
+        optimizer: dict | None = None,
+        extra: bool = True,
+    ) -> dict[str, Any]:
+        """Load this rank's part of a committed step into the given sharded templates.
+
+        `step_path` is a step number under the root or a `global_step_<N>` directory. Only the
+        contents in `load_contents` (and given here) are loaded. The commit record, and the
+        checksums with `verify_checksums_on_load`, are checked before any state is read.
+        Returns a dict with keys among "model", "optimizer", "extra".
+        """
+        path = step_dir(self._root, step_path) if isinstance(step_path, int) else Path(step_path)
+        record = read_commit_record(path)
+        saved_world = record.role_world_size(self.role)
+        if saved_world is None:
+            raise CommitRecordError(
+                f"{path} holds no state of role {self.role!r} "
+                f"(roles: {sorted(record.participants)})"
+            )
+        wanted = self.config.load_contents
+        template: dict[str, Any] = {}
+        if "model" in wanted and model is not None:
+            template["model"] = model
+        if "optimizer" in wanted and optimizer is not None:
+            template["optimizer"] = optimizer
+        if "extra" in wanted and extra:
+            if saved_world != self.world_size:
+                raise CheckpointError(
+                    f"{path}: role {self.role} was saved with {saved_world} ranks, loading with "
+                    f"{self.world_size}; per-rank extra state cannot be resharded (drop 'extra' "
+                    "from load_contents to load model and optimizer only)"
+                )
+            template["extra"] = self._extra_sharded(None)
+        if self.config.verify_checksums_on_load:
+            problems = verify_files(path, record, prefix=f"{self.role}/")
+            if problems:
+                raise CommitRecordError(f"{path} failed verification: " + "; ".join(problems))
+        return megatron_compat.load_role_dir(template, path / self.role)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the writes in flight (with a deadline) and stop every helper thread."""
+        if self._closed:
+            return
+        try:
+            self.wait(timeout_s)
+        finally:
+            self._closed = True
+            if self._job_runner is not None:
+                self._job_runner.shutdown(wait=not self._in_flight, cancel_futures=True)
+            self._bucket_writers.shutdown(wait=not self._in_flight, cancel_futures=True)
+            self._pool.clear()
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host memory held by the staging pool."""
+        return self._pool.nbytes
+
+    # ---- save internals ------------------------------------------------------------------
+
+    def _compose(self, model: dict | None, optimizer: dict | None, extra: Any) -> dict:
+        given = {"model": model, "optimizer": optimizer}
+        sharded: dict[str, Any] = {}
+        for content in self.config.save_contents:
+            if content == "extra":
+                sharded["extra"] = self._extra_sharded(extra)
+            elif given[content] is None:
+                raise CheckpointError(
+                    f"checkpoint.save_contents includes {content!r} but save() got no {content} "
+                    "sharded state dict"
+                )
+            else:
+                sharded[content] = given[content]
+        return sharded
+
+    def _extra_sharded(self, extra: Any) -> ShardedObject:
+        # One object per rank: its global "shape" is the role's world size.
+        return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
+
+    def _agree_with_group(self, step: int, digest: str) -> bool:
+        """Check that every rank saves the same step under the same root; decide plan reuse.
+
+        One all-gather of a few bytes on the save group, before anything is written: ranks
+        that disagree fail here together, instead of writing a mixed step.
+        """
+        cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
+        mine = (step, str(self._root), cached)
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._group)
+        if len({(s, r) for s, r, _ in everyone}) != 1:
+            listing = ", ".join(
+                f"rank {i}: step {s} root {r}" for i, (s, r, _) in enumerate(everyone)
+            )
+            raise CheckpointError(f"ranks of role {self.role} disagree on what to save: {listing}")
+        return self.config.assume_constant_structure and all(c for _, _, c in everyone)
+
+    def _run_job(self, job: _SaveJob) -> None:
+        start = time.perf_counter()
+        report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
+        release = True
+        try:
+            futures = [
+                self._bucket_writers.submit(
+                    megatron_compat.write_bucket, bucket, job.prepared.transforms
+                )
+                if self._job_runner is not None
+                else None
+                for bucket in job.prepared.write_buckets
+            ]
+            outcomes = []
+            for future, bucket in zip(futures, job.prepared.write_buckets, strict=True):
+                if future is None:
+                    outcomes.append(megatron_compat.write_bucket(bucket, job.prepared.transforms))
+                    continue
+                try:
+                    outcomes.append(
+                        future.result(timeout=max(0.0, job.deadline - time.monotonic()))
+                    )
+                except FutureTimeout:
+                    # The writer thread may still read the buffers: never hand them out again.
+                    release = False
+                    raise CommitTimeoutError(
+                        f"writing {bucket[0]} did not finish in time"
+                    ) from None
+            for results, written in outcomes:
+                report.write_results.extend(results)
+                report.files.append(
+                    FileEntry(f"{self.role}/{written.name}", written.size, written.checksum)
+                )
+            report.files.extend(job.extra_files)
+            if self.rank == 0:
+                report.global_metadata = job.prepared.global_metadata
+        except Exception as exc:  # noqa: BLE001 - reported to the finalizer and the caller
+            report.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if release:
+                self._pool.release(job.slot)
+            else:
+                self._pool.forget(job.slot)
+        job.stats.write_s = time.perf_counter() - start
+        job.stats.bytes_written = sum(f.size for f in report.files)
+        job.stats.files_written = len(report.files)
+        try:
+            self._call_finalizer("report", report, deadline=job.deadline)
+        except Exception as exc:  # noqa: BLE001
+            if report.error is None:
+                report.error = f"could not report to the finalizer: {exc}"
+        if report.error is not None:
+            raise CheckpointWriteError(
+                f"{self.role} rank {self.rank} failed to save step {job.step} under "
+                f"{self._root}: {report.error}"
+            )
+        if self._job_runner is not None:
+            self._completed.append(job.stats)
+
+    def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
+        deadline = deadline or time.monotonic() + self._timeout_s
+        ref = getattr(self._finalizer, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise CommitTimeoutError(
+                f"{self.role} rank {self.rank}: the finalizer of {self._root} did not answer "
+                f"{method} in time"
+            ) from None
+
+    def _wait_for_capacity(self) -> None:
+        while len(self._in_flight) >= self.config.max_in_flight:
+            job, future = self._in_flight[0]
+            try:
+                future.result(timeout=max(0.0, job.deadline - time.monotonic()))
+            except FutureTimeout:
+                raise CommitTimeoutError(
+                    f"{self.role} rank {self.rank}: the write of step {job.step} is still running "
+                    f"after checkpoint.timeout_s={self._timeout_s:g}s; not starting another save"
+                ) from None
+            except BaseException:  # noqa: BLE001 - stored by _collect_finished
+                pass
+            self._collect_finished()
+            self._raise_pending_error()
+
+    def _collect_finished(self) -> None:
+        while self._in_flight and self._in_flight[0][1].done():
+            _, future = self._in_flight.popleft()
+            error = future.exception()
+            if error is not None and self._pending_error is None:
+                self._pending_error = error
+
+    def _raise_pending_error(self) -> None:
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.role} rank {self.rank}: CheckpointManager is closed")
+
+    def __del__(self) -> None:  # best effort; close() is the contract
+        if not getattr(self, "_closed", True):
+            try:
+                self._bucket_writers.shutdown(wait=False)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def torch_rng_state() -> dict[str, Any]:
+    """The RNG states a rank usually saves as extra state."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state

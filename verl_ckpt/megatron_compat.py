@@ -1,0 +1,213 @@
+"""The one place that calls megatron-core's checkpointing internals.
+
+megatron-core gives us the sharded state dict semantics, the DCP save plan and the
+torch_dist format; we run staging, writing and the commit ourselves, because its own save
+execution and finalize call CUDA unconditionally and poll with collectives (see
+shared/notes/megatron-core.md). The functions used here are module-level helpers of
+megatron-core 0.16 (`strategies/torch.py`, `strategies/state_dict_saver.py`); a newer release
+that moves them needs changes in this file only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+from megatron.core.dist_checkpointing.strategies import state_dict_saver
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.validation import (
+    _validate_objects_for_key,
+    _validate_sharding_for_key,
+)
+from torch.distributed.checkpoint.filesystem import _write_item
+
+from verl_ckpt.fsio import ChecksummingWriter, fsync_dir
+
+try:  # torch >= 2.5 takes the serialization format explicitly
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    _WRITE_ITEM_KWARGS: dict[str, Any] = {"serialization_format": SerializationFormat.TORCH_SAVE}
+except ImportError:  # pragma: no cover - older torch
+    _WRITE_ITEM_KWARGS = {}
+
+__all__ = [
+    "BACKEND",
+    "COMMON_FILENAME",
+    "PreparedSave",
+    "SavePlanCache",
+    "WrittenFile",
+    "complete_role_dir",
+    "load_role_dir",
+    "plan_save",
+    "sharded_items",
+    "split_common_state",
+    "validate_sharding",
+    "write_bucket",
+]
+
+BACKEND = ("torch_dist", 1)
+COMMON_FILENAME = "common.pt"
+METADATA_FILENAMES = (".metadata", "metadata.json")
+
+
+@dataclass
+class SavePlanCache:
+    """The outcome of planning, reusable while the structure hash holds on every rank."""
+
+    structure_hash: str
+    central_plan: Any
+    local_plan: Any
+    # Only the coordinator (rank 0 of the save group) holds the global DCP metadata.
+    global_metadata: Any
+
+
+@dataclass
+class PreparedSave:
+    """What a rank writes: DCP write buckets (one file each) over the staged tensors."""
+
+    write_buckets: list
+    transforms: Any
+    global_metadata: Any
+    plan_cache: SavePlanCache
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    size: int
+    checksum: str
+
+
+def split_common_state(sharded_state_dict: dict) -> tuple[dict, dict]:
+    """Apply factories, drop non-persistent entries, split sharded from common state.
+
+    Validation is done separately on the save group (`validate_sharding`): megatron's own
+    validation gathers over the default group, which may hold ranks that never save.
+    """
+    return save_preprocess(sharded_state_dict, validate_access_integrity=False)
+
+
+def sharded_items(sharded_part: dict) -> list[ShardedBase]:
+    return list(nested_values(sharded_part))
+
+
+def validate_sharding(items: list[ShardedBase], group: dist.ProcessGroup | None) -> None:
+    """Check on the coordinator that main replicas cover every tensor exactly once."""
+    local = [item.without_data() for item in items]
+    coordinator = dist.get_global_rank(group, 0) if group is not None else 0
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(local, gathered, dst=coordinator, group=group)
+    if gathered is None:
+        return
+    by_key: dict[str, list] = {}
+    for rank, rank_items in enumerate(gathered):
+        for item in rank_items:
+            by_key.setdefault(item.key, []).append((rank, item))
+    for shardings in by_key.values():
+        if isinstance(shardings[0][1], ShardedObject):
+            _validate_objects_for_key([item for _, item in shardings])
+        else:
+            _validate_sharding_for_key(shardings)
+
+
+def plan_save(
+    sharded_part: dict,
+    checkpoint_dir: Path,
+    group: dist.ProcessGroup | None,
+    files_per_rank: int,
+    structure_hash: str,
+    cache: SavePlanCache | None,
+) -> PreparedSave:
+    """Plan the DCP save of `sharded_part` (whose tensors are already staged on the host).
+
+    With a valid `cache` no collective runs; otherwise the local plans are gathered on the
+    save group's coordinator, which builds the global metadata.
+    """
+    flat, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+        sharded_part, keep_only_main_replica=True
+    )
+    pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(flat, False)
+    writer = FileSystemWriterAsync(checkpoint_dir, thread_count=files_per_rank)
+    planner = mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
+    cached = (cache.central_plan, cache.local_plan, True) if cache is not None else None
+    (_, global_metadata, _), central_plan, local_plan, _, _ = (
+        state_dict_saver.save_state_dict_async_plan(
+            pyt_state_dict,
+            writer,
+            group,
+            0,
+            planner=planner,
+            cached_ckpt_structure=cached,
+        )
+    )
+    if cache is not None:
+        global_metadata = cache.global_metadata
+    new_cache = SavePlanCache(structure_hash, central_plan, local_plan, global_metadata)
+    transforms = getattr(writer, "transforms", None)
+    return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)
+
+
+def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
+    """Write one DCP bucket to its file, fsync it, and checksum the bytes as they pass."""
+    path, storage_key, (bytes_data, tensor_data) = bucket
+    results = []
+    transform_args = (transforms,) if transforms is not None else ()
+    with open(path, "wb") as raw:
+        stream = ChecksummingWriter(raw)
+        for item, data in list(bytes_data) + list(tensor_data):
+            results.append(
+                _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
+            )
+        raw.flush()
+        os.fsync(raw.fileno())
+    return results, WrittenFile(os.path.basename(path), stream.size, stream.checksum)
+
+
+def write_common(common_state_dict: dict, checkpoint_dir: Path) -> WrittenFile:
+    """Write common.pt (the non-sharded part) the way megatron-core's torch strategy does."""
+    path = checkpoint_dir / COMMON_FILENAME
+    with open(path, "wb") as raw:
+        stream = ChecksummingWriter(raw)
+        torch.save(common_state_dict, stream)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return WrittenFile(COMMON_FILENAME, stream.size, stream.checksum)
+
+
+def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results: list) -> None:
+    """Write `.metadata` and `metadata.json`, the files that make a torch_dist directory whole.
+
+    `metadata.json` goes last: megatron-core refuses a directory without it, so until it is
+    durable the directory is not loadable even by code that ignores our commit record.
+    """
+    FileSystemWriterAsync(checkpoint_dir).finish(global_metadata, write_results)
+    fsync_dir(checkpoint_dir)
+    save_config(CheckpointingConfig(*BACKEND), checkpoint_dir)
+    with open(checkpoint_dir / "metadata.json", "rb") as f:
+        os.fsync(f.fileno())
+    fsync_dir(checkpoint_dir)
+
+
+def load_role_dir(sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
+    """megatron-core's own load of a torch_dist directory (collective over the default group)."""
+    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir))
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialise DCP plan objects for the finalizer."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def is_sharded_tensor(item: ShardedBase) -> bool:
+    return isinstance(item, ShardedTensor)

@@ -1,0 +1,64 @@
+"""Which committed steps to keep (a pure policy) and how to delete one safely (invariant I3)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from verl_ckpt.fsio import fsync_dir
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME
+
+__all__ = ["delete_step_dir", "purge_deleted_steps", "steps_to_delete"]
+
+_DELETING_PREFIX = ".deleting_"
+
+
+def steps_to_delete(
+    committed_steps: Iterable[int], keep: int | None, protected: Iterable[int] = ()
+) -> list[int]:
+    """The committed steps to delete so that the newest `keep` committed steps remain.
+
+    `keep=None` keeps everything. Protected steps (the tracker's target, steps in flight) are
+    never returned. Only committed steps are passed in, so uncommitted leftovers never count
+    toward `keep`.
+    """
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep}")
+    newest_first = sorted(set(committed_steps), reverse=True)
+    protected = set(protected)
+    return sorted(step for step in newest_first[keep:] if step not in protected)
+
+
+def delete_step_dir(path: Path) -> None:
+    """Delete a step directory so that no crash can leave a loadable half-deleted step.
+
+    The commit record goes first, durably: from then on loaders refuse the step. The
+    directory is then renamed out of the `global_step_<N>` namespace in one atomic step, so
+    a crash during the slow recursive delete leaves only a `.deleting_*` directory, which
+    `purge_deleted_steps` finishes at the next start.
+    """
+    record = path / COMMIT_RECORD_FILENAME
+    if record.exists():
+        record.unlink()
+        fsync_dir(path)
+    doomed = path.with_name(f"{_DELETING_PREFIX}{path.name}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed)
+
+
+def purge_deleted_steps(root: Path) -> list[Path]:
+    """Finish deletions that a crash interrupted; return what was removed."""
+    removed = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(_DELETING_PREFIX) and entry.is_dir():
+                shutil.rmtree(entry)
+                removed.append(entry)
+    return removed

@@ -1,0 +1,53 @@
+"""`latest_checkpointed_iteration.txt`: read strictly, write atomically (invariant I2).
+
+The tracker stays a bare integer so that Megatron-LM and verl read it unchanged; the commit
+record beside each step carries the format version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verl_ckpt.errors import TrackerError
+from verl_ckpt.fsio import atomic_write_bytes
+from verl_ckpt.layout import TRACKER_FILENAME
+
+__all__ = ["read_tracker", "tracker_path", "write_tracker"]
+
+
+def tracker_path(root: str | Path) -> Path:
+    return Path(root) / TRACKER_FILENAME
+
+
+def read_tracker(root: str | Path) -> int | None:
+    """The step the tracker names, or None when there is no tracker file.
+
+    Anything but one non-negative integer (optionally followed by a newline) is an error
+    naming the file: a tracker we cannot read must never be taken as "start from scratch".
+    """
+    path = tracker_path(root)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise TrackerError(f"tracker {path} is a directory, expected a file holding a step") from None
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise TrackerError(
+            f"tracker {path} is not plain ASCII (a byte-order mark or binary data?): {raw[:20]!r}"
+        ) from None
+    body = text[:-1] if text.endswith("\n") else text
+    if not body.isdigit():
+        raise TrackerError(
+            f"tracker {path} must hold one non-negative integer step, found {text[:40]!r}"
+        )
+    return int(body)
+
+
+def write_tracker(root: str | Path, step: int) -> None:
+    """Atomically point the tracker at `step` (tmp file, fsync, rename, directory fsync)."""
+    if step < 0:
+        raise ValueError(f"tracker step must be >= 0, got {step}")
+    atomic_write_bytes(tracker_path(root), f"{step}\n".encode("ascii"))
