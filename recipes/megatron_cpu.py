@@ -204,6 +204,8 @@ def optimizer_sharded_state_dict(model: GPTModel, optimizer: torch.optim.Optimiz
     is materialised in ``optimizer`` as Adam itself would (zeros, step 0). The ShardedTensors
     share memory with the live state, so the result serves as a save or a load template.
     """
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError(f"expected torch.optim.Adam (state layout is Adam's), got {optimizer!r}")
     _materialise_adam_state(optimizer)
     live = optimizer.state_dict()
     # Copy the structure: live["state"][i] are the optimizer's own per-parameter dicts.
@@ -233,7 +235,9 @@ def load_optimizer_state(model: GPTModel, optimizer: torch.optim.Optimizer, load
     state = dict(loaded["state"])
     common_step = state.pop("common_step", None)
     n_params = sum(len(g["params"]) for g in optimizer.param_groups)
-    if len(state) != n_params or n_params != len(list(model.parameters())):
+    if n_params != len(list(model.parameters())):
+        raise ValueError("optimizer does not cover exactly the model's parameters")
+    if len(state) != n_params:
         raise ValueError(f"loaded state has {len(state)} entries for {n_params} parameters")
     per_param = {}
     for pid, moments in state.items():

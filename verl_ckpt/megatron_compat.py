@@ -116,7 +116,7 @@ def validate_sharding(items: list[ShardedBase], group: dist.ProcessGroup | None)
             by_key.setdefault(item.key, []).append((rank, item))
     for shardings in by_key.values():
         if isinstance(shardings[0][1], ShardedObject):
-            _validate_objects_for_key([item for _, item in shardings])
+            _validate_objects_for_key(shardings)
         else:
             _validate_sharding_for_key(shardings)
 

@@ -31,7 +31,7 @@ def read_tracker(root: str | Path) -> int | None:
     except FileNotFoundError:
         return None
     except IsADirectoryError:
-        raise TrackerError(f"tracker {path} is a directory, expected a file holding a step") from None
+        raise TrackerError(f"tracker {path} is a directory, not a file holding a step") from None
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:

@@ -1,0 +1,37 @@
+"""Shared fixtures: a real local Ray bound to loopback, started once per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import ray
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a gloo rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray on 127.0.0.1 with few CPUs; shut down at the end of the session."""
+    if ray.is_initialized():
+        ray.shutdown()
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=4,
+        include_dashboard=False,
+        namespace="verl_ckpt_tests",
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}},
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()

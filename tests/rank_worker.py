@@ -1,0 +1,121 @@
+"""A Megatron rank in a Ray actor, as an RL trainer has them: a tiny real GPTModel, a torch
+Adam with megatron-core sharded optimizer state, and a CheckpointManager."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import ray
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+
+
+@ray.remote(num_cpus=0)
+class RankWorker:
+    def __init__(self, role: str, rank: int, world_size: int, port: int, tp: int, seed: int = 7):
+        from recipes import megatron_cpu
+
+        self.mc = megatron_cpu
+        self.role, self.rank, self.world_size = role, rank, world_size
+        megatron_cpu.init_distributed(rank, world_size, port, tensor_parallel_size=tp, seed=seed)
+        self.cfg = megatron_cpu.TinyGPTConfig()
+        self.model = megatron_cpu.build_tiny_gpt(self.cfg, seed=seed)
+        self.optimizer = megatron_cpu.make_adam(self.model)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.manager = None
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def open_manager(self, config: dict) -> None:
+        from verl_ckpt import CheckpointManager
+
+        if self.manager is not None:
+            self.manager.close()
+        self.manager = CheckpointManager(config, self.role, self.rank, self.world_size)
+
+    def train(self, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            batch = self.mc.causal_batch(self.cfg, 4, self.generator)
+            losses.append(self.mc.train_step(self.model, self.optimizer, batch))
+        return losses
+
+    def state_copy(self) -> dict[str, torch.Tensor]:
+        """Every tensor of model and optimizer, cloned (what a correct load must restore)."""
+        state = {
+            f"model.{k}": v.detach().clone()
+            for k, v in self.model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
+        for i, (param, s) in enumerate(self.optimizer.state.items()):
+            del param
+            for name, value in s.items():
+                state[f"optim.{i}.{name}"] = value.detach().clone()
+        return state
+
+    def save(self, step: int, mutate_after: bool = False) -> dict[str, Any]:
+        stats = self.manager.save(
+            step,
+            model=self.model.sharded_state_dict(),
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
+        )
+        if mutate_after:
+            # Invariant I4: whatever the trainer does after save() returns must not reach the
+            # files. In-place writes to every parameter and optimizer tensor, then a real step.
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(1.0)
+                for s in self.optimizer.state.values():
+                    for value in s.values():
+                        value.mul_(3.0)
+            self.train(1)
+        return vars(stats)
+
+    def wait(self, timeout_s: float | None = None) -> list[dict]:
+        return [vars(s) for s in self.manager.wait(timeout_s)]
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+
+    def load(self, step_path: Any) -> None:
+        """Restore model, optimizer and RNG from a committed step, as a resuming trainer does."""
+        loaded = self.manager.load(
+            step_path,
+            model=self.model.sharded_state_dict(),
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+        )
+        self.model.load_state_dict(loaded["model"])
+        self.mc.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
+        torch.set_rng_state(loaded["extra"]["rng"])
+        self.generator.set_state(loaded["extra"]["generator"])
+
+    def plain_megatron_load(self, role_dir: str) -> dict[str, torch.Tensor]:
+        """Invariant I7: megatron-core alone, no code of ours, reads the role directory."""
+        from megatron.core import dist_checkpointing
+
+        template = {"model": self.model.sharded_state_dict()}
+        loaded = dist_checkpointing.load(template, role_dir)
+        return {
+            f"model.{k}": v.clone()
+            for k, v in loaded["model"].items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    def limit_file_size(self, nbytes: int | None) -> None:
+        """Cap the size of files this process writes (RLIMIT_FSIZE): writes past the cap fail
+        with EFBIG, as on a full disk. A real OS limit, no fake. None lifts the cap."""
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of the process
+        _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        soft = resource.RLIM_INFINITY if nbytes is None else nbytes
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

@@ -1,0 +1,147 @@
+"""Unit tests of the pure parts: tracker (I2), commit record (I1), retention policy (I3),
+config validation. No Ray, no megatron: real files in tmp_path only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verl_ckpt.commit_record import (
+    CommitRecord,
+    FileEntry,
+    read_commit_record,
+    verify_files,
+    write_commit_record,
+)
+from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
+from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
+from verl_ckpt.fsio import file_checksum
+from verl_ckpt.layout import list_step_dirs, step_dir
+from verl_ckpt.retention import delete_step_dir, purge_deleted_steps, steps_to_delete
+from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
+
+
+def test_I2_tracker_round_trip_and_no_temp_left(tmp_path):
+    assert read_tracker(tmp_path) is None
+    write_tracker(tmp_path, 7)
+    assert tracker_path(tmp_path).read_bytes() == b"7\n"
+    write_tracker(tmp_path, 12)
+    assert read_tracker(tmp_path) == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"   \n", b"abc\n", b"-3\n", b"4\n5\n", b"\xef\xbb\xbf4\n", b"4.0\n", b" 4\n"],
+    ids=["empty", "whitespace", "non-numeric", "negative", "multi-line", "bom", "float", "space"],
+)
+def test_I2_bad_tracker_is_an_error_naming_the_path(tmp_path, content):
+    tracker_path(tmp_path).write_bytes(content)
+    with pytest.raises(TrackerError, match="latest_checkpointed_iteration.txt"):
+        read_tracker(tmp_path)
+
+
+def test_I2_tracker_that_is_a_directory(tmp_path):
+    tracker_path(tmp_path).mkdir()
+    with pytest.raises(TrackerError, match="is a directory"):
+        read_tracker(tmp_path)
+
+
+def _record(tmp_path, step=3):
+    path = step_dir(tmp_path, step)
+    (path / "actor").mkdir(parents=True)
+    shard = path / "actor" / "__0_0.distcp"
+    shard.write_bytes(b"x" * 1000)
+    size, checksum = file_checksum(shard)
+    record = CommitRecord(step, {"actor": 1}, [FileEntry("actor/__0_0.distcp", size, checksum)])
+    write_commit_record(path, record)
+    return path, shard
+
+
+def test_I1_commit_record_round_trip_and_checksums(tmp_path):
+    path, shard = _record(tmp_path)
+    record = read_commit_record(path)
+    assert record.step == 3 and record.participants == {"actor": 1}
+    assert verify_files(path, record) == []
+    # A bit flip keeps the size and changes the checksum.
+    data = bytearray(shard.read_bytes())
+    data[500] ^= 1
+    shard.write_bytes(bytes(data))
+    assert "checksum" in verify_files(path, record)[0]
+    shard.write_bytes(b"x" * 10)
+    assert "size 10, expected 1000" in verify_files(path, record)[0]
+
+
+def test_I1_commit_record_unknown_version_and_corruption(tmp_path):
+    path, _ = _record(tmp_path)
+    record_file = path / "verl_ckpt_commit.json"
+    raw = json.loads(record_file.read_text())
+    raw["format_version"] = 99
+    record_file.write_text(json.dumps(raw))
+    with pytest.raises(CommitRecordError, match="format_version 99"):
+        read_commit_record(path)
+    record_file.write_text("{not json")
+    with pytest.raises(CommitRecordError, match="corrupt"):
+        read_commit_record(path)
+    record_file.unlink()
+    with pytest.raises(CommitRecordError, match="not a committed step"):
+        read_commit_record(path)
+
+
+@pytest.mark.parametrize(
+    "committed, keep, protected, expected",
+    [
+        ([1, 2, 3, 4], 2, [], [1, 2]),
+        ([1, 2, 3, 4], None, [], []),
+        ([4, 1, 3, 2], 1, [], [1, 2, 3]),
+        ([1, 2, 3], 1, [2], [1]),  # a protected step (tracker target, in flight) stays
+        ([5], 1, [], []),
+        ([], 3, [], []),
+    ],
+)
+def test_I3_retention_policy(committed, keep, protected, expected):
+    assert steps_to_delete(committed, keep, protected) == expected
+
+
+def test_I3_delete_removes_commit_record_first_and_purge_finishes(tmp_path):
+    path, _ = _record(tmp_path, step=1)
+    delete_step_dir(path)
+    assert list_step_dirs(tmp_path) == {}
+    # A deletion interrupted after the rename: only a .deleting_ directory is left, which is
+    # no step directory at all, and the next start purges it.
+    path, _ = _record(tmp_path, step=2)
+    (path / "verl_ckpt_commit.json").unlink()
+    path.rename(tmp_path / ".deleting_global_step_2")
+    assert list_step_dirs(tmp_path) == {}
+    assert [p.name for p in purge_deleted_steps(tmp_path)] == [".deleting_global_step_2"]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"max_ckpt_to_keep": 0}, "checkpoint.max_ckpt_to_keep"),
+        ({"resume_mode": "sometimes"}, "checkpoint.resume_mode"),
+        ({"resume_mode": "resume_path"}, "checkpoint.resume_from_path"),
+        ({"save_contents": ["model", "weights"]}, "checkpoint.save_contents"),
+        ({"max_in_flight": 0}, "checkpoint.max_in_flight"),
+        ({"timeout_s": -1}, "checkpoint.timeout_s"),
+        ({"writer": {"mode": "fork"}}, "checkpoint.writer.mode"),
+        ({"writer": {"threads": 0}}, "checkpoint.writer.threads"),
+        ({"root_dir": ""}, "checkpoint.root_dir"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_key(override, key):
+    with pytest.raises(CheckpointConfigError, match=key.replace(".", r"\.")):
+        to_checkpoint_config(override)
+
+
+def test_config_type_errors_name_the_key():
+    with pytest.raises(CheckpointConfigError, match="save_freq"):
+        to_checkpoint_config({"save_freq": "often"})
+
+
+def test_config_defaults_and_dict_round_trip():
+    config = to_checkpoint_config({"root_dir": "/tmp/x", "writer": {"threads": 3}})
+    assert isinstance(config, CheckpointConfig)
+    assert config.writer.threads == 3 and config.async_save and config.max_in_flight == 1
