@@ -40,8 +40,10 @@ __all__ = [
     "TinyGPTConfig",
     "build_tiny_gpt",
     "causal_batch",
+    "causal_inputs",
     "compute_loss",
     "destroy_distributed",
+    "gather_vocab_logits",
     "init_distributed",
     "load_optimizer_state",
     "make_adam",
@@ -289,3 +291,39 @@ def train_step(model: GPTModel, optimizer: torch.optim.Optimizer, batch: Batch) 
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def causal_inputs(
+    model: GPTModel, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(tokens, position_ids, attention_mask)`` for a causal forward of ``model`` on [b, s].
+
+    Positions 0..s-1 for every row; the mask is explicit and on CPU (True = masked), None on
+    CUDA where megatron builds it. The attention scratch buffer is sized for [b, s] first.
+    """
+    b, s = tokens.shape
+    position_ids = torch.arange(s, dtype=torch.long, device=tokens.device).expand(b, s)
+    if _cuda():
+        return tokens, position_ids.contiguous(), None
+    reserve_cpu_attention_buffer(
+        b * model.config.num_attention_heads * s * s, model.config.params_dtype
+    )
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    return tokens, position_ids.contiguous(), mask
+
+
+@torch.no_grad()
+def gather_vocab_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits from the tensor-parallel shards [..., vocab / tp] (no gradient).
+
+    megatron's ``gather_from_tensor_model_parallel_region`` allocates its output on
+    ``torch.cuda.current_device()``; this all-gathers on the tensor's own device.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return logits
+    shards = [torch.empty_like(logits) for _ in range(tp)]
+    torch.distributed.all_gather(
+        shards, logits.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
+    return torch.cat(shards, dim=-1)

@@ -26,6 +26,15 @@ class RankWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self.manager = None
 
+    def rebuild(self, hidden_size: int, seed: int = 7) -> None:
+        """A new model of another shape (and its optimizer): the saved structure changes."""
+        import dataclasses
+
+        self.cfg = dataclasses.replace(self.cfg, hidden_size=hidden_size)
+        self.model = self.mc.build_tiny_gpt(self.cfg, seed=seed)
+        self.optimizer = self.mc.make_adam(self.model)
+        self.train(1)
+
     def pid(self) -> int:
         import os
 

@@ -11,12 +11,15 @@ from tests.conftest import free_port
 from tests.rank_worker import RankWorker
 from verl_ckpt import (
     CheckpointCoordinator,
+    CheckpointError,
     CheckpointWriteError,
+    CommitTimeoutError,
     StepNotCommittedError,
     read_commit_record,
     read_tracker,
     step_dir,
 )
+from verl_ckpt.reports import RankReport
 
 ROLES = {"actor": 2, "critic": 1}
 
@@ -138,5 +141,98 @@ def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks
     save_all(ranks, coordinator, 3)
     coordinator.wait_for_commit(3)
     assert read_tracker(cfg["root_dir"]) == 3
+    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    coordinator.close()
+
+
+def test_I5_commit_deadline_names_the_missing_ranks(ranks, tmp_path):
+    cfg = config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_managers(ranks, cfg)
+    ray.get(ranks["critic"][0].save.remote(1))
+    coordinator.save_driver_state(1, {"step": 1})
+    # The actor ranks never save step 1: the wait ends at its deadline, naming them.
+    with pytest.raises(
+        CommitTimeoutError, match="missing reports from: actor rank 0, actor rank 1"
+    ):
+        coordinator.wait_for_commit(1, timeout_s=2)
+    assert read_tracker(cfg["root_dir"]) is None
+    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    coordinator.close()
+
+
+def test_I1_finalizer_restart_loses_reports_and_never_half_commits(ranks, tmp_path):
+    cfg = config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_managers(ranks, cfg)
+    save_all(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    ray.get(ranks["critic"][0].save.remote(2))
+    ray.get(ranks["critic"][0].wait.remote())
+    # The finalizer dies (for real) after the critic reported step 2; Ray restarts it and
+    # the restarted finalizer never commits step 2: the actor ranks' reports are refused.
+    ray.kill(coordinator.finalizer, no_restart=False)
+    ray.get([w.save.remote(2) for w in ranks["actor"]])
+    for w in ranks["actor"]:
+        with pytest.raises(CheckpointWriteError, match="finalizer restarted"):
+            ray.get(w.wait.remote())
+    with pytest.raises(StepNotCommittedError, match="lost"):
+        coordinator.wait_for_commit(2, timeout_s=5)
+    assert read_tracker(cfg["root_dir"]) == 1
+    # A later step commits normally.
+    save_all(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(cfg["root_dir"]) == 3
+    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    coordinator.close()
+
+
+def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, tmp_path):
+    async_cfg = config(tmp_path / "a")
+    sync_cfg = config(tmp_path / "s", async_save=False, writer={"mode": "inline"})
+    names = {}
+    for name, cfg in (("async", async_cfg), ("sync", sync_cfg)):
+        coordinator = CheckpointCoordinator(cfg, ROLES)
+        open_managers(ranks, cfg)
+        stats = save_all(ranks, coordinator, 1)
+        if name == "sync":
+            # A synchronous save returns with its files written.
+            assert all(s["write_s"] is not None for s in stats)
+        coordinator.wait_for_commit(1)
+        record = read_commit_record(step_dir(cfg["root_dir"], 1))
+        names[name] = sorted(f.path for f in record.files)
+        # A late duplicate report changes nothing; re-saving a committed step is refused.
+        duplicate = RankReport(1, "driver", 0, 1, "duplicate", error="late and wrong")
+        ray.get(coordinator.finalizer.report.remote(duplicate))
+        assert coordinator.wait_for_commit(1)["tracker"] == 1
+        with pytest.raises(CheckpointError, match="step 1 .*already committed"):
+            coordinator.save_driver_state(1, {"step": 1})
+        ray.get([w.close.remote() for w in all_ranks(ranks)])
+        coordinator.close()
+    assert names["async"] == names["sync"]
+
+
+def test_structure_change_replans_and_same_structure_reuses_plan(ranks, tmp_path):
+    cfg = config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_managers(ranks, cfg)
+    first = save_all(ranks, coordinator, 1)
+    second = save_all(ranks, coordinator, 2)
+    assert not any(s["plan_reused"] for s in first)
+    assert all(s["plan_reused"] for s in second)
+    # Every critic tensor changes shape: the plan must be rebuilt, never reused stale.
+    critic = ranks["critic"][0]
+    ray.get(critic.rebuild.remote(hidden_size=48))
+    save_all(ranks, coordinator, 3)
+    for step in (1, 2, 3):
+        coordinator.wait_for_commit(step)
+    stats = ray.get(critic.wait.remote())
+    assert [s["plan_reused"] for s in stats if s["step"] == 3] == [False]
+    before = ray.get(critic.state_copy.remote())
+    ray.get(critic.train.remote(1))
+    ray.get(critic.load.remote(3))
+    after = ray.get(critic.state_copy.remote())
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    ray.get(critic.rebuild.remote(hidden_size=32))
     ray.get([w.close.remote() for w in all_ranks(ranks)])
     coordinator.close()

@@ -25,7 +25,7 @@ __all__ = [
 
 CONTENTS = ("model", "optimizer", "extra")
 RESUME_MODES = ("auto", "disable", "resume_path")
-WRITER_MODES = ("thread", "inline")
+WRITER_MODES = ("thread", "process", "inline")
 
 
 def _fail(key: str, value: Any, why: str) -> None:
@@ -36,8 +36,9 @@ def _fail(key: str, value: Any, why: str) -> None:
 class WriterConfig:
     """How the files of a save are written."""
 
-    # thread: a background thread pool in the rank writes; inline: the rank writes itself,
-    # inside save() (what async_save=false gives as well).
+    # thread: a background thread pool in the rank writes; process: one persistent writer
+    # process per rank (spawned, never forked) reads the snapshot from shared memory;
+    # inline: the rank writes itself, inside save() (what async_save=false gives as well).
     mode: str = "thread"
     # Files written in parallel per rank (megatron-core splits a rank's shards into this many).
     threads: int = 2
@@ -55,6 +56,12 @@ class StagingConfig:
 
     # Page-locked host buffers for device tensors (faster, asynchronous device-to-host copies).
     pin_memory: bool = True
+    # Write host-resident tensors (an offloaded optimizer, CPU parameters) from the live
+    # tensors without a copy. Safe when the trainer replaces their storage (offload/reload)
+    # rather than writing into them; an in-place change before the bytes are written is
+    # detected by the tensor's version counter and fails the save loudly. Ignored with
+    # writer.mode=process, which can read only shared memory (those tensors are copied).
+    offload_aware: bool = False
 
 
 @dataclass
@@ -86,6 +93,9 @@ class CheckpointConfig:
     verify_checksums_on_load: bool = False
     # Reuse the save plan while the structure hash of the state is unchanged on every rank.
     assume_constant_structure: bool = True
+    # Spread the writing of replicated shards over the role's data-parallel ranks instead of
+    # having the first replica write them all.
+    fully_parallel_save: bool = False
     writer: WriterConfig = field(default_factory=WriterConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
 

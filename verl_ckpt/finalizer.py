@@ -131,22 +131,24 @@ class CheckpointFinalizer:
     # ---- protocol ------------------------------------------------------------------------
 
     def begin_step(self, step: int, role: str, rank: int, world_size: int) -> str:
-        """Make sure the step's directories exist; return the role directory.
+        """Make sure the step's directories exist; return the participant's directory.
 
-        Runs without awaiting, so concurrent calls of the ranks of one step are serialised.
+        Runs without awaiting, so the calls of the ranks of one step are serialised. It
+        answers every rank of a step the same way whatever the order of their calls (ranks
+        that were told different things would wait for each other in their planning
+        collectives): only a committed step is refused; a failed or lost step is written
+        again and then refused at report time.
         """
         self._check_participant(role, rank, world_size)
-        if step in self._lost:
-            raise StepNotCommittedError(
-                f"step {step} under {self._root} was in flight when the finalizer restarted; "
-                "its reports were lost and it will not commit: save a later step"
-            )
         path = step_dir(self._root, step)
-        if step not in self._steps:
-            if step in self.committed_steps():
-                raise CheckpointError(
-                    f"step {step} is already committed at {path}; refusing to overwrite it"
-                )
+        state = self._steps.get(step)
+        if (state is not None and state.committed) or (
+            state is None and step in self.committed_steps()
+        ):
+            raise CheckpointError(
+                f"step {step} is already committed at {path}; refusing to overwrite it"
+            )
+        if state is None and step not in self._lost:
             if path.exists():
                 # A leftover of an earlier run that never committed: its files must not mix
                 # with the new save's, so it goes before anyone writes.

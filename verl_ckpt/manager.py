@@ -21,6 +21,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from verl_ckpt import megatron_compat
+from verl_ckpt import faults, megatron_compat
 from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import (
@@ -38,11 +39,13 @@ from verl_ckpt.errors import (
     CommitRecordError,
     CommitTimeoutError,
 )
+from verl_ckpt.file_writer import write_common
 from verl_ckpt.finalizer import get_finalizer
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.reports import RankReport
 from verl_ckpt.staging import StagingPool, StagingSlot, copy_into
 from verl_ckpt.structure import structure_hash
+from verl_ckpt.writers import WriteTimeout, make_writer
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
@@ -60,20 +63,32 @@ class SaveStats:
     plan_s: float
     stage_s: float
     plan_reused: bool
+    # Bytes copied into staging buffers, and bytes written from live host tensors without a
+    # copy (offload-aware staging).
     bytes_staged: int
+    bytes_zero_copy: int = 0
     write_s: float | None = None
     bytes_written: int | None = None
     files_written: int | None = None
 
 
 @dataclass
+class _LiveTensor:
+    """A host tensor written without a copy, with its version counter at save() time."""
+
+    key: str
+    tensor: torch.Tensor
+    version: int
+
+
+@dataclass
 class _SaveJob:
     step: int
     save_id: str
-    role_dir: Path
     slot: StagingSlot
     prepared: megatron_compat.PreparedSave
     extra_files: list[FileEntry]
+    live_tensors: list[_LiveTensor]
     stats: SaveStats
     deadline: float
 
@@ -113,20 +128,24 @@ class CheckpointManager:
         self._root = Path(self.config.root_dir).resolve()
         self._timeout_s = float(self.config.timeout_s)
         self._finalizer = get_finalizer(self._root, self._timeout_s)
-        self._pool = StagingPool(self.config.max_in_flight, self.config.staging.pin_memory)
+        mode = self.config.writer.mode if self.config.async_save else "inline"
+        self._writer = make_writer(mode, self.config.writer.threads, f"verl_ckpt_{role}{rank}")
+        self._pool = StagingPool(
+            self.config.max_in_flight,
+            self.config.staging.pin_memory,
+            shared_memory=self._writer.shares_memory,
+        )
         self._plan_cache: megatron_compat.SavePlanCache | None = None
         self._in_flight: deque[tuple[_SaveJob, Future]] = deque()
         self._pending_error: BaseException | None = None
         self._completed: list[SaveStats] = []
         self._closed = False
-        background = self.config.writes_in_background
+        # Writes run on one background thread per rank (which hands files to the writer);
+        # inline mode runs them inside save().
         self._job_runner = (
             ThreadPoolExecutor(1, thread_name_prefix=f"verl_ckpt_{role}{rank}_save")
-            if background
+            if mode != "inline"
             else None
-        )
-        self._bucket_writers = ThreadPoolExecutor(
-            self.config.writer.threads, thread_name_prefix=f"verl_ckpt_{role}{rank}_write"
         )
 
     # ---- public API ----------------------------------------------------------------------
@@ -160,17 +179,26 @@ class CheckpointManager:
         items = megatron_compat.sharded_items(sharded_part)
         digest = structure_hash(items)
         reuse = self._agree_with_group(step, digest)
+        cache = self._plan_cache if reuse else None
+        distribution = None
+        if self.config.fully_parallel_save:
+            distribution = megatron_compat.spread_main_replicas(
+                sharded_part, self._group, cache.replica_distribution if cache else None
+            )
         if not reuse:
             megatron_compat.validate_sharding(items, self._group)
         plan_s = time.perf_counter() - plan_start
 
         stage_start = time.perf_counter()
         tensors = [item for item in items if isinstance(item, ShardedTensor)]
-        slot = self._pool.acquire(digest, [t.data for t in tensors])
+        live, staged_items = self._split_live(tensors)
+        slot, dropped = self._pool.acquire(f"{digest}:{len(live)}", [t.data for t in staged_items])
+        for old in dropped:
+            self._writer.forget_slot(old)
         try:
-            staged = copy_into(slot, [t.data for t in tensors])
-            # From here on the save references only the snapshot, never the live tensors.
-            for item, buffer in zip(tensors, slot.buffers, strict=True):
+            staged = copy_into(slot, [t.data for t in staged_items])
+            # From here on the save references the snapshot, never the live device tensors.
+            for item, buffer in zip(staged_items, slot.buffers, strict=True):
                 item.data = buffer
             stage_s = time.perf_counter() - stage_start
             plan_start = time.perf_counter()
@@ -180,11 +208,12 @@ class CheckpointManager:
                 self._group,
                 self.config.writer.threads,
                 digest,
-                self._plan_cache if reuse else None,
+                cache,
+                distribution,
             )
             extra_files = []
             if self.rank == 0 and common:
-                written = megatron_compat.write_common(common, directory)
+                written = write_common(common, directory)
                 extra_files.append(
                     FileEntry(f"{self.role}/{written.name}", written.size, written.checksum)
                 )
@@ -201,25 +230,24 @@ class CheckpointManager:
             stage_s=stage_s,
             plan_reused=reuse,
             bytes_staged=staged,
+            bytes_zero_copy=sum(_nbytes(t.tensor) for t in live),
         )
         job = _SaveJob(
             step=step,
             save_id=uuid.uuid4().hex,
-            role_dir=directory,
             slot=slot,
             prepared=prepared,
             extra_files=extra_files,
+            live_tensors=live,
             stats=stats,
             deadline=time.monotonic() + self._timeout_s,
         )
         if self._job_runner is None:
-            stats.blocking_s = time.perf_counter() - start
             self._run_job(job)
-            stats.blocking_s = time.perf_counter() - start
             self._completed.append(stats)
         else:
             self._in_flight.append((job, self._job_runner.submit(self._run_job, job)))
-            stats.blocking_s = time.perf_counter() - start
+        stats.blocking_s = time.perf_counter() - start
         return stats
 
     def wait(self, timeout_s: float | None = None) -> list[SaveStats]:
@@ -289,7 +317,8 @@ class CheckpointManager:
         return megatron_compat.load_role_dir(template, path / self.role)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Finish the writes in flight (with a deadline) and stop every helper thread."""
+        """Finish the writes in flight (with a deadline) and stop every helper thread and
+        process; nothing of this manager is left running afterwards."""
         if self._closed:
             return
         try:
@@ -298,8 +327,13 @@ class CheckpointManager:
             self._closed = True
             if self._job_runner is not None:
                 self._job_runner.shutdown(wait=not self._in_flight, cancel_futures=True)
-            self._bucket_writers.shutdown(wait=not self._in_flight, cancel_futures=True)
+            self._writer.close(self._timeout_s)
             self._pool.clear()
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The pid of this rank's writer process (writer.mode=process), while it runs."""
+        return getattr(self._writer, "pid", None)
 
     @property
     def staged_bytes(self) -> int:
@@ -327,12 +361,43 @@ class CheckpointManager:
         # One object per rank: its global "shape" is the role's world size.
         return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
 
+    def _split_live(
+        self, tensors: list[ShardedTensor]
+    ) -> tuple[list[_LiveTensor], list[ShardedTensor]]:
+        """Offload-aware staging: which host tensors are written live, which are copied.
+
+        A tensor is written live only if it is a whole host tensor (not a view, which
+        megatron-core would clone anyway) and the writer reads this process's memory.
+        """
+        if not self.config.staging.offload_aware or self._writer.shares_memory:
+            return [], tensors
+        live, staged = [], []
+        for item in tensors:
+            data = item.data
+            whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == _nbytes(data)
+            if data.device.type == "cpu" and data.is_contiguous() and whole:
+                live.append(_LiveTensor(item.key, data, data._version))
+            else:
+                staged.append(item)
+        return live, staged
+
     def _agree_with_group(self, step: int, digest: str) -> bool:
         """Check that every rank saves the same step under the same root; decide plan reuse.
 
-        One all-gather of a few bytes on the save group, before anything is written: ranks
-        that disagree fail here together, instead of writing a mixed step.
+        A monitored barrier first (gloo), so that a rank that never calls save() is named in
+        an error after the deadline instead of hanging the others; then one all-gather of a
+        few bytes. Ranks that disagree fail here together, before anything is written.
         """
+        if dist.get_backend(self._group) == "gloo":
+            try:
+                dist.monitored_barrier(
+                    self._group, timeout=timedelta(seconds=self._timeout_s), wait_all_ranks=True
+                )
+            except RuntimeError as exc:
+                raise CommitTimeoutError(
+                    f"{self.role} rank {self.rank}: not every rank of the save group called "
+                    f"save({step}) within {self._timeout_s:g}s: {exc}"
+                ) from None
         cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
         mine = (step, str(self._root), cached)
         everyone: list = [None] * self.world_size
@@ -347,31 +412,16 @@ class CheckpointManager:
     def _run_job(self, job: _SaveJob) -> None:
         start = time.perf_counter()
         report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
-        release = True
+        buffers_free = True
         try:
-            futures = [
-                self._bucket_writers.submit(
-                    megatron_compat.write_bucket, bucket, job.prepared.transforms
-                )
-                if self._job_runner is not None
-                else None
-                for bucket in job.prepared.write_buckets
-            ]
-            outcomes = []
-            for future, bucket in zip(futures, job.prepared.write_buckets, strict=True):
-                if future is None:
-                    outcomes.append(megatron_compat.write_bucket(bucket, job.prepared.transforms))
-                    continue
-                try:
-                    outcomes.append(
-                        future.result(timeout=max(0.0, job.deadline - time.monotonic()))
-                    )
-                except FutureTimeout:
-                    # The writer thread may still read the buffers: never hand them out again.
-                    release = False
-                    raise CommitTimeoutError(
-                        f"writing {bucket[0]} did not finish in time"
-                    ) from None
+            outcomes = self._writer.write(
+                job.prepared.write_buckets,
+                job.prepared.transforms,
+                job.slot,
+                job.deadline,
+                (self.role, self.rank),
+            )
+            _check_unchanged(job.live_tensors)
             for results, written in outcomes:
                 report.write_results.extend(results)
                 report.files.append(
@@ -380,17 +430,24 @@ class CheckpointManager:
             report.files.extend(job.extra_files)
             if self.rank == 0:
                 report.global_metadata = job.prepared.global_metadata
+        except WriteTimeout as exc:
+            buffers_free = not exc.buffers_in_use
+            report.error = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - reported to the finalizer and the caller
             report.error = f"{type(exc).__name__}: {exc}"
         finally:
-            if release:
+            # The buffers go back to the pool only when no writer can still read them.
+            if buffers_free:
                 self._pool.release(job.slot)
             else:
                 self._pool.forget(job.slot)
+                self._writer.forget_slot(job.slot)
+            job.live_tensors = []
         job.stats.write_s = time.perf_counter() - start
         job.stats.bytes_written = sum(f.size for f in report.files)
         job.stats.files_written = len(report.files)
         try:
+            faults.inject("report", self.role, self.rank)
             self._call_finalizer("report", report, deadline=job.deadline)
         except Exception as exc:  # noqa: BLE001
             if report.error is None:
@@ -448,9 +505,26 @@ class CheckpointManager:
     def __del__(self) -> None:  # best effort; close() is the contract
         if not getattr(self, "_closed", True):
             try:
-                self._bucket_writers.shutdown(wait=False)
+                self._writer.close(1.0)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _check_unchanged(live: list[_LiveTensor]) -> None:
+    """Fail the save if a tensor written without a copy was changed in place meanwhile:
+    its file may then hold a mix of old and new values (invariant I4)."""
+    changed = [t.key for t in live if t.tensor._version != t.version]
+    if changed:
+        raise CheckpointError(
+            f"{len(changed)} host tensors written without a copy were modified in place before "
+            f"their write ended (e.g. {changed[0]}); the save is discarded. With "
+            "checkpoint.staging.offload_aware=true the trainer must replace offloaded storage "
+            "instead of writing into it, or set offload_aware=false"
+        )
 
 
 def torch_rng_state() -> dict[str, Any]:

@@ -11,53 +11,46 @@ that moves them needs changes in this file only.
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.exchange_utils import (
+    determine_main_replica_uniform_distribution,
+)
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import state_dict_saver
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    distribute_main_replicas_with_precomputed_distribution,
+)
 from megatron.core.dist_checkpointing.validation import (
     _validate_objects_for_key,
     _validate_sharding_for_key,
 )
-from torch.distributed.checkpoint.filesystem import _write_item
 
-from verl_ckpt.fsio import ChecksummingWriter, fsync_dir
-
-try:  # torch >= 2.5 takes the serialization format explicitly
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    _WRITE_ITEM_KWARGS: dict[str, Any] = {"serialization_format": SerializationFormat.TORCH_SAVE}
-except ImportError:  # pragma: no cover - older torch
-    _WRITE_ITEM_KWARGS = {}
+from verl_ckpt.fsio import fsync_dir
 
 __all__ = [
     "BACKEND",
-    "COMMON_FILENAME",
     "PreparedSave",
     "SavePlanCache",
-    "WrittenFile",
     "complete_role_dir",
     "load_role_dir",
     "plan_save",
     "sharded_items",
     "split_common_state",
+    "spread_main_replicas",
     "validate_sharding",
-    "write_bucket",
 ]
 
 BACKEND = ("torch_dist", 1)
-COMMON_FILENAME = "common.pt"
 METADATA_FILENAMES = (".metadata", "metadata.json")
 
 
@@ -68,6 +61,7 @@ class SavePlanCache:
     structure_hash: str
     central_plan: Any
     local_plan: Any
+    replica_distribution: Any
     # Only the coordinator (rank 0 of the save group) holds the global DCP metadata.
     global_metadata: Any
 
@@ -82,13 +76,6 @@ class PreparedSave:
     plan_cache: SavePlanCache
 
 
-@dataclass(frozen=True)
-class WrittenFile:
-    name: str
-    size: int
-    checksum: str
-
-
 def split_common_state(sharded_state_dict: dict) -> tuple[dict, dict]:
     """Apply factories, drop non-persistent entries, split sharded from common state.
 
@@ -100,6 +87,18 @@ def split_common_state(sharded_state_dict: dict) -> tuple[dict, dict]:
 
 def sharded_items(sharded_part: dict) -> list[ShardedBase]:
     return list(nested_values(sharded_part))
+
+
+def spread_main_replicas(
+    sharded_part: dict, group: dist.ProcessGroup | None, distribution: Any = None
+) -> Any:
+    """fully_parallel_save: make each rank of `group` the writer of an even share of the
+    replicated shards. Computing the distribution is one all-gather on `group`; pass the
+    returned distribution back while the structure is unchanged to skip it."""
+    if distribution is None:
+        distribution = determine_main_replica_uniform_distribution(sharded_part, group)
+    distribute_main_replicas_with_precomputed_distribution(sharded_part, group, distribution)
+    return distribution
 
 
 def validate_sharding(items: list[ShardedBase], group: dist.ProcessGroup | None) -> None:
@@ -128,6 +127,7 @@ def plan_save(
     files_per_rank: int,
     structure_hash: str,
     cache: SavePlanCache | None,
+    replica_distribution: Any = None,
 ) -> PreparedSave:
     """Plan the DCP save of `sharded_part` (whose tensors are already staged on the host).
 
@@ -153,36 +153,11 @@ def plan_save(
     )
     if cache is not None:
         global_metadata = cache.global_metadata
-    new_cache = SavePlanCache(structure_hash, central_plan, local_plan, global_metadata)
+    new_cache = SavePlanCache(
+        structure_hash, central_plan, local_plan, replica_distribution, global_metadata
+    )
     transforms = getattr(writer, "transforms", None)
     return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)
-
-
-def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
-    """Write one DCP bucket to its file, fsync it, and checksum the bytes as they pass."""
-    path, storage_key, (bytes_data, tensor_data) = bucket
-    results = []
-    transform_args = (transforms,) if transforms is not None else ()
-    with open(path, "wb") as raw:
-        stream = ChecksummingWriter(raw)
-        for item, data in list(bytes_data) + list(tensor_data):
-            results.append(
-                _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
-            )
-        raw.flush()
-        os.fsync(raw.fileno())
-    return results, WrittenFile(os.path.basename(path), stream.size, stream.checksum)
-
-
-def write_common(common_state_dict: dict, checkpoint_dir: Path) -> WrittenFile:
-    """Write common.pt (the non-sharded part) the way megatron-core's torch strategy does."""
-    path = checkpoint_dir / COMMON_FILENAME
-    with open(path, "wb") as raw:
-        stream = ChecksummingWriter(raw)
-        torch.save(common_state_dict, stream)
-        raw.flush()
-        os.fsync(raw.fileno())
-    return WrittenFile(COMMON_FILENAME, stream.size, stream.checksum)
 
 
 def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results: list) -> None:
@@ -202,12 +177,3 @@ def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results:
 def load_role_dir(sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
     """megatron-core's own load of a torch_dist directory (collective over the default group)."""
     return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir))
-
-
-def dumps(obj: Any) -> bytes:
-    """Serialise DCP plan objects for the finalizer."""
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def is_sharded_tensor(item: ShardedBase) -> bool:
-    return isinstance(item, ShardedTensor)

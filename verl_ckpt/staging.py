@@ -8,6 +8,7 @@ bug of Megatron-LM #2288 was reuse while a writer still read it).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -16,20 +17,28 @@ import torch
 __all__ = ["StagingPool", "StagingSlot"]
 
 
+_slot_ids = itertools.count()
+
+
 @dataclass
 class StagingSlot:
     structure_hash: str
     buffers: list[torch.Tensor]
     in_use: bool = False
     nbytes: int = field(init=False)
+    slot_id: int = field(default_factory=lambda: next(_slot_ids))
 
     def __post_init__(self) -> None:
         self.nbytes = sum(b.numel() * b.element_size() for b in self.buffers)
 
 
-def _allocate_like(tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
-    pin = pin_memory and tensor.is_cuda
-    buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+def _allocate_like(tensor: torch.Tensor, pin_memory: bool, shared: bool) -> torch.Tensor:
+    if shared:
+        # Shared memory, so that a writer process reads the snapshot without a copy.
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    else:
+        pin = pin_memory and tensor.is_cuda
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
     # Touch every page now, so that the first snapshot does not pay the page faults.
     buffer.zero_()
     return buffer
@@ -38,37 +47,45 @@ def _allocate_like(tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
 class StagingPool:
     """At most `slots` sets of host buffers; one set per save in flight."""
 
-    def __init__(self, slots: int, pin_memory: bool) -> None:
+    def __init__(self, slots: int, pin_memory: bool, shared_memory: bool = False) -> None:
         self._slots_max = slots
         self._pin_memory = pin_memory
+        self._shared = shared_memory
         self._slots: list[StagingSlot] = []
         self._lock = threading.Lock()
 
-    def acquire(self, structure_hash: str, tensors: list[torch.Tensor]) -> StagingSlot:
+    def acquire(
+        self, structure_hash: str, tensors: list[torch.Tensor]
+    ) -> tuple[StagingSlot, list[StagingSlot]]:
         """A free slot matching the structure, allocating one if needed.
 
         The caller guarantees (by waiting for earlier writes) that fewer than `slots` saves
-        are in flight, so a slot is always available here.
+        are in flight, so a slot is always available here. Also returns the slots dropped
+        because the structure changed (a writer process may hold references to forget).
         """
         with self._lock:
             # A structure change makes the other free slots useless: free them first so that
             # host memory never holds two structures' worth of idle buffers.
-            self._slots = [s for s in self._slots if s.in_use or s.structure_hash == structure_hash]
+            dropped = [
+                s for s in self._slots if not s.in_use and s.structure_hash != structure_hash
+            ]
+            self._slots = [s for s in self._slots if s not in dropped]
             for slot in self._slots:
-                if not slot.in_use:
+                if not slot.in_use and slot.structure_hash == structure_hash:
                     slot.in_use = True
-                    return slot
+                    return slot, dropped
             if len(self._slots) >= self._slots_max:
                 raise RuntimeError(
                     f"staging pool exhausted: {len(self._slots)} slots in use "
                     "(a save was started before an earlier write finished)"
                 )
             slot = StagingSlot(
-                structure_hash, [_allocate_like(t, self._pin_memory) for t in tensors]
+                structure_hash,
+                [_allocate_like(t, self._pin_memory, self._shared) for t in tensors],
             )
             slot.in_use = True
             self._slots.append(slot)
-            return slot
+            return slot, dropped
 
     def release(self, slot: StagingSlot) -> None:
         with self._lock:
@@ -79,9 +96,11 @@ class StagingPool:
         with self._lock:
             self._slots = [s for s in self._slots if s is not slot]
 
-    def clear(self) -> None:
+    def clear(self) -> list[StagingSlot]:
         with self._lock:
+            dropped = [s for s in self._slots if not s.in_use]
             self._slots = [s for s in self._slots if s.in_use]
+            return dropped
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,225 @@
+"""Configuration of the toy PPO recipe: validated dataclasses that are also Hydra's schema.
+
+`register_recipe_configs()` stores the schema as `ppo_toy_schema`; configs/ppo_toy.yaml lists it
+first in its defaults, so Hydra rejects unknown keys and wrongly typed overrides naming the key,
+and `to_recipe_config()` then checks the values across keys (`__post_init__`), before Ray or any
+worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_ckpt import CheckpointConfig, to_checkpoint_config
+
+__all__ = [
+    "AlgorithmConfig",
+    "ModelConfig",
+    "PPOToyConfig",
+    "RecipeConfigError",
+    "RoleConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "register_recipe_configs",
+    "to_recipe_config",
+]
+
+ROLES = ("actor", "critic")
+
+
+class RecipeConfigError(ValueError):
+    """A recipe setting is invalid; the message names the key and says why."""
+
+
+def _fail(key: str, value: Any, why: str) -> None:
+    raise RecipeConfigError(f"{key}={value!r} is invalid: {why}")
+
+
+@dataclass
+class TrainerConfig:
+    """The driver loop."""
+
+    # Training steps of the whole run (a resumed run continues up to this step).
+    total_steps: int = 40
+    # Seeds the models, the prompts and the samplers; same seed and config = same run.
+    seed: int = 1
+    # JSON Lines file with one object per step; null turns it off.
+    metrics_path: str | None = None
+    # Ray CPUs each rank asks for (0 lets ranks share CPUs; an embedded Ray gets enough).
+    cpus_per_worker: float = 1.0
+    # Deadline for the workers to be placed, import megatron-core and join their process group.
+    startup_timeout_s: float = 300.0
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the tiny GPT of both roles (the critic reads its value off logit channel 0)."""
+
+    vocab_size: int = 16
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    ffn_hidden_size: int = 64
+
+
+@dataclass
+class RolloutConfig:
+    """What the actor generates and what it is rewarded for."""
+
+    # Sequences per step, split evenly over the data-parallel ranks of each role.
+    batch_size: int = 32
+    # Random prompt tokens drawn by the driver per sequence.
+    prompt_length: int = 4
+    # Tokens the actor samples after the prompt.
+    response_length: int = 8
+    # Reward of a sequence: the fraction of its response tokens equal to this token.
+    target_token: int = 3
+
+
+@dataclass
+class AlgorithmConfig:
+    """PPO and GAE coefficients."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_ratio: float = 0.2
+
+
+@dataclass
+class RoleConfig:
+    """One role's worker group (Megatron ranks in Ray actors)."""
+
+    # Ranks of this role: tensor_parallel_size x data-parallel size.
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    # Keep the optimizer state in fresh host tensors between updates (verl's offload).
+    optimizer_offload: bool = False
+    lr: float = 1e-2
+    # Passes over each step's batch.
+    epochs: int = 2
+
+
+@dataclass
+class PPOToyConfig:
+    """The whole recipe config (configs/ppo_toy.yaml)."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        self._check_trainer()
+        self._check_model()
+        self._check_rollout()
+        self._check_algorithm()
+        for role in ROLES:
+            self._check_role(role, getattr(self, role))
+        self.checkpoint = to_checkpoint_config(self.checkpoint)
+
+    def role(self, name: str) -> RoleConfig:
+        return getattr(self, name)
+
+    @property
+    def sequence_length(self) -> int:
+        """Positions the models see: the prompt plus all response tokens but the last."""
+        return self.rollout.prompt_length + self.rollout.response_length - 1
+
+    def _check_trainer(self) -> None:
+        t = self.trainer
+        if t.total_steps < 1:
+            _fail("trainer.total_steps", t.total_steps, "must be >= 1")
+        if t.cpus_per_worker < 0:
+            _fail("trainer.cpus_per_worker", t.cpus_per_worker, "must be >= 0")
+        if t.startup_timeout_s <= 0:
+            _fail("trainer.startup_timeout_s", t.startup_timeout_s, "must be > 0")
+
+    def _check_model(self) -> None:
+        m = self.model
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads"):
+            if getattr(m, key) < 1:
+                _fail(f"model.{key}", getattr(m, key), "must be >= 1")
+        if m.ffn_hidden_size < 1:
+            _fail("model.ffn_hidden_size", m.ffn_hidden_size, "must be >= 1")
+        if m.hidden_size % m.num_attention_heads:
+            _fail(
+                "model.hidden_size",
+                m.hidden_size,
+                f"must be a multiple of model.num_attention_heads={m.num_attention_heads}",
+            )
+
+    def _check_rollout(self) -> None:
+        r = self.rollout
+        for key in ("batch_size", "prompt_length", "response_length"):
+            if getattr(r, key) < 1:
+                _fail(f"rollout.{key}", getattr(r, key), "must be >= 1")
+        if not 0 <= r.target_token < self.model.vocab_size:
+            _fail(
+                "rollout.target_token",
+                r.target_token,
+                f"must be a token id below model.vocab_size={self.model.vocab_size}",
+            )
+
+    def _check_algorithm(self) -> None:
+        a = self.algorithm
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(a, key) <= 1.0:
+                _fail(f"algorithm.{key}", getattr(a, key), "must lie in [0, 1]")
+        if a.clip_ratio <= 0:
+            _fail("algorithm.clip_ratio", a.clip_ratio, "must be > 0")
+
+    def _check_role(self, name: str, role: RoleConfig) -> None:
+        tp = role.tensor_parallel_size
+        if role.world_size < 1:
+            _fail(f"{name}.world_size", role.world_size, "must be >= 1")
+        if tp < 1:
+            _fail(f"{name}.tensor_parallel_size", tp, "must be >= 1")
+        if role.world_size % tp:
+            _fail(
+                f"{name}.tensor_parallel_size",
+                tp,
+                f"must divide {name}.world_size={role.world_size}",
+            )
+        # Megatron splits heads, vocabulary and MLP columns across the tensor-parallel ranks.
+        for key in ("num_attention_heads", "vocab_size", "ffn_hidden_size"):
+            if getattr(self.model, key) % tp:
+                _fail(
+                    f"{name}.tensor_parallel_size",
+                    tp,
+                    f"must divide model.{key}={getattr(self.model, key)}",
+                )
+        dp = role.world_size // tp
+        if self.rollout.batch_size % dp:
+            _fail(
+                "rollout.batch_size",
+                self.rollout.batch_size,
+                f"must be a multiple of the data-parallel size of {name} "
+                f"({name}.world_size / {name}.tensor_parallel_size = {dp})",
+            )
+        if role.lr <= 0:
+            _fail(f"{name}.lr", role.lr, "must be > 0")
+        if role.epochs < 1:
+            _fail(f"{name}.epochs", role.epochs, "must be >= 1")
+
+
+def to_recipe_config(cfg: Any) -> PPOToyConfig:
+    """Build the validated config from Hydra's composed config (types already checked)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(PPOToyConfig), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise RecipeConfigError(f"invalid config: {exc}") from None
+
+
+def register_recipe_configs() -> None:
+    """Store the schema as `ppo_toy_schema` in Hydra's ConfigStore (first in ppo_toy.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ppo_toy_schema", node=PPOToyConfig)

@@ -1,0 +1,427 @@
+"""A toy PPO trainer shaped like verl's: a driver, Megatron worker groups in Ray actors, and
+asynchronous committed checkpoints through verl_ckpt.
+
+    python -m recipes.ppo_toy                                  # train (resumes if it can)
+    python -m recipes.ppo_toy trainer.total_steps=60 checkpoint=sync actor.world_size=2 \
+        actor.tensor_parallel_size=2 actor.optimizer_offload=true
+
+Task: after a random prompt the actor samples `rollout.response_length` tokens; the reward is
+the fraction of them equal to `rollout.target_token`. A tiny GPT learns it in tens of steps.
+
+One driver step (verl's order): rollout (actor) -> values (critic) -> rewards -> GAE
+advantages -> actor and critic updates (concurrently) -> metrics; on a save step every rank
+snapshots its state (`CheckpointManager.save`, returns once the snapshot is taken) and the
+driver writes its own state; the commit happens in the background (the finalizer actor) and
+the loop never waits for it. Before exit the ranks finish their writes (`close`) and the
+driver waits for the last save to commit.
+
+Connects to the Ray cluster in RAY_ADDRESS (`ray job submit` sets it); otherwise starts an
+embedded Ray bound to 127.0.0.1 and shuts it down at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import hydra
+import ray
+import torch
+from omegaconf import DictConfig
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+
+import verl_ckpt  # noqa: E402 - megatron-core warns at import
+from recipes.ppo_config import (  # noqa: E402
+    ROLES,
+    PPOToyConfig,
+    RecipeConfigError,
+    register_recipe_configs,
+    to_recipe_config,
+)
+from recipes.ppo_math import gae, token_rewards, whiten  # noqa: E402
+
+log = logging.getLogger("ppo_toy")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DRIVER_STATE_FORMAT = 1
+
+
+# ---- metrics -----------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """Per-step JSON Lines, in step order, one object per step.
+
+    The line of a save step also carries that save's background write figures
+    (`ckpt_write_s`, `ckpt_bytes`), so it is held back until they are known: usually at the
+    next step, for the last save at shutdown. Lines after a held one wait behind it.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self._file = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._queue: deque[dict[str, Any]] = deque()
+        self._held: dict[int, dict[str, Any]] = {}
+
+    def add(self, record: dict[str, Any], hold_for_write: bool = False) -> None:
+        self._queue.append(record)
+        if hold_for_write:
+            self._held[record["step"]] = record
+        self._flush()
+
+    def set_write_figures(self, step: int, write_s: float, nbytes: int) -> None:
+        record = self._held.pop(step, None)
+        if record is not None:
+            record.update(ckpt_write_s=write_s, ckpt_bytes=nbytes)
+            self._flush()
+
+    def close(self) -> None:
+        """Write everything still held; a save whose figures never came gets nulls."""
+        for record in self._held.values():
+            record.setdefault("ckpt_write_s", None)
+            record.setdefault("ckpt_bytes", None)
+        self._held.clear()
+        self._flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _flush(self) -> None:
+        while self._queue and self._queue[0]["step"] not in self._held:
+            record = self._queue.popleft()
+            if self._file is not None:
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+
+
+# ---- worker groups -----------------------------------------------------------------------
+
+
+class RoleGroup:
+    """The ranks of one role, each a Ray actor; calls fan out to every rank."""
+
+    def __init__(self, name: str, cfg: PPOToyConfig) -> None:
+        from recipes.workers import ActorWorker, CriticWorker
+
+        worker_cls = {"actor": ActorWorker, "critic": CriticWorker}[name]
+        remote_cls = ray.remote(worker_cls).options(
+            num_cpus=cfg.trainer.cpus_per_worker, max_restarts=0
+        )
+        self.name = name
+        self.ranks = [remote_cls.remote(cfg, rank) for rank in range(cfg.role(name).world_size)]
+
+    def call(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        return [getattr(rank, method).remote(*args) for rank in self.ranks]
+
+    def describe(self, index: int) -> str:
+        return f"{self.name} rank {index}"
+
+
+def data_parallel_parts(results: list[dict[str, Any]], key: str) -> torch.Tensor:
+    """Concatenate one result per data-parallel slice (from its TP rank 0), in slice order.
+
+    The other TP ranks must have computed the same values: a difference means the ranks
+    of a slice diverged, which would corrupt training silently, so it fails here.
+    """
+    by_slice: dict[int, torch.Tensor] = {}
+    for result in results:
+        first = by_slice.setdefault(result["dp_rank"], result[key])
+        if not torch.equal(first, result[key]):
+            raise RuntimeError(
+                f"tensor-parallel ranks of data-parallel slice {result['dp_rank']} disagree "
+                f"on {key!r}"
+            )
+    return torch.cat([by_slice[i] for i in sorted(by_slice)], dim=0)
+
+
+def mean_loss(results: list[dict[str, Any]]) -> float:
+    losses = {r["dp_rank"]: r["loss"] for r in results if r["tp_rank"] == 0}
+    return sum(losses.values()) / len(losses)
+
+
+# ---- the trainer -------------------------------------------------------------------------
+
+
+class PPOToyTrainer:
+    def __init__(self, cfg: PPOToyConfig) -> None:
+        self.cfg = cfg
+        self.roles = {name: cfg.role(name).world_size for name in ROLES}
+        # The coordinator starts the finalizer; the ranks' managers look it up in setup().
+        self.coordinator = verl_ckpt.CheckpointCoordinator(cfg.checkpoint, self.roles)
+        self.groups = {name: RoleGroup(name, cfg) for name in ROLES}
+        self.prompt_generator = torch.Generator().manual_seed(
+            cfg.trainer.seed * 1000 + 3  # workers.derive_seed(seed, "prompts")
+        )
+        self.metrics = MetricsLog(cfg.trainer.metrics_path)
+        # step -> {(role, rank): (write_s, bytes)} for saves whose writes are not all known.
+        self._writes: dict[int, dict[tuple[str, int], tuple[float, int]]] = {}
+
+    @property
+    def all_ranks(self) -> list[tuple[str, int, Any]]:
+        return [(g.name, i, w) for g in self.groups.values() for i, w in enumerate(g.ranks)]
+
+    def _call_all(self, method: str, *args: Any) -> list[ray.ObjectRef]:
+        return [getattr(w, method).remote(*args) for _, _, w in self.all_ranks]
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def start_workers(self) -> None:
+        """Place every rank, join each role's gloo world; fail naming the ranks not ready."""
+        timeout = self.cfg.trainer.startup_timeout_s
+        deadline = time.monotonic() + timeout
+        ports = {name: g.ranks[0].free_port.remote() for name, g in self.groups.items()}
+        pending = {}
+        for name, group in self.groups.items():
+            port = self._get_before(ports[name], deadline, [f"{name} rank 0"])
+            for index, ref in enumerate(group.call("setup", port)):
+                pending[ref] = group.describe(index)
+        ready, not_ready = ray.wait(
+            list(pending), num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic())
+        )
+        if not_ready:
+            missing = ", ".join(pending[r] for r in not_ready)
+            raise TimeoutError(
+                f"not ready after trainer.startup_timeout_s={timeout:g}s: {missing}. Each rank "
+                f"asks Ray for trainer.cpus_per_worker={self.cfg.trainer.cpus_per_worker:g} "
+                f"CPUs; the cluster has {ray.cluster_resources().get('CPU', 0):g}"
+            )
+        ray.get(ready)
+        log.info(
+            "workers ready: %s",
+            ", ".join(
+                f"{n} x{size} (TP={self.cfg.role(n).tensor_parallel_size})"
+                for n, size in self.roles.items()
+            ),
+        )
+
+    def _get_before(self, ref: ray.ObjectRef, deadline: float, who: list[str]) -> Any:
+        try:
+            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"{', '.join(who)} not placed within trainer.startup_timeout_s="
+                f"{self.cfg.trainer.startup_timeout_s:g}s (Ray resources: "
+                f"{ray.cluster_resources()})"
+            ) from None
+
+    def resume(self) -> int:
+        """Load the committed step `checkpoint.resume_mode` picks; the step to continue after."""
+        path = self.coordinator.resume_dir()
+        if path is None:
+            log.info("starting fresh (checkpoint root %s)", self.coordinator.root)
+            return 0
+        start = time.perf_counter()
+        ray.get(self._call_all("load", str(path)))
+        state = self.coordinator.load_driver_state(path)
+        if state.get("format") != DRIVER_STATE_FORMAT:
+            raise RuntimeError(f"{path}: driver state of unknown format {state.get('format')!r}")
+        self.prompt_generator.set_state(state["prompt_generator"])
+        log.info(
+            "resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - start
+        )
+        return state["step"]
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        total = self.cfg.trainer.total_steps
+        start = self.resume()
+        if start >= total:
+            log.info("step %d already reaches trainer.total_steps=%d: nothing to do", start, total)
+            return
+        last_saved = None
+        for step in range(start + 1, total + 1):
+            begin = time.perf_counter()
+            record = self.train_step(step)
+            saving = self.coordinator.should_save(step, total)
+            if saving:
+                record.update(self.save(step))
+                last_saved = step
+            record["step_s"] = time.perf_counter() - begin
+            log.info(
+                "step %d/%d reward %.3f actor_loss %.4f critic_loss %.4f (%.2f s)",
+                step,
+                total,
+                record["reward"],
+                record["actor_loss"],
+                record["critic_loss"],
+                record["step_s"],
+            )
+            # Added before the write figures are collected: a save that already finished
+            # (sync saves) releases its line right away.
+            self.metrics.add(record, hold_for_write=saving)
+            self.collect_write_figures(ray.get(self._call_all("finished_writes")))
+        self.finish(last_saved)
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        prompts = torch.randint(
+            0,
+            self.cfg.model.vocab_size,
+            (r.batch_size, r.prompt_length),
+            generator=self.prompt_generator,
+        )
+        actor, critic = self.groups["actor"], self.groups["critic"]
+        rollout = ray.get(actor.call("generate", prompts))
+        tokens = data_parallel_parts(rollout, "tokens")
+        old_log_probs = data_parallel_parts(rollout, "log_probs")
+        tokens_ref = ray.put(tokens)
+        values = data_parallel_parts(ray.get(critic.call("compute_values", tokens_ref)), "values")
+
+        rewards = token_rewards(tokens[:, r.prompt_length :], r.target_token)
+        advantages, returns = gae(rewards, values, a.gamma, a.lam)
+        advantages = whiten(advantages)
+
+        actor_refs = actor.call("update", tokens_ref, old_log_probs, advantages)
+        critic_refs = critic.call("update", tokens_ref, returns)
+        return {
+            "step": step,
+            "reward": rewards.mean().item(),
+            "actor_loss": mean_loss(ray.get(actor_refs)),
+            "critic_loss": mean_loss(ray.get(critic_refs)),
+            "value_mean": values.mean().item(),
+        }
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def save(self, step: int) -> dict[str, Any]:
+        """Every rank snapshots its state (concurrently), then the driver saves its own."""
+        begin = time.perf_counter()
+        stats = ray.get(self._call_all("save", step))
+        self.coordinator.save_driver_state(
+            step,
+            {
+                "format": DRIVER_STATE_FORMAT,
+                "step": step,
+                "prompt_generator": self.prompt_generator.get_state(),
+            },
+        )
+        wall = time.perf_counter() - begin
+        blocking = max(s["blocking_s"] for s in stats)
+        self._writes[step] = {}
+        log.info(
+            "step %d: checkpoint snapshot taken, ranks blocked %.3f s (slowest of %d), "
+            "driver %.3f s in all; %s",
+            step,
+            blocking,
+            len(stats),
+            wall,
+            "writing in the background" if self.cfg.checkpoint.async_save else "written",
+        )
+        return {"ckpt_blocking_s": blocking, "ckpt_save_wall_s": wall}
+
+    def collect_write_figures(self, per_rank: list[list[dict[str, Any]]]) -> None:
+        """Record finished writes; once every rank's write of a step ended, report it."""
+        for (role, rank, _), finished in zip(self.all_ranks, per_rank):
+            for figures in finished:
+                writes = self._writes.setdefault(figures["step"], {})
+                writes[(role, rank)] = (figures["write_s"], figures["bytes"])
+        for step in sorted(self._writes):
+            writes = self._writes[step]
+            if len(writes) < len(self.all_ranks):
+                continue
+            del self._writes[step]
+            write_s = max(w for w, _ in writes.values())
+            nbytes = sum(b for _, b in writes.values())
+            log.info(
+                "step %d: checkpoint files written in %.3f s (slowest rank), %.2f MB by %d ranks",
+                step,
+                write_s,
+                nbytes / 1e6,
+                len(writes),
+            )
+            self.metrics.set_write_figures(step, write_s, nbytes)
+
+    def finish(self, last_saved: int | None) -> None:
+        """Finish every rank's writes, then wait for the last save to commit."""
+        self.collect_write_figures(ray.get(self._call_all("close")))
+        if last_saved is not None:
+            summary = self.coordinator.wait_for_commit(last_saved)
+            log.info(
+                "step %d committed under %s: %d files, %.2f MB; tracker names step %s",
+                last_saved,
+                self.coordinator.root,
+                summary["files"],
+                summary["bytes"] / 1e6,
+                summary["tracker"],
+            )
+
+    def shutdown(self) -> None:
+        """Release everything; safe after a failure halfway."""
+        self.metrics.close()
+        for _, _, worker in self.all_ranks:
+            ray.kill(worker, no_restart=True)
+        self.coordinator.close()
+
+
+# ---- entry point -------------------------------------------------------------------------
+
+
+def connect_ray(cfg: PPOToyConfig) -> bool:
+    """Use the Ray in RAY_ADDRESS (or one already initialised); else start an embedded one on
+    127.0.0.1. True when this process started Ray (and must shut it down)."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        log.info("connected to the Ray cluster at %s", address)
+        return False
+    ranks = sum(cfg.role(name).world_size for name in ROLES)
+    num_cpus = max(os.cpu_count() or 1, math.ceil(ranks * cfg.trainer.cpus_per_worker))
+    pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(
+        address="local",  # never attach to another Ray on this machine by accident
+        _node_ip_address="127.0.0.1",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}},
+    )
+    log.info("started an embedded Ray on 127.0.0.1 with %d CPUs", num_cpus)
+    return True
+
+
+def run(cfg: PPOToyConfig) -> None:
+    started_ray = connect_ray(cfg)
+    trainer = None
+    begin = time.perf_counter()
+    try:
+        trainer = PPOToyTrainer(cfg)
+        trainer.start_workers()
+        trainer.fit()
+        log.info("done in %.1f s", time.perf_counter() - begin)
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+verl_ckpt.register_configs()
+register_recipe_configs()
+
+
+@hydra.main(config_path="../configs", config_name="ppo_toy", version_base=None)
+def main(dict_cfg: DictConfig) -> None:
+    try:
+        cfg = to_recipe_config(dict_cfg)
+    except (RecipeConfigError, verl_ckpt.CheckpointConfigError) as exc:
+        print(f"ppo_toy: invalid config: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    torch.set_num_threads(1)
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

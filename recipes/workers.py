@@ -1,0 +1,295 @@
+"""Megatron ranks of the toy PPO recipe, one per Ray actor, as verl's worker groups hold them.
+
+Each role (actor, critic) is its own gloo world of `world_size` ranks = tensor-parallel x
+data-parallel. A rank holds a tiny megatron-core GPTModel, a torch Adam whose state is a
+megatron-core sharded state dict, and a `verl_ckpt.CheckpointManager` for its role.
+
+Call order from the driver (every rank of a role gets every call, concurrently):
+  1. rank 0: `free_port()`; then every rank: `setup(port)` (joins the role's world);
+  2. resume only: `load(step_dir)`;
+  3. per step: actor `generate(prompts)`, critic `compute_values(tokens)`, then actor
+     `update(...)` and critic `update(...)`;
+  4. save steps: `save(step)`; any step: `finished_writes()` (figures of background writes);
+  5. `close()`: finishes this rank's writes and returns their figures.
+
+Determinism: all randomness comes from generators seeded from `trainer.seed` and saved in
+each rank's extra state; the tensor-parallel ranks of a data-parallel slice seed theirs the
+same, so they sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Any
+
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
+
+from recipes import megatron_cpu  # noqa: E402
+from recipes.ppo_config import PPOToyConfig  # noqa: E402
+from recipes.ppo_math import policy_loss, value_loss  # noqa: E402
+from verl_ckpt import CheckpointManager  # noqa: E402
+
+__all__ = ["ActorWorker", "CriticWorker", "derive_seed"]
+
+EXTRA_FORMAT = 1
+
+
+def derive_seed(seed: int, purpose: str, index: int = 0) -> int:
+    """A distinct, reproducible seed per purpose (model init, sampler, prompts) and index."""
+    offsets = {"actor_model": 1, "critic_model": 2, "prompts": 3, "sampler": 100}
+    return seed * 1000 + offsets[purpose] + index
+
+
+class _RankWorker:
+    """What actor and critic ranks share: process group, model, optimizer, checkpoints."""
+
+    role = ""
+
+    def __init__(self, cfg: PPOToyConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.role_cfg = cfg.role(self.role)
+        self.rank = rank
+        self.world_size = self.role_cfg.world_size
+        self.prompt_length = cfg.rollout.prompt_length
+        self.model = None
+        self.optimizer = None
+        self.manager: CheckpointManager | None = None
+        self._watched: list[Any] = []  # SaveStats whose background write may still run
+        self._offloaded = False
+
+    # ---- set-up --------------------------------------------------------------------------
+
+    def free_port(self) -> int:
+        """A free loopback port on this rank's node for the role's gloo rendezvous."""
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    def setup(self, port: int) -> dict[str, int]:
+        tp = self.role_cfg.tensor_parallel_size
+        megatron_cpu.init_distributed(
+            self.rank,
+            self.world_size,
+            port,
+            tensor_parallel_size=tp,
+            timeout_s=self.cfg.trainer.startup_timeout_s,
+            seed=self.cfg.trainer.seed,
+        )
+        m = self.cfg.model
+        shape = megatron_cpu.TinyGPTConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_attention_heads=m.num_attention_heads,
+            ffn_hidden_size=m.ffn_hidden_size,
+            seq_length=self.cfg.sequence_length,
+        )
+        self.model = megatron_cpu.build_tiny_gpt(
+            shape, seed=derive_seed(self.cfg.trainer.seed, f"{self.role}_model")
+        )
+        self.optimizer = megatron_cpu.make_adam(self.model, lr=self.role_cfg.lr)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.manager = CheckpointManager(self.cfg.checkpoint, self.role, self.rank, self.world_size)
+        return {"pid": os.getpid(), "tp_rank": self.tp_rank, "dp_rank": self.dp_rank}
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def save(self, step: int) -> dict[str, Any]:
+        """Snapshot model, optimizer and RNG for `step`; the write continues in the background."""
+        stats = self.manager.save(
+            step,
+            model=self.model.sharded_state_dict(),
+            optimizer=megatron_cpu.optimizer_sharded_state_dict(self.model, self.optimizer),
+            extra=self._extra_state(),
+        )
+        self._watched.append(stats)
+        return {"blocking_s": stats.blocking_s, "bytes_staged": stats.bytes_staged}
+
+    def finished_writes(self) -> list[dict[str, Any]]:
+        """Figures of this rank's saves whose background write ended since the last call.
+
+        Read off the SaveStats that save() returned (the writer fills them in when it is
+        done), so nothing here waits for a write. A failed write is raised by the next
+        save() or by close(), not here.
+        """
+        done = [s for s in self._watched if s.files_written is not None]
+        self._watched = [s for s in self._watched if s.files_written is None]
+        return [{"step": s.step, "write_s": s.write_s, "bytes": s.bytes_written} for s in done]
+
+    def load(self, step_dir: str) -> None:
+        """Restore model, optimizer and RNG from a committed step."""
+        loaded = self.manager.load(
+            step_dir,
+            model=self.model.sharded_state_dict(),
+            optimizer=megatron_cpu.optimizer_sharded_state_dict(self.model, self.optimizer),
+        )
+        self.model.load_state_dict(loaded["model"])
+        megatron_cpu.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
+        self._offloaded = False
+        self._offload_optimizer()
+        self._restore_extra_state(loaded["extra"])
+
+    def close(self) -> list[dict[str, Any]]:
+        """Finish this rank's writes (with the checkpoint deadline); their figures."""
+        if self.manager is not None:
+            self.manager.close()
+        return self.finished_writes()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"format": EXTRA_FORMAT, "torch_rng": torch.get_rng_state()}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        if not isinstance(extra, dict) or extra.get("format") != EXTRA_FORMAT:
+            raise ValueError(
+                f"{self.role} rank {self.rank}: extra state of unknown format "
+                f"(expected format {EXTRA_FORMAT})"
+            )
+        torch.set_rng_state(extra["torch_rng"])
+
+    # ---- optimizer offload ---------------------------------------------------------------
+
+    def _offload_optimizer(self) -> None:
+        """Move the optimizer state to fresh host tensors, as verl does between updates.
+
+        Every state tensor is replaced by a new copy (new storage, even on CPU); nothing
+        ever writes into these copies: the next update swaps in new device copies first.
+        """
+        if not self.role_cfg.optimizer_offload or self._offloaded:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    state[key] = value.detach().to("cpu", copy=True)
+        self._offloaded = True
+
+    def _onload_optimizer(self) -> None:
+        if not self._offloaded:
+            return
+        device = next(self.model.parameters()).device
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    # Adam keeps `step` on the host unless capturable.
+                    target = device if value.dim() > 0 else value.device
+                    state[key] = value.to(target, copy=True)
+        self._offloaded = False
+
+    # ---- training ------------------------------------------------------------------------
+
+    def _local_slice(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's data-parallel share of a full batch."""
+        return batch.chunk(self.dp_size, dim=0)[self.dp_rank]
+
+    def _forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = megatron_cpu.causal_inputs(self.model, tokens)
+        return self.model(*inputs, labels=labels)
+
+    def _optimise(self, loss_fn) -> float:
+        """`epochs` passes: forward, backward, data-parallel gradient mean, Adam step."""
+        self._onload_optimizer()
+        self.model.train()
+        losses = []
+        for _ in range(self.role_cfg.epochs):
+            loss = loss_fn()
+            loss.backward()
+            self._average_data_parallel_grads()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        self._offload_optimizer()
+        return sum(losses) / len(losses)
+
+    def _average_data_parallel_grads(self) -> None:
+        # Tensor-parallel ranks need no reduction here: megatron's TP layers already give
+        # replicated parameters the same gradient on every TP rank.
+        if self.dp_size == 1:
+            return
+        group = parallel_state.get_data_parallel_group()
+        for param in self.model.parameters():
+            if param.grad is not None:
+                torch.distributed.all_reduce(param.grad, group=group)
+                param.grad.div_(self.dp_size)
+
+    def _result(self, **values: Any) -> dict[str, Any]:
+        return {"tp_rank": self.tp_rank, "dp_rank": self.dp_rank, **values}
+
+
+class ActorWorker(_RankWorker):
+    """A policy rank: samples responses and takes clipped PPO steps."""
+
+    role = "actor"
+
+    def setup(self, port: int) -> dict[str, int]:
+        info = super().setup(port)
+        # Same seed on the TP ranks of a data-parallel slice: they must sample the same tokens.
+        seed = derive_seed(self.cfg.trainer.seed, "sampler", self.dp_rank)
+        self.sampler = torch.Generator().manual_seed(seed)
+        return info
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor) -> dict[str, Any]:
+        """Sample `response_length` tokens after this rank's prompts; with their log-probs."""
+        self.model.eval()
+        sequences = self._local_slice(prompts)
+        for _ in range(self.cfg.rollout.response_length):
+            logits = self._forward(sequences)[:, -1, :]
+            probs = torch.softmax(megatron_cpu.gather_vocab_logits(logits).float(), dim=-1)
+            next_token = torch.multinomial(probs, 1, generator=self.sampler)
+            sequences = torch.cat([sequences, next_token], dim=1)
+        return self._result(tokens=sequences, log_probs=self._log_probs(sequences))
+
+    def update(
+        self, tokens: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor
+    ) -> dict[str, Any]:
+        tokens, old = self._local_slice(tokens), self._local_slice(old_log_probs)
+        adv = self._local_slice(advantages)
+        clip = self.cfg.algorithm.clip_ratio
+        loss = self._optimise(lambda: policy_loss(self._log_probs(tokens), old, adv, clip))
+        return self._result(loss=loss)
+
+    def _log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """log p of each response token [b, R], through megatron's vocab-parallel loss."""
+        per_token_nll = self._forward(sequences[:, :-1], labels=sequences[:, 1:])
+        return -per_token_nll[:, self.prompt_length - 1 :].float()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "sampler": self.sampler.get_state()}
+
+    def _restore_extra_state(self, extra: dict[str, Any]) -> None:
+        super()._restore_extra_state(extra)
+        self.sampler.set_state(extra["sampler"])
+
+
+class CriticWorker(_RankWorker):
+    """A value rank: a GPTModel whose logit channel 0 is the value of each prefix."""
+
+    role = "critic"
+
+    @torch.no_grad()
+    def compute_values(self, tokens: torch.Tensor) -> dict[str, Any]:
+        self.model.eval()
+        return self._result(values=self._values(self._local_slice(tokens)))
+
+    def update(self, tokens: torch.Tensor, returns: torch.Tensor) -> dict[str, Any]:
+        tokens, targets = self._local_slice(tokens), self._local_slice(returns)
+        loss = self._optimise(lambda: value_loss(self._values(tokens), targets))
+        return self._result(loss=loss)
+
+    def _values(self, sequences: torch.Tensor) -> torch.Tensor:
+        """Value of the state before each response token [b, R]."""
+        logits = self._forward(sequences[:, :-1])  # [b, s, vocab / tp]
+        # Channel 0 of the vocabulary lives on TP rank 0. The other ranks contribute zeros
+        # that still depend on their logits, so every rank runs the same backward
+        # collectives; the all-reduce hands everyone the value (identity in backward).
+        local = logits[..., 0] if self.tp_rank == 0 else logits[..., 0] * 0.0
+        values = reduce_from_tensor_model_parallel_region(local.contiguous())
+        return values[:, self.prompt_length - 1 :].float()

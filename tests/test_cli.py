@@ -1,0 +1,280 @@
+"""The `verl-ckpt` tool on a real checkpoint root: a real megatron-core GPTModel rank (gloo,
+in a Ray actor) saving through CheckpointManager, the real finalizer committing, real files.
+
+Most tests call `main()` in-process (each fresh interpreter pays seconds of torch and
+megatron imports); one test runs the real entry points as subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from recipes.megatron_cpu import TinyGPTConfig
+from tests.conftest import REPO_ROOT, free_port
+from tests.rank_worker import RankWorker
+from verl_ckpt import CheckpointCoordinator, read_commit_record, step_dir
+from verl_ckpt.cli import main
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_STATE_FILENAME
+from verl_ckpt.tracker import tracker_path, write_tracker
+
+COMMITTED = (1, 2, 3)
+LEFTOVER = 4  # written by the rank, never committed: the driver's state is never reported
+
+
+@pytest.fixture(scope="module")
+def produced_root(ray_local, tmp_path_factory) -> Path:
+    """Steps 1-3 committed (tracker at 3) and step 4 an uncommitted leftover, as a job that
+    stopped in the middle of a save leaves them. Tests must not modify it: see `root_copy`."""
+    root = tmp_path_factory.mktemp("cli") / "ckpt"
+    cfg = {"root_dir": str(root), "timeout_s": 60}
+    worker = RankWorker.remote("actor", 0, 1, free_port(), 1)
+    coordinator = CheckpointCoordinator(cfg, {"actor": 1})
+    try:
+        ray.get(worker.train.remote(1))
+        ray.get(worker.open_manager.remote(cfg))
+        for step in COMMITTED:
+            ray.get(worker.save.remote(step))
+            coordinator.save_driver_state(step, {"step": step})
+            coordinator.wait_for_commit(step)
+        ray.get(worker.save.remote(LEFTOVER))
+        ray.get(worker.wait.remote(60))  # the rank's files are written and reported
+        ray.get(worker.close.remote())
+    finally:
+        coordinator.close()
+        ray.kill(worker)
+    return root
+
+
+@pytest.fixture
+def root_copy(produced_root, tmp_path) -> Path:
+    """A private copy of the produced root, for tests that damage or prune it."""
+    return Path(shutil.copytree(produced_root, tmp_path / "ckpt"))
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table_rows(out: str) -> dict[int, tuple[bool, list[str]]]:
+    """`ls` rows by step: (marked as the tracker's target, the remaining cells)."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        marked = bool(cells) and cells[0] == "*"
+        cells = cells[1:] if marked else cells
+        if cells and cells[0].isdigit():
+            rows[int(cells[0])] = (marked, cells[1:])
+    return rows
+
+
+def steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("global_step_")) for p in root.glob("global_step_*"))
+
+
+def test_I1_ls_shows_committed_steps_tracker_target_roles_and_leftover(produced_root, capsys):
+    code, out, err = run_cli(capsys, "ls", produced_root)
+    assert code == 0 and err == ""
+    assert "tracker: step 3" in out
+    rows = table_rows(out)
+    assert sorted(rows) == [*COMMITTED, LEFTOVER]
+    for step in COMMITTED:
+        marked, cells = rows[step]
+        assert marked == (step == 3)
+        assert cells[-2:] == ["actor:1,driver:1", "committed"]
+    marked, cells = rows[LEFTOVER]
+    assert not marked
+    assert cells[-3:] == ["actor", "not", "committed"]
+
+
+def test_ls_shows_corrupt_records_and_unreadable_tracker(root_copy, capsys):
+    (step_dir(root_copy, 1) / COMMIT_RECORD_FILENAME).write_text("{not json")
+    record_2 = step_dir(root_copy, 2) / COMMIT_RECORD_FILENAME
+    record_2.write_text(record_2.read_text().replace('"format_version": 1', '"format_version": 99'))
+    tracker_path(root_copy).write_text("three\n")
+    code, out, err = run_cli(capsys, "ls", root_copy)
+    assert code == 0 and err == ""
+    assert f"tracker: unreadable: tracker {tracker_path(root_copy)}" in out
+    lines = {step: line for line in out.splitlines() for step in table_rows(line)}
+    assert "corrupt: commit record" in lines[1] and "is corrupt" in lines[1]
+    assert "corrupt: " in lines[2] and "format_version 99" in lines[2]
+    assert lines[3].endswith("committed") and "*" not in lines[3]
+
+
+def test_I1_verify_rereads_every_committed_file(produced_root, capsys):
+    record = read_commit_record(step_dir(produced_root, 3))
+    total = sum(f.size for f in record.files)
+    code, out, err = run_cli(capsys, "verify", produced_root)
+    assert (code, err) == (0, "")
+    assert out == f"OK step 3: {len(record.files)} files, {total} bytes verified\n"
+    code, out, _ = run_cli(capsys, "verify", produced_root, "--step", 1)
+    assert code == 0 and out.startswith("OK step 1: ")
+
+
+def test_I1_verify_names_each_truncated_bit_flipped_or_missing_file(root_copy, capsys):
+    path = step_dir(root_copy, 3)
+    expected = {f.path: f for f in read_commit_record(path).files}
+    truncated, flipped, missing = "actor/__0_0.distcp", "actor/__0_1.distcp", DRIVER_STATE_FILENAME
+    os.truncate(path / truncated, expected[truncated].size // 2)
+    data = bytearray((path / flipped).read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit, same size: only the checksum can tell
+    (path / flipped).write_bytes(data)
+    (path / missing).unlink()
+    code, out, err = run_cli(capsys, "verify", root_copy)
+    assert code == 1 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"FAILED step 3: 3 problem(s) in {len(expected)} files"
+    assert sorted(lines[1:]) == sorted(
+        [
+            f"{path / truncated}: size {expected[truncated].size // 2}, "
+            f"expected {expected[truncated].size}",
+            next(line for line in lines if line.startswith(f"{path / flipped}: checksum ")),
+            f"{path / missing}: missing",
+        ]
+    )
+    assert lines[1:] and f"expected {expected[flipped].checksum}" in out
+    # The untouched step still verifies: damage is reported per step, not per root.
+    assert run_cli(capsys, "verify", root_copy, "--step", 2)[0] == 0
+
+
+def test_I1_verify_and_inspect_refuse_an_uncommitted_step(produced_root, capsys):
+    for command in ("verify", "inspect"):
+        code, out, err = run_cli(capsys, command, produced_root, "--step", LEFTOVER)
+        assert code == 1 and out == ""
+        assert err.count("\n") == 1
+        assert f"{step_dir(produced_root, LEFTOVER)} is not a committed step" in err
+
+
+def test_I7_inspect_lists_the_torch_dist_tensors_of_each_role(produced_root, capsys):
+    cfg = TinyGPTConfig()
+    code, out, err = run_cli(capsys, "inspect", produced_root, "--step", 2)
+    assert code == 0 and err == ""
+    assert "participants: actor x1, driver x1" in out
+    assert f"role actor ({step_dir(produced_root, 2) / 'actor'})" in out
+    embedding = next(line for line in out.splitlines() if "word_embeddings.weight" in line)
+    assert embedding.split()[1:] == [
+        "float32",
+        f"[{cfg.vocab_size},",
+        f"{cfg.hidden_size}]",
+        str(cfg.vocab_size * cfg.hidden_size * 4),
+    ]
+    assert "optimizer.state.exp_avg.output_layer.weight" in out
+
+    code, out, _ = run_cli(capsys, "inspect", produced_root, "--step", 2, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["step"] == 2 and report["participants"] == {"actor": 1, "driver": 1}
+    actor = report["roles"]["actor"]
+    by_key = {e["key"]: e for e in actor["entries"]}
+    assert by_key["embedding.position_embeddings.weight"] == {
+        "key": "embedding.position_embeddings.weight",
+        "kind": "tensor",
+        "nbytes": cfg.seq_length * cfg.hidden_size * 4,
+        "dtype": "float32",
+        "shape": [cfg.seq_length, cfg.hidden_size],
+    }
+    assert actor["total_bytes"] == sum(e["nbytes"] for e in actor["entries"])
+    assert any(e["kind"] == "bytes" and e["nbytes"] > 0 for e in actor["entries"])
+
+
+def test_I3_prune_dry_run_deletes_nothing(root_copy, capsys):
+    code, out, err = run_cli(capsys, "prune", root_copy, "--keep", 1, "--dry-run")
+    assert code == 0 and err == ""
+    assert f"would delete step 1: {step_dir(root_copy, 1)}" in out
+    assert f"would delete step 2: {step_dir(root_copy, 2)}" in out
+    assert steps_on_disk(root_copy) == [*COMMITTED, LEFTOVER]
+    assert all((step_dir(root_copy, s) / COMMIT_RECORD_FILENAME).is_file() for s in COMMITTED)
+
+
+def test_I3_prune_keeps_newest_committed_and_leaves_uncommitted_alone(root_copy, capsys):
+    code, out, _ = run_cli(capsys, "prune", root_copy, "--keep", 1)
+    assert code == 0
+    assert "deleted step 1:" in out and "deleted step 2:" in out
+    assert f"left alone step {LEFTOVER}: not committed" in out
+    # The leftover does not count toward "keep 1" and is not deleted (I3).
+    assert steps_on_disk(root_copy) == [3, LEFTOVER]
+    assert run_cli(capsys, "verify", root_copy)[0] == 0
+
+
+def test_I3_prune_never_deletes_the_tracker_target(root_copy, capsys):
+    write_tracker(root_copy, 1)  # a user rolled the tracker back to step 1 by hand
+    code, out, _ = run_cli(capsys, "prune", root_copy, "--keep", 1)
+    assert code == 0
+    assert "deleted step 2:" in out and "deleted step 1" not in out
+    assert "kept committed steps: [1, 3]; tracker's target: 1" in out
+    assert steps_on_disk(root_copy) == [1, 3, LEFTOVER]
+    assert run_cli(capsys, "verify", root_copy)[1].startswith("OK step 1: ")
+
+
+def test_I3_prune_refuses_when_the_tracker_is_unreadable(root_copy, capsys):
+    tracker_path(root_copy).write_bytes(b"\xef\xbb\xbf3\n")
+    code, out, err = run_cli(capsys, "prune", root_copy, "--keep", 1)
+    assert code == 1 and out == ""
+    assert str(tracker_path(root_copy)) in err and "refusing to prune" in err
+    assert steps_on_disk(root_copy) == [*COMMITTED, LEFTOVER]
+
+
+def _damage(root: Path, how: str) -> None:
+    record = step_dir(root, 3) / COMMIT_RECORD_FILENAME
+    if how == "corrupt record":
+        record.write_text("")
+    elif how == "unknown version":
+        record.write_text(json.dumps({**json.loads(record.read_text()), "format_version": 2}))
+    elif how == "tracker names a missing step":
+        write_tracker(root, 9)
+
+
+@pytest.mark.parametrize(
+    ("argv", "damage", "code", "names"),
+    [
+        (["ls", "{root}/nope"], None, 2, "{root}/nope does not exist"),
+        (["verify", "{root}/latest_checkpointed_iteration.txt"], None, 2, "not a directory"),
+        (["inspect", "{root}/global_step_3"], None, 2, "is a step directory"),
+        (["verify", "{root}", "--step", "three"], None, 2, "--step: must be a step number"),
+        (["verify", "{root}", "--step", "9"], None, 2, "{root}/global_step_9 does not exist"),
+        (["prune", "{root}", "--keep", "0"], None, 2, "--keep: must be an integer >= 1"),
+        (["verify", "{root}"], "corrupt record", 1, "{root}/global_step_3/verl_ckpt_commit"),
+        (["inspect", "{root}"], "unknown version", 1, "format_version 2"),
+        (["verify", "{root}"], "tracker names a missing step", 1, "{root}/global_step_9"),
+    ],
+    ids=lambda v: v if isinstance(v, str | int) else None,
+)
+def test_user_errors_are_one_line_naming_the_path(root_copy, capsys, argv, damage, code, names):
+    if damage:
+        _damage(root_copy, damage)
+    got, out, err = run_cli(capsys, *[a.format(root=root_copy) for a in argv])
+    assert got == code and out == ""
+    assert err.count("\n") == 1 and err.startswith("verl-ckpt"), err
+    assert ": error: " in err and names.format(root=root_copy) in err
+
+
+def test_entry_points_run_without_traceback(produced_root, tmp_path):
+    """`python -m verl_ckpt.cli` and the `verl-ckpt` console script, as a user runs them."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    script = Path(sys.executable).parent / "verl-ckpt"
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "verl_ckpt.cli"]
+    # Both at once: each pays several seconds of imports.
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for argv in (
+            [sys.executable, "-m", "verl_ckpt.cli", "verify", str(tmp_path / "missing")],
+            [*launcher, "ls", str(produced_root)],
+        )
+    ]
+    (out_err, err_err), (out_ls, err_ls) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 2 and out_err == ""
+    assert "Traceback" not in err_err
+    assert (
+        err_err.splitlines()[-1] == f"verl-ckpt: error: ROOT {tmp_path / 'missing'} does not exist"
+    )
+    assert procs[1].returncode == 0 and "Traceback" not in err_ls
+    assert "tracker: step 3" in out_ls and sorted(table_rows(out_ls)) == [*COMMITTED, LEFTOVER]

@@ -1,0 +1,384 @@
+"""`verl-ckpt`: list, verify, inspect and prune a checkpoint root from the command line.
+
+Exit status: 0 success; 1 the checkpoint is bad (not committed, corrupt record, unreadable
+tracker, files failing verification); 2 a usage error (ROOT missing or not a directory, a bad
+option value, no directory for the --step asked for). Errors are one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from verl_ckpt.commit_record import CommitRecord, read_commit_record, verify_files
+from verl_ckpt.errors import CheckpointError, TrackerError
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM
+from verl_ckpt.inspection import TensorEntry, read_role_entries, scan_steps
+from verl_ckpt.layout import (
+    COMMIT_RECORD_FILENAME,
+    DRIVER_ROLE,
+    DRIVER_STATE_FILENAME,
+    list_step_dirs,
+    step_dir,
+    step_of_dir,
+)
+from verl_ckpt.retention import delete_step_dir, steps_to_delete
+from verl_ckpt.tracker import read_tracker, tracker_path
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_BAD_CHECKPOINT = 1
+EXIT_USAGE = 2
+
+_Handler = Callable[[Path, argparse.Namespace], int]
+
+
+class _CliError(Exception):
+    """A user-facing failure: one line of message and the exit status to end with."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        # argparse's default prints the whole usage block first; one line reads better.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- formatting ----------------------------------------------------------------------------
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _human_age(seconds: float) -> str:
+    for limit, unit_s, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
+        if seconds < limit:
+            return f"{int(seconds // unit_s)}{unit}"
+    return f"{int(seconds // 86400)}d"
+
+
+def _print_table(rows: list[tuple[str, ...]], right: frozenset[int] = frozenset()) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ]
+        print("  ".join(cells).rstrip())
+
+
+# ---- shared checks -------------------------------------------------------------------------
+
+
+def _check_root(root: Path) -> Path:
+    if not root.exists():
+        raise _CliError(f"ROOT {root} does not exist", EXIT_USAGE)
+    if not root.is_dir():
+        raise _CliError(f"ROOT {root} is not a directory", EXIT_USAGE)
+    if step_of_dir(root) is not None:
+        raise _CliError(
+            f"ROOT {root} is a step directory; pass the root that holds it ({root.parent})",
+            EXIT_USAGE,
+        )
+    return root
+
+
+def _pick_step(root: Path, asked: int | None) -> tuple[int, Path]:
+    """The step to work on: `asked`, else the tracker's; and its existing directory."""
+    step = asked
+    if step is None:
+        try:
+            step = read_tracker(root)
+        except TrackerError as exc:
+            raise _CliError(f"{exc}; pass --step N", EXIT_BAD_CHECKPOINT) from None
+        if step is None:
+            raise _CliError(
+                f"{tracker_path(root)} does not exist, so there is no default step; pass --step N",
+                EXIT_BAD_CHECKPOINT,
+            )
+    path = step_dir(root, step)
+    if not path.is_dir():
+        present = sorted(list_step_dirs(root)) or "none"
+        origin = "" if asked is not None else f" (named by the tracker {tracker_path(root)})"
+        # A step the user typed is a usage error; one the tracker names is a broken root.
+        code = EXIT_USAGE if asked is not None else EXIT_BAD_CHECKPOINT
+        raise _CliError(f"{path}{origin} does not exist; steps present: {present}", code)
+    return step, path
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def _cmd_ls(root: Path, args: argparse.Namespace) -> int:
+    steps = scan_steps(root)
+    by_step = {info.step: info for info in steps}
+    target = None
+    try:
+        target = read_tracker(root)
+        if target is None:
+            note = f"none ({tracker_path(root).name} missing: nothing committed yet?)"
+        elif target not in by_step:
+            note = f"step {target}, BUT {step_dir(root, target)} does not exist"
+        elif not by_step[target].committed:
+            note = f"step {target}, BUT that step is {by_step[target].problem}"
+        else:
+            note = f"step {target}"
+    except TrackerError as exc:
+        note = f"unreadable: {exc}"
+    print(f"root: {root}")
+    print(f"tracker: {note}")
+    if not steps:
+        print("no global_step_<N> directories")
+        return 0
+    rows = [("", "STEP", "SIZE", "AGE", "ROLES", "STATUS")]
+    for info in steps:
+        rows.append(
+            (
+                "*" if info.step == target else "",
+                str(info.step),
+                _human_bytes(info.size),
+                _human_age(info.age_s),
+                ",".join(info.roles) or "-",
+                info.problem or "committed",
+            )
+        )
+    _print_table(rows, right=frozenset({1, 2, 3}))
+    if target in by_step:
+        print("(* = the tracker's target)")
+    return 0
+
+
+def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
+    step, path = _pick_step(root, args.step)
+    record = read_commit_record(path)  # CommitRecordError: not committed, corrupt, version
+    if record.checksum_algorithm != CHECKSUM_ALGORITHM:
+        raise _CliError(
+            f"{path / COMMIT_RECORD_FILENAME} uses checksum {record.checksum_algorithm!r}; "
+            f"this verl_ckpt verifies {CHECKSUM_ALGORITHM!r} only",
+            EXIT_BAD_CHECKPOINT,
+        )
+    problems = verify_files(path, record)
+    if record.step != step:
+        problems.insert(0, f"{path / COMMIT_RECORD_FILENAME}: names step {record.step}, not {step}")
+    if problems:
+        print(f"FAILED step {step}: {len(problems)} problem(s) in {len(record.files)} files")
+        for problem in problems:
+            print(problem)
+        return EXIT_BAD_CHECKPOINT
+    total = sum(entry.size for entry in record.files)
+    print(f"OK step {step}: {len(record.files)} files, {total} bytes verified")
+    return 0
+
+
+def _role_entries(role_dir: Path) -> list[TensorEntry]:
+    try:
+        return read_role_entries(role_dir)
+    except FileNotFoundError:
+        raise _CliError(f"{role_dir / '.metadata'} is missing", EXIT_BAD_CHECKPOINT) from None
+    except Exception as exc:  # noqa: BLE001 - `.metadata` is a pickle: damage raises anything
+        raise _CliError(
+            f"{role_dir / '.metadata'} is unreadable: {type(exc).__name__}: {exc}",
+            EXIT_BAD_CHECKPOINT,
+        ) from None
+
+
+def _print_inspection(root: Path, record: CommitRecord, roles: dict) -> None:
+    print(f"step {record.step} under {root}: committed, format version {record.format_version}")
+    print("participants: " + ", ".join(f"{r} x{n}" for r, n in sorted(record.participants.items())))
+    for role, entries in roles.items():
+        print(f"\nrole {role} ({step_dir(root, record.step) / role}):")
+        rows = [("  KEY", "DTYPE", "SHAPE", "BYTES")]
+        for e in entries:
+            shape = str(e.shape) if e.kind == "tensor" else "-"
+            rows.append((f"  {e.key}", e.dtype or "object", shape, str(e.nbytes)))
+        _print_table(rows, right=frozenset({3}))
+        total = sum(e.nbytes for e in entries)
+        tensors = sum(e.kind == "tensor" for e in entries)
+        print(
+            f"  total: {len(entries)} entries ({tensors} tensors), "
+            f"{total} bytes ({_human_bytes(total)})"
+        )
+    for entry in record.files:
+        if entry.path == DRIVER_STATE_FILENAME:
+            print(f"\ndriver state: {entry.path}, {entry.size} bytes")
+
+
+def _cmd_inspect(root: Path, args: argparse.Namespace) -> int:
+    step, path = _pick_step(root, args.step)
+    record = read_commit_record(path)
+    roles = {
+        role: _role_entries(path / role)
+        for role in sorted(record.participants)
+        if role != DRIVER_ROLE
+    }
+    if not args.json:
+        _print_inspection(root, record, roles)
+        return 0
+    report = {
+        "root": str(root),
+        "step": step,
+        "format_version": record.format_version,
+        "participants": record.participants,
+        "roles": {
+            role: {
+                "path": str(path / role),
+                "entries": [asdict(e) for e in entries],
+                "total_bytes": sum(e.nbytes for e in entries),
+            }
+            for role, entries in roles.items()
+        },
+        "files": [asdict(entry) for entry in record.files],
+    }
+    json.dump(report, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+def _cmd_prune(root: Path, args: argparse.Namespace) -> int:
+    try:
+        target = read_tracker(root)
+    except TrackerError as exc:
+        # Without the tracker we cannot know which step a resume would load (I3).
+        raise _CliError(f"{exc}; refusing to prune", EXIT_BAD_CHECKPOINT) from None
+    steps = scan_steps(root)
+    committed = [info.step for info in steps if info.committed]
+    doomed = set(steps_to_delete(committed, args.keep, {target} if target is not None else ()))
+    verb = "would delete" if args.dry_run else "deleted"
+    for info in steps:
+        if info.step in doomed:
+            if not args.dry_run:
+                delete_step_dir(info.path)
+            print(f"{verb} step {info.step}: {info.path} ({_human_bytes(info.size)})")
+        elif not info.committed:
+            print(f"left alone step {info.step}: {info.problem} (prune deletes committed steps)")
+    kept = sorted(set(committed) - doomed)
+    print(f"kept committed steps: {kept or 'none'}; tracker's target: {target}")
+    return 0
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+
+def _step_number(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a step number >= 0, got {text!r}")
+    return int(text)
+
+
+def _keep_count(text: str) -> int:
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1, got {text!r}: prune never deletes every committed step"
+        )
+    return int(text)
+
+
+_EPILOG = (
+    "exit status: 0 ok; 1 the checkpoint is bad (not committed, corrupt, failed "
+    "verification); 2 usage error (ROOT missing or not a directory, bad option, no such step)"
+)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="verl-ckpt",
+        description="List, verify, inspect and prune a verl_ckpt checkpoint root.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        name: str, handler: _Handler, summary: str, details: str = ""
+    ) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name, help=summary, description=f"{summary} {details}".strip(), epilog=_EPILOG
+        )
+        sub.add_argument("root", metavar="ROOT", type=Path, help="the checkpoint root directory")
+        sub.set_defaults(handler=handler)
+        return sub
+
+    command("ls", _cmd_ls, "List every global_step_<N> directory and the tracker.")
+    verify = command(
+        "verify",
+        _cmd_verify,
+        "Re-read every file of a committed step and check its size and checksum.",
+    )
+    verify.add_argument("--step", type=_step_number, help="default: the tracker's step")
+    inspect = command(
+        "inspect", _cmd_inspect, "Show a committed step's participants and tensors per role."
+    )
+    inspect.add_argument("--step", type=_step_number, help="default: the tracker's step")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    prune = command(
+        "prune",
+        _cmd_prune,
+        "Delete old committed steps by hand (for stopped jobs).",
+        "Keeps the newest --keep committed steps and always the tracker's target; "
+        "uncommitted directories are left alone. A running job's finalizer applies "
+        "max_ckpt_to_keep itself after every commit, so prune is for the root of a stopped "
+        "job.",
+    )
+    prune.add_argument("--keep", type=_keep_count, required=True, help="committed steps to keep")
+    prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    return parser
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        # "verl-ckpt: error: ...", the same shape as argparse's usage errors.
+        return f"verl-ckpt: {record.levelname.lower()}: {record.getMessage()}"
+
+
+def _configure_logging(verbose: bool) -> None:
+    # Our own handler on our own logger: the host's logging setup (or pytest's) stays as is.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    logger.handlers = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tool; return the exit status (0 ok, 1 bad checkpoint, 2 usage error)."""
+    try:
+        args = _build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    _configure_logging(args.verbose)
+    logger.debug("running %s on %s", args.command, args.root)
+    try:
+        return args.handler(_check_root(args.root), args)
+    except _CliError as exc:
+        logger.error("%s", exc)
+        return exc.code
+    except BrokenPipeError:
+        # The reader (`| head`) went away: not an error of ours. Point stdout at devnull so
+        # the interpreter's final flush does not complain a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BAD_CHECKPOINT
+    except (CheckpointError, OSError) as exc:
+        # Corrupt or uncommitted record, unknown format version, a file we cannot read: the
+        # library's messages already name the path.
+        logger.error("%s", exc)
+        return EXIT_BAD_CHECKPOINT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

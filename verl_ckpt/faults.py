@@ -1,0 +1,57 @@
+"""A documented fault-injection hook for tests and drills; inert unless the variable is set.
+
+    VERL_CKPT_FAULT="<phase>[:<role>[:<rank>]]=<action>[,...]"
+
+phases: `write` (a rank, before writing its files, in the writer thread or process),
+`report` (a rank, before reporting to the finalizer), `commit` (the finalizer, after every
+report arrived and before the commit record), `tracker` (the finalizer, after writing the
+tracker's temporary file, before the rename).
+actions: `hang` (sleep for an hour: a hung participant), `raise` (raise InjectedFault),
+`exit` (the process exits at once with status 17, like a crash).
+The variable is read when the phase runs, in the process running it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["ENV_VAR", "InjectedFault", "inject"]
+
+ENV_VAR = "VERL_CKPT_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the `raise` action."""
+
+
+def _matching_action(spec: str, phase: str, role: str | None, rank: int | None) -> str | None:
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        where, _, action = entry.partition("=")
+        parts = where.split(":")
+        if parts[0] != phase:
+            continue
+        if len(parts) > 1 and parts[1] and parts[1] != role:
+            continue
+        if len(parts) > 2 and parts[2] and str(rank) != parts[2]:
+            continue
+        return action
+    return None
+
+
+def inject(phase: str, role: str | None = None, rank: int | None = None) -> None:
+    """Run the action configured for this phase (and role, rank), if any."""
+    spec = os.environ.get(ENV_VAR)
+    if not spec:
+        return
+    action = _matching_action(spec, phase, role, rank)
+    if action is None:
+        return
+    if action == "hang":
+        time.sleep(3600)
+    elif action == "raise":
+        raise InjectedFault(f"fault injected by {ENV_VAR} at phase {phase} ({role} rank {rank})")
+    elif action == "exit":
+        os._exit(17)
+    else:
+        raise ValueError(f"{ENV_VAR}: unknown action {action!r} (hang, raise or exit)")

@@ -1,0 +1,65 @@
+"""Writing one rank's files: DCP write buckets and common.pt, fsynced and checksummed.
+
+Depends on torch only (not megatron-core), so that a spawned writer process starts fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _write_item
+
+from verl_ckpt.fsio import ChecksummingWriter
+
+try:  # torch >= 2.5 takes the serialization format explicitly
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    _WRITE_ITEM_KWARGS: dict[str, Any] = {"serialization_format": SerializationFormat.TORCH_SAVE}
+except ImportError:  # pragma: no cover - older torch
+    _WRITE_ITEM_KWARGS = {}
+
+__all__ = ["COMMON_FILENAME", "WrittenFile", "write_bucket", "write_common"]
+
+COMMON_FILENAME = "common.pt"
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    name: str
+    size: int
+    checksum: str
+
+
+def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
+    """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file.
+
+    The file is fsynced before this returns: a report of it to the finalizer must mean the
+    bytes are durable. The checksum covers exactly the bytes written.
+    """
+    path, storage_key, (bytes_data, tensor_data) = bucket
+    results = []
+    transform_args = (transforms,) if transforms is not None else ()
+    with open(path, "wb") as raw:
+        stream = ChecksummingWriter(raw)
+        for item, data in list(bytes_data) + list(tensor_data):
+            results.append(
+                _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
+            )
+        raw.flush()
+        os.fsync(raw.fileno())
+    return results, WrittenFile(os.path.basename(path), stream.size, stream.checksum)
+
+
+def write_common(common_state_dict: dict, checkpoint_dir: Path) -> WrittenFile:
+    """Write common.pt (the non-sharded part) as megatron-core's torch common strategy does."""
+    path = checkpoint_dir / COMMON_FILENAME
+    with open(path, "wb") as raw:
+        stream = ChecksummingWriter(raw)
+        torch.save(common_state_dict, stream)
+        raw.flush()
+        os.fsync(raw.fileno())
+    return WrittenFile(COMMON_FILENAME, stream.size, stream.checksum)

@@ -1,0 +1,270 @@
+"""Who writes a rank's files (`checkpoint.writer.mode`): threads, a spawned process, or inline.
+
+All three take the same DCP write buckets over the staged buffers and return, per file, the
+DCP write results and the file's size and checksum. Never `fork`: a forked Ray/CUDA process
+inherits locks and CUDA state it cannot use (and pinned memory has no copy-on-write).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+import torch.multiprocessing as torch_mp
+
+from verl_ckpt import faults
+from verl_ckpt.errors import CheckpointWriteError, CommitTimeoutError
+from verl_ckpt.file_writer import WrittenFile, write_bucket
+from verl_ckpt.staging import StagingSlot
+
+__all__ = ["InlineWriter", "ProcessWriter", "ThreadWriter", "WriteTimeout", "make_writer"]
+
+Outcome = tuple[list, WrittenFile]
+
+
+class WriteTimeout(CommitTimeoutError):
+    """The write did not finish by its deadline; `buffers_in_use` says whether a writer may
+    still be reading the staged buffers (then they must never be reused)."""
+
+    def __init__(self, message: str, buffers_in_use: bool) -> None:
+        super().__init__(message)
+        self.buffers_in_use = buffers_in_use
+
+
+class InlineWriter:
+    """The calling thread writes the files itself, one after the other."""
+
+    shares_memory = False
+
+    def write(
+        self,
+        buckets: list,
+        transforms: Any,
+        slot: StagingSlot,
+        deadline: float,
+        fault_scope: tuple[str, int],
+    ) -> list[Outcome]:
+        faults.inject("write", *fault_scope)
+        return [write_bucket(bucket, transforms) for bucket in buckets]
+
+    def forget_slot(self, slot: StagingSlot) -> None:
+        pass
+
+    def close(self, timeout_s: float) -> None:
+        pass
+
+
+class ThreadWriter(InlineWriter):
+    """A pool of threads in the rank writes one file each (file I/O releases the GIL)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+
+    def write(
+        self,
+        buckets: list,
+        transforms: Any,
+        slot: StagingSlot,
+        deadline: float,
+        fault_scope: tuple[str, int],
+    ) -> list[Outcome]:
+        faults.inject("write", *fault_scope)
+        futures = [self._pool.submit(write_bucket, bucket, transforms) for bucket in buckets]
+        outcomes = []
+        for future, bucket in zip(futures, buckets, strict=True):
+            try:
+                outcomes.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                # The thread cannot be stopped and may still read the buffers.
+                raise WriteTimeout(f"writing {bucket[0]} did not finish in time", True) from None
+        return outcomes
+
+    def close(self, timeout_s: float) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ProcessWriter:
+    """One persistent writer process per rank, started with spawn, reading shared memory.
+
+    Each staging slot's buffers are handed to the process once (shared memory, no copy);
+    a save then sends only the write plan. A writer that dies is noticed within a fraction of
+    a second (its save fails, naming the exit status) and the next save starts a new one.
+    The process exits by itself when the rank's process dies.
+    """
+
+    shares_memory = True
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._threads = threads
+        self._name = name
+        self._ctx = torch_mp.get_context("spawn")
+        self._proc = None
+        self._requests = None
+        self._results = None
+        self._known_slots: set[int] = set()
+        self._next_job = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.is_alive() else None
+
+    def write(
+        self,
+        buckets: list,
+        transforms: Any,
+        slot: StagingSlot,
+        deadline: float,
+        fault_scope: tuple[str, int],
+    ) -> list[Outcome]:
+        self._ensure_started()
+        if slot.slot_id not in self._known_slots:
+            self._requests.put(("slot", slot.slot_id, slot.buffers))
+            self._known_slots.add(slot.slot_id)
+        self._next_job += 1
+        job = self._next_job
+        plan = [_describe_bucket(bucket, slot) for bucket in buckets]
+        self._requests.put(("write", job, slot.slot_id, plan, transforms, fault_scope))
+        while True:
+            try:
+                kind, done_job, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    code = self._proc.exitcode
+                    self._reset()
+                    # A dead process reads nothing: the buffers are free again.
+                    raise CheckpointWriteError(
+                        f"the writer process died (exit status {code}) before reporting"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    # Stop our own hung writer, so that its buffers can be reused safely.
+                    self._kill()
+                    raise WriteTimeout("the writer process did not finish in time", False) from None
+                continue
+            if done_job != job:
+                continue  # a late answer to a job that already timed out
+            if kind == "error":
+                raise CheckpointWriteError(payload)
+            return payload
+
+    def forget_slot(self, slot: StagingSlot) -> None:
+        if slot.slot_id in self._known_slots and self._proc is not None and self._proc.is_alive():
+            self._requests.put(("drop", slot.slot_id))
+        self._known_slots.discard(slot.slot_id)
+
+    def close(self, timeout_s: float) -> None:
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            self._requests.put(("stop",))
+            self._proc.join(timeout_s)
+        self._kill()
+
+    def _ensure_started(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        self._reset()
+        self._requests = self._ctx.Queue()
+        self._results = self._ctx.Queue()
+        self._proc = self._ctx.Process(
+            target=_writer_main,
+            args=(self._requests, self._results, self._threads),
+            name=self._name,
+            daemon=True,
+        )
+        self._proc.start()
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(10)
+        self._reset()
+
+    def _reset(self) -> None:
+        if self._proc is not None and not self._proc.is_alive():
+            self._proc.close()
+        self._proc = None
+        for q in (self._requests, self._results):
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self._requests = self._results = None
+        self._known_slots = set()
+
+
+def _describe_bucket(bucket: tuple, slot: StagingSlot) -> tuple:
+    """Replace each staged tensor by (buffer index, view geometry); the process has them."""
+    by_storage = {b.untyped_storage().data_ptr(): i for i, b in enumerate(slot.buffers)}
+    path, storage_key, (bytes_data, tensor_data) = bucket
+    tensors = []
+    for item, tensor in tensor_data:
+        index = by_storage.get(tensor.untyped_storage().data_ptr())
+        if index is None:
+            # Not a staged buffer (megatron-core cloned a view): sent whole, moved to shared
+            # memory by torch's pickler.
+            tensors.append((item, ("tensor", tensor)))
+        else:
+            view = (index, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+            tensors.append((item, ("buffer", view)))
+    return path, storage_key, bytes_data, tensors
+
+
+def _rebuild_bucket(described: tuple, buffers: list[torch.Tensor]) -> tuple:
+    path, storage_key, bytes_data, tensors = described
+    tensor_data = []
+    for item, (kind, value) in tensors:
+        if kind == "tensor":
+            tensor_data.append((item, value))
+        else:
+            index, offset, shape, stride = value
+            tensor_data.append((item, buffers[index].as_strided(shape, stride, offset)))
+    return path, storage_key, (bytes_data, tensor_data)
+
+
+def _exit_with_parent() -> None:
+    parent = torch_mp.parent_process()
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+
+def _writer_main(requests: Any, results: Any, threads: int) -> None:
+    """The writer process: serve slot registrations and writes until told to stop."""
+    torch.set_num_threads(1)
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    pool = ThreadPoolExecutor(threads)
+    slots: dict[int, list[torch.Tensor]] = {}
+    while True:
+        message = requests.get()
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "slot":
+            slots[message[1]] = message[2]
+        elif kind == "drop":
+            slots.pop(message[1], None)
+        elif kind == "write":
+            _, job, slot_id, plan, transforms, fault_scope = message
+            try:
+                faults.inject("write", *fault_scope)
+                buckets = [_rebuild_bucket(b, slots[slot_id]) for b in plan]
+                outcomes = list(pool.map(write_bucket, buckets, [transforms] * len(buckets)))
+                results.put(("done", job, outcomes))
+            except Exception as exc:  # noqa: BLE001 - sent back, raised in the rank
+                results.put(("error", job, f"{type(exc).__name__}: {exc}"))
+    pool.shutdown()
+
+
+def make_writer(mode: str, threads: int, name: str) -> InlineWriter | ThreadWriter | ProcessWriter:
+    if mode == "process":
+        return ProcessWriter(threads, name)
+    if mode == "thread":
+        return ThreadWriter(threads, name)
+    return InlineWriter()
