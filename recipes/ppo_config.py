@@ -56,7 +56,7 @@ class TrainerConfig:
 class ModelConfig:
     """Shape of the tiny GPT of both roles (the critic reads its value off logit channel 0)."""
 
-    vocab_size: int = 16
+    vocab_size: int = 32
     hidden_size: int = 32
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -94,7 +94,7 @@ class RoleConfig:
     world_size: int = 1
     tensor_parallel_size: int = 1
     # Keep the optimizer state in fresh host tensors between updates (verl's offload).
-    optimizer_offload: bool = False
+    optimizer_offload: bool = True
     lr: float = 1e-2
     # Passes over each step's batch.
     epochs: int = 2
@@ -108,7 +108,9 @@ class PPOToyConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor: RoleConfig = field(default_factory=RoleConfig)
+    actor: RoleConfig = field(
+        default_factory=lambda: RoleConfig(world_size=2, tensor_parallel_size=2, lr=2e-3)
+    )
     critic: RoleConfig = field(default_factory=RoleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

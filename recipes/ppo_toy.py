@@ -37,7 +37,8 @@ import ray
 import torch
 from omegaconf import DictConfig
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+# megatron-core warns about optional CUDA extensions and deprecations at import and build.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import verl_ckpt  # noqa: E402 - megatron-core warns at import
 from recipes.ppo_config import (  # noqa: E402
@@ -48,6 +49,7 @@ from recipes.ppo_config import (  # noqa: E402
     to_recipe_config,
 )
 from recipes.ppo_math import gae, token_rewards, whiten  # noqa: E402
+from recipes.workers import ActorWorker, CriticWorker, derive_seed  # noqa: E402
 
 log = logging.getLogger("ppo_toy")
 
@@ -112,8 +114,6 @@ class RoleGroup:
     """The ranks of one role, each a Ray actor; calls fan out to every rank."""
 
     def __init__(self, name: str, cfg: PPOToyConfig) -> None:
-        from recipes.workers import ActorWorker, CriticWorker
-
         worker_cls = {"actor": ActorWorker, "critic": CriticWorker}[name]
         remote_cls = ray.remote(worker_cls).options(
             num_cpus=cfg.trainer.cpus_per_worker, max_restarts=0
@@ -161,7 +161,7 @@ class PPOToyTrainer:
         self.coordinator = verl_ckpt.CheckpointCoordinator(cfg.checkpoint, self.roles)
         self.groups = {name: RoleGroup(name, cfg) for name in ROLES}
         self.prompt_generator = torch.Generator().manual_seed(
-            cfg.trainer.seed * 1000 + 3  # workers.derive_seed(seed, "prompts")
+            derive_seed(cfg.trainer.seed, "prompts")
         )
         self.metrics = MetricsLog(cfg.trainer.metrics_path)
         # step -> {(role, rank): (write_s, bytes)} for saves whose writes are not all known.
@@ -239,6 +239,7 @@ class PPOToyTrainer:
         start = self.resume()
         if start >= total:
             log.info("step %d already reaches trainer.total_steps=%d: nothing to do", start, total)
+            self.finish(None)
             return
         last_saved = None
         for step in range(start + 1, total + 1):

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+# megatron-core warns about optional CUDA extensions and deprecations at import and build.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402

@@ -35,3 +35,24 @@ def ray_local():
     )
     yield
     ray.shutdown()
+
+
+# The roles of the shared rank workers: actor with 2 ranks at TP=2, critic with 1 rank.
+ROLES = {"actor": 2, "critic": 1}
+
+
+@pytest.fixture(scope="session")
+def ranks(ray_local):
+    """Real Megatron ranks in Ray actors, shared by the test modules (each test opens its own
+    CheckpointManager on its own root). Each role is its own gloo world."""
+    from tests.rank_worker import RankWorker
+
+    workers = {}
+    for role, size in ROLES.items():
+        port = free_port()
+        workers[role] = [RankWorker.remote(role, r, size, port, size) for r in range(size)]
+    everyone = [w for group in workers.values() for w in group]
+    ray.get([w.train.remote(1) for w in everyone])
+    yield workers
+    for w in everyone:
+        ray.kill(w)

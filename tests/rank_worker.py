@@ -14,12 +14,34 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
 
 @ray.remote(num_cpus=0)
 class RankWorker:
-    def __init__(self, role: str, rank: int, world_size: int, port: int, tp: int, seed: int = 7):
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int,
+        port: int,
+        tp: int,
+        seed: int = 7,
+        save_ranks: list[int] | None = None,
+    ):
+        """`save_ranks`: the ranks of this gloo world that save (others are rollout-like
+        ranks that never do); None: every rank saves, on the default group."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
         from recipes import megatron_cpu
 
         self.mc = megatron_cpu
-        self.role, self.rank, self.world_size = role, rank, world_size
+        self.role = role
         megatron_cpu.init_distributed(rank, world_size, port, tensor_parallel_size=tp, seed=seed)
+        self.group = None
+        self.rank, self.world_size = rank, world_size
+        if save_ranks is not None:
+            # new_group is collective over the whole world, savers or not.
+            self.group = dist.new_group(save_ranks, timeout=timedelta(seconds=60))
+            if rank in save_ranks:
+                self.rank, self.world_size = save_ranks.index(rank), len(save_ranks)
         self.cfg = megatron_cpu.TinyGPTConfig()
         self.model = megatron_cpu.build_tiny_gpt(self.cfg, seed=seed)
         self.optimizer = megatron_cpu.make_adam(self.model)
@@ -45,7 +67,9 @@ class RankWorker:
 
         if self.manager is not None:
             self.manager.close()
-        self.manager = CheckpointManager(config, self.role, self.rank, self.world_size)
+        self.manager = CheckpointManager(
+            config, self.role, self.rank, self.world_size, process_group=self.group
+        )
 
     def train(self, steps: int) -> list[float]:
         losses = []
@@ -67,16 +91,18 @@ class RankWorker:
                 state[f"optim.{i}.{name}"] = value.detach().clone()
         return state
 
-    def save(self, step: int, mutate_after: bool = False) -> dict[str, Any]:
+    def save(self, step: int, after: str | bool = "nothing") -> dict[str, Any]:
+        """Save, then at once do what a trainer may do next (invariant I4):
+        `inplace`: in-place writes to every parameter and optimizer tensor, then a step;
+        `offload`: offload the optimizer state (replace its storage by a host copy, as verl
+        does), train a step on reloaded state, offload again, and drop the old tensors."""
         stats = self.manager.save(
             step,
             model=self.model.sharded_state_dict(),
             optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
             extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
         )
-        if mutate_after:
-            # Invariant I4: whatever the trainer does after save() returns must not reach the
-            # files. In-place writes to every parameter and optimizer tensor, then a real step.
+        if after in (True, "inplace"):
             with torch.no_grad():
                 for p in self.model.parameters():
                     p.add_(1.0)
@@ -84,7 +110,40 @@ class RankWorker:
                     for value in s.values():
                         value.mul_(3.0)
             self.train(1)
+        elif after == "offload":
+            self._swap_optimizer_storage()  # offload
+            self._swap_optimizer_storage()  # reload before the update
+            self.train(1)
+            self._swap_optimizer_storage()  # offload after it
         return vars(stats)
+
+    def _swap_optimizer_storage(self) -> None:
+        for s in self.optimizer.state.values():
+            for name, value in list(s.items()):
+                s[name] = value.detach().to("cpu", copy=True)
+
+    def set_env(self, name: str, value: str | None) -> None:
+        import os
+
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+    def process_info(self) -> dict[str, Any]:
+        """This rank's resident memory and the live child processes it started."""
+        import psutil
+
+        me = psutil.Process()
+        children = [
+            (c.pid, " ".join(c.cmdline())[:200])
+            for c in me.children(recursive=True)
+            if c.status() != "zombie"
+        ]
+        return {"rss": me.memory_info().rss, "children": children}
+
+    def writer_pid(self) -> int | None:
+        return self.manager.writer_pid
 
     def wait(self, timeout_s: float | None = None) -> list[dict]:
         return [vars(s) for s in self.manager.wait(timeout_s)]

@@ -7,8 +7,7 @@ import pytest
 import ray
 import torch
 
-from tests.conftest import free_port
-from tests.rank_worker import RankWorker
+from tests.conftest import ROLES
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -20,23 +19,6 @@ from verl_ckpt import (
     step_dir,
 )
 from verl_ckpt.reports import RankReport
-
-ROLES = {"actor": 2, "critic": 1}
-
-
-@pytest.fixture(scope="module")
-def ranks(ray_local):
-    """actor: 2 ranks at TP=2; critic: 1 rank at TP=1. Each role is its own gloo world."""
-    workers = {}
-    for role, size in ROLES.items():
-        port = free_port()
-        tp = size
-        workers[role] = [RankWorker.remote(role, r, size, port, tp) for r in range(size)]
-    everyone = [w for group in workers.values() for w in group]
-    ray.get([w.train.remote(1) for w in everyone])
-    yield workers
-    for w in everyone:
-        ray.kill(w)
 
 
 def all_ranks(ranks):

@@ -145,3 +145,17 @@ def test_config_defaults_and_dict_round_trip():
     config = to_checkpoint_config({"root_dir": "/tmp/x", "writer": {"threads": 3}})
     assert isinstance(config, CheckpointConfig)
     assert config.writer.threads == 3 and config.async_save and config.max_in_flight == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("participants", ["actor"]), ("committed_at", "yesterday"), ("step", -1)],
+)
+def test_I1_commit_record_with_wrong_field_types_is_malformed(tmp_path, field, value):
+    path, _ = _record(tmp_path)
+    record_file = path / "verl_ckpt_commit.json"
+    raw = json.loads(record_file.read_text())
+    raw[field] = value
+    record_file.write_text(json.dumps(raw))
+    with pytest.raises(CommitRecordError, match="malformed"):
+        read_commit_record(path)

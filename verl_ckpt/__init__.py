@@ -7,28 +7,34 @@ Users import from here only:
 - config: `CheckpointConfig` and friends, `register_configs()` for Hydra.
 """
 
-from verl_ckpt.commit_record import CommitRecord, read_commit_record
-from verl_ckpt.config import (
-    CheckpointConfig,
-    StagingConfig,
-    WriterConfig,
-    register_configs,
-    to_checkpoint_config,
-)
-from verl_ckpt.driver import CheckpointCoordinator
-from verl_ckpt.errors import (
-    CheckpointConfigError,
-    CheckpointError,
-    CheckpointWriteError,
-    CommitRecordError,
-    CommitTimeoutError,
-    StepNotCommittedError,
-    TrackerError,
-)
-from verl_ckpt.layout import TRACKER_FILENAME, step_dir
-from verl_ckpt.manager import CheckpointManager, SaveStats
-from verl_ckpt.resume import resolve_resume_dir
-from verl_ckpt.tracker import read_tracker
+import importlib
+from typing import Any
+
+# Where each public name lives. Imported on first use (PEP 562), so that light users such
+# as the verl-ckpt CLI do not pay for importing ray, torch and megatron-core.
+_EXPORTS = {
+    "CommitRecord": "verl_ckpt.commit_record",
+    "read_commit_record": "verl_ckpt.commit_record",
+    "CheckpointConfig": "verl_ckpt.config",
+    "StagingConfig": "verl_ckpt.config",
+    "WriterConfig": "verl_ckpt.config",
+    "register_configs": "verl_ckpt.config",
+    "to_checkpoint_config": "verl_ckpt.config",
+    "CheckpointCoordinator": "verl_ckpt.driver",
+    "CheckpointConfigError": "verl_ckpt.errors",
+    "CheckpointError": "verl_ckpt.errors",
+    "CheckpointWriteError": "verl_ckpt.errors",
+    "CommitRecordError": "verl_ckpt.errors",
+    "CommitTimeoutError": "verl_ckpt.errors",
+    "StepNotCommittedError": "verl_ckpt.errors",
+    "TrackerError": "verl_ckpt.errors",
+    "TRACKER_FILENAME": "verl_ckpt.layout",
+    "step_dir": "verl_ckpt.layout",
+    "CheckpointManager": "verl_ckpt.manager",
+    "SaveStats": "verl_ckpt.manager",
+    "resolve_resume_dir": "verl_ckpt.resume",
+    "read_tracker": "verl_ckpt.tracker",
+}
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -53,3 +59,16 @@ __all__ = [
     "step_dir",
     "to_checkpoint_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'verl_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

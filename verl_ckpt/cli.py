@@ -198,7 +198,9 @@ def _role_entries(role_dir: Path) -> list[TensorEntry]:
         ) from None
 
 
-def _print_inspection(root: Path, record: CommitRecord, roles: dict) -> None:
+def _print_inspection(
+    root: Path, record: CommitRecord, roles: dict[str, list[TensorEntry]]
+) -> None:
     print(f"step {record.step} under {root}: committed, format version {record.format_version}")
     print("participants: " + ", ".join(f"{r} x{n}" for r, n in sorted(record.participants.items())))
     for role, entries in roles.items():

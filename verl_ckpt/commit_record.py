@@ -19,6 +19,7 @@ __all__ = [
     "COMMIT_FORMAT_VERSION",
     "CommitRecord",
     "FileEntry",
+    "is_committed",
     "read_commit_record",
     "verify_files",
     "write_commit_record",
@@ -83,9 +84,45 @@ def read_commit_record(step_path: str | Path) -> CommitRecord:
         )
     try:
         files = [FileEntry(**entry) for entry in raw.pop("files")]
-        return CommitRecord(files=files, **raw)
-    except (TypeError, KeyError) as exc:
+        record = CommitRecord(files=files, **raw)
+    except (TypeError, KeyError, AttributeError) as exc:
         raise CommitRecordError(f"commit record {path} is malformed: {exc}") from None
+    problem = _type_problem(record)
+    if problem:
+        raise CommitRecordError(f"commit record {path} is malformed: {problem}")
+    return record
+
+
+def _type_problem(record: CommitRecord) -> str | None:
+    """What is wrong with the field types of a parsed record, if anything."""
+    if not isinstance(record.step, int) or record.step < 0:
+        return f"step {record.step!r} is not a non-negative integer"
+    participants = record.participants
+    if not isinstance(participants, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in participants.items()
+    ):
+        return f"participants {participants!r} is not a mapping of role to world size"
+    if record.checksum_algorithm != CHECKSUM_ALGORITHM:
+        return f"unknown checksum algorithm {record.checksum_algorithm!r}"
+    if not isinstance(record.committed_at, (int, float)):
+        return f"committed_at {record.committed_at!r} is not a timestamp"
+    for entry in record.files:
+        if not (
+            isinstance(entry.path, str)
+            and isinstance(entry.size, int)
+            and isinstance(entry.checksum, str)
+        ):
+            return f"file entry {entry!r} is not (path, size, checksum)"
+    return None
+
+
+def is_committed(step_path: str | Path) -> bool:
+    """Whether `step_path` holds a readable commit record of a known version."""
+    try:
+        read_commit_record(step_path)
+    except CommitRecordError:
+        return False
+    return True
 
 
 def verify_files(step_path: Path, record: CommitRecord, prefix: str = "") -> list[str]:

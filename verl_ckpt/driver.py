@@ -58,8 +58,13 @@ class CheckpointCoordinator:
         self.participants = dict(roles)
         if save_driver_state:
             self.participants[DRIVER_ROLE] = 1
+        # Starting an actor is a process start: give it a minute even when saves have a
+        # short deadline.
         self.finalizer = start_finalizer(
-            self.root, self.participants, self.config.max_ckpt_to_keep, self.config.timeout_s
+            self.root,
+            self.participants,
+            self.config.max_ckpt_to_keep,
+            max(60.0, self.config.timeout_s),
         )
 
     def resume_dir(self) -> Path | None:

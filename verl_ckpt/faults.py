@@ -6,8 +6,8 @@ phases: `write` (a rank, before writing its files, in the writer thread or proce
 `report` (a rank, before reporting to the finalizer), `commit` (the finalizer, after every
 report arrived and before the commit record), `tracker` (the finalizer, after writing the
 tracker's temporary file, before the rename).
-actions: `hang` (sleep for an hour: a hung participant), `raise` (raise InjectedFault),
-`exit` (the process exits at once with status 17, like a crash).
+actions: `hang` (sleep for an hour: a hung participant), `sleep=<seconds>` (a slow one),
+`raise` (raise InjectedFault), `exit` (the process exits at once with status 17, a crash).
 The variable is read when the phase runs, in the process running it.
 """
 
@@ -49,9 +49,11 @@ def inject(phase: str, role: str | None = None, rank: int | None = None) -> None
         return
     if action == "hang":
         time.sleep(3600)
+    elif action.startswith("sleep="):
+        time.sleep(float(action.removeprefix("sleep=")))
     elif action == "raise":
         raise InjectedFault(f"fault injected by {ENV_VAR} at phase {phase} ({role} rank {rank})")
     elif action == "exit":
         os._exit(17)
     else:
-        raise ValueError(f"{ENV_VAR}: unknown action {action!r} (hang, raise or exit)")
+        raise ValueError(f"{ENV_VAR}: unknown action {action!r} (hang, sleep=<s>, raise or exit)")

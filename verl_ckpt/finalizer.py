@@ -32,12 +32,13 @@ import ray
 from verl_ckpt.commit_record import (
     CommitRecord,
     FileEntry,
+    is_committed,
     read_commit_record,
     write_commit_record,
 )
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.fsio import file_checksum, fsync_dir
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, list_step_dirs, role_dir, step_dir
+from verl_ckpt.layout import DRIVER_ROLE, list_step_dirs, role_dir, step_dir
 from verl_ckpt.reports import RankReport
 from verl_ckpt.retention import delete_step_dir, purge_deleted_steps, steps_to_delete
 from verl_ckpt.tracker import read_tracker, write_tracker
@@ -113,10 +114,9 @@ class CheckpointFinalizer:
         }
 
     def committed_steps(self) -> list[int]:
+        """Steps whose commit record is readable: a corrupt record never counts toward keep."""
         return sorted(
-            step
-            for step, path in list_step_dirs(self._root).items()
-            if (path / COMMIT_RECORD_FILENAME).is_file()
+            step for step, path in list_step_dirs(self._root).items() if is_committed(path)
         )
 
     def _uncommitted_steps(self) -> list[int]:

@@ -191,7 +191,7 @@ class CheckpointManager:
 
         stage_start = time.perf_counter()
         tensors = [item for item in items if isinstance(item, ShardedTensor)]
-        live, staged_items = self._split_live(tensors)
+        live, staged_items = self._split_live(tensors, sharded_part.get("optimizer"))
         slot, dropped = self._pool.acquire(f"{digest}:{len(live)}", [t.data for t in staged_items])
         for old in dropped:
             self._writer.forget_slot(old)
@@ -362,20 +362,28 @@ class CheckpointManager:
         return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
 
     def _split_live(
-        self, tensors: list[ShardedTensor]
+        self, tensors: list[ShardedTensor], optimizer_part: dict | None
     ) -> tuple[list[_LiveTensor], list[ShardedTensor]]:
-        """Offload-aware staging: which host tensors are written live, which are copied.
+        """Offload-aware staging: which optimizer tensors are written live, which are copied.
 
-        A tensor is written live only if it is a whole host tensor (not a view, which
-        megatron-core would clone anyway) and the writer reads this process's memory.
+        Only optimizer state qualifies: an offloading trainer replaces its storage between
+        updates, while parameters are updated in place by every step. A tensor is written
+        live only if it is a whole host tensor (not a view, which megatron-core would clone
+        anyway) and the writer reads this process's memory.
         """
-        if not self.config.staging.offload_aware or self._writer.shares_memory:
+        if (
+            not self.config.staging.offload_aware
+            or self._writer.shares_memory
+            or not optimizer_part
+        ):
             return [], tensors
+        candidates = {id(item) for item in megatron_compat.sharded_items(optimizer_part)}
         live, staged = [], []
         for item in tensors:
             data = item.data
             whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == _nbytes(data)
-            if data.device.type == "cpu" and data.is_contiguous() and whole:
+            host = data.device.type == "cpu" and data.is_contiguous() and whole
+            if id(item) in candidates and host:
                 live.append(_LiveTensor(item.key, data, data._version))
             else:
                 staged.append(item)

@@ -26,7 +26,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import state_dict_saver
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+    FileSystemWriterAsync,
+    _split_by_size_and_type,
+)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     distribute_main_replicas_with_precomputed_distribution,
 )
@@ -34,6 +37,8 @@ from megatron.core.dist_checkpointing.validation import (
     _validate_objects_for_key,
     _validate_sharding_for_key,
 )
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from verl_ckpt.fsio import fsync_dir
 
@@ -74,6 +79,36 @@ class PreparedSave:
     transforms: Any
     global_metadata: Any
     plan_cache: SavePlanCache
+
+
+class _PlanOnlyWriter(FileSystemWriterAsync):
+    """megatron-core's DCP writer for planning; its write preparation is replaced.
+
+    `FileSystemWriterAsync.prepare_write_data` also creates a results queue backed by a
+    multiprocessing Manager: a server process per rank that outlives every save. We write
+    ourselves and need no queue, so this builds the same buckets (same file names, same
+    split) without it. Views are cloned as megatron-core does: `torch.save` of a view would
+    write its whole storage.
+    """
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        prefix = plan.storage_data.prefix
+        self.write_buckets = []
+        for items in _split_by_size_and_type(self.thread_count, plan.items):
+            bytes_data, tensor_data = [], []
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    bytes_data.append((item, data))
+                else:
+                    tensor = data.detach()
+                    is_view = tensor.untyped_storage().nbytes() != tensor.numel() * tensor.itemsize
+                    tensor_data.append((item, tensor.clone() if is_view else tensor))
+            if bytes_data or tensor_data:
+                name = f"{prefix}{len(self.write_buckets)}{DEFAULT_SUFFIX}"
+                path = os.path.join(self.checkpoint_dir, name)
+                self.write_buckets.append((path, name, (bytes_data, tensor_data)))
+        self.results_queue = None
 
 
 def split_common_state(sharded_state_dict: dict) -> tuple[dict, dict]:
@@ -138,7 +173,7 @@ def plan_save(
         sharded_part, keep_only_main_replica=True
     )
     pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(flat, False)
-    writer = FileSystemWriterAsync(checkpoint_dir, thread_count=files_per_rank)
+    writer = _PlanOnlyWriter(checkpoint_dir, thread_count=files_per_rank)
     planner = mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
     cached = (cache.central_plan, cache.local_plan, True) if cache is not None else None
     (_, global_metadata, _), central_plan, local_plan, _, _ = (

@@ -1,0 +1,216 @@
+"""Staging and writer modes (issue: offload-aware snapshots, shared-memory process writer,
+no fork, no deadlock), on real Megatron ranks in Ray actors with real files and real kills."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import ray
+import torch
+
+from tests.conftest import ROLES, free_port
+from tests.rank_worker import RankWorker
+from verl_ckpt import CheckpointCoordinator, CheckpointWriteError, CommitTimeoutError, read_tracker
+from verl_ckpt.faults import ENV_VAR
+
+
+def every_rank(ranks):
+    return [w for group in ranks.values() for w in group]
+
+
+def save_everyone(ranks, coordinator, step, after="nothing"):
+    stats = ray.get([w.save.remote(step, after) for w in every_rank(ranks)])
+    coordinator.save_driver_state(step, {"step": step})
+    return stats
+
+
+def assert_restores(ranks, step, before):
+    ray.get([w.load.remote(step) for w in every_rank(ranks)])
+    after = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    for b, a in zip(before, after, strict=True):
+        assert b.keys() == a.keys()
+        for key in b:
+            assert torch.equal(b[key], a[key]), key
+
+
+def helpers_left(info):
+    """Child processes of a rank, but Python's multiprocessing resource tracker: a per-process
+    singleton that any spawn starts, shared with every other user of multiprocessing in the
+    process, which exits with the rank's process and holds none of our memory."""
+    return [cmd for _, cmd in info["children"] if "resource_tracker" not in cmd]
+
+
+def close_all(ranks, coordinator):
+    ray.get([w.close.remote() for w in every_rank(ranks)])
+    coordinator.close()
+
+
+@pytest.mark.parametrize(
+    "writer, offload_aware, after",
+    [
+        ("thread", False, "inplace"),
+        ("process", False, "inplace"),
+        ("inline", False, "inplace"),
+        ("thread", True, "offload"),
+        ("process", True, "offload"),
+    ],
+)
+def test_I4_snapshot_in_each_writer_mode(ranks, tmp_path, writer, offload_aware, after):
+    """Mutate, step the optimizer, offload and reload, free: the checkpoint is the state at
+    save(), in every writer mode and staging option."""
+    cfg = {
+        "root_dir": str(tmp_path / "ckpt"),
+        "timeout_s": 60.0,
+        "writer": {"mode": writer},
+        "staging": {"offload_aware": offload_aware},
+    }
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    stats = save_everyone(ranks, coordinator, 1, after)
+    coordinator.wait_for_commit(1)
+    done = [s for w in every_rank(ranks) for s in ray.get(w.wait.remote())]
+    if writer != "inline":
+        assert all(s["write_s"] is not None for s in done)
+    zero_copy = sum(s["bytes_zero_copy"] for s in stats)
+    if offload_aware and writer == "thread":
+        # The optimizer moments were written from the live host tensors, without a copy.
+        assert zero_copy > 0
+    else:
+        assert zero_copy == 0
+    assert_restores(ranks, 1, before)
+    close_all(ranks, coordinator)
+
+
+def test_I4_offload_aware_detects_in_place_change_and_fails_loudly(ranks, tmp_path):
+    cfg = {
+        "root_dir": str(tmp_path / "ckpt"),
+        "timeout_s": 60.0,
+        "staging": {"offload_aware": True},
+    }
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
+    critic = ranks["critic"][0]
+    # The critic's write starts a second late, and the trainer writes into the optimizer
+    # state in place meanwhile: this save must fail, never commit torn data.
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=sleep=1"))
+    try:
+        save_everyone(ranks, coordinator, 1, after="inplace")
+        with pytest.raises(CheckpointWriteError, match="modified in place"):
+            ray.get(critic.wait.remote())
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert read_tracker(cfg["root_dir"]) is None
+    # The actor ranks were not delayed: whether their write beat the in-place change is a
+    # race, and either outcome is correct (a clean write, or this same loud failure).
+    for w in ranks["actor"]:
+        try:
+            ray.get(w.close.remote())
+        except CheckpointWriteError as exc:
+            assert "modified in place" in str(exc)
+    coordinator.close()
+
+
+def test_I5_killed_writer_process_fails_the_save_and_the_next_save_commits(ranks, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "writer": {"mode": "process"}}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    critic = ranks["critic"][0]
+    # The writer process is spawned at the first save and inherits this variable: it hangs
+    # in its write until we kill it for real.
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=hang"))
+    ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
+    try:
+        save_everyone(ranks, coordinator, 1)
+        pid = ray.get(critic.writer_pid.remote())
+        assert pid is not None and pid != ray.get(critic.pid.remote())
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(CheckpointWriteError, match=r"writer process died \(exit status -9\)"):
+            ray.get(critic.wait.remote())
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert read_tracker(cfg["root_dir"]) is None
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2)
+    assert read_tracker(cfg["root_dir"]) == 2
+    new_pid = ray.get(critic.writer_pid.remote())
+    assert new_pid not in (None, pid)
+    close_all(ranks, coordinator)
+    assert helpers_left(ray.get(critic.process_info.remote())) == []
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_I5_no_leaks_after_many_saves_and_close(ranks, tmp_path, writer):
+    cfg = {
+        "root_dir": str(tmp_path / "ckpt"),
+        "timeout_s": 60.0,
+        "max_ckpt_to_keep": 2,
+        "writer": {"mode": writer},
+    }
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
+    rss = []
+    for step in range(1, 21):
+        save_everyone(ranks, coordinator, step)
+        coordinator.wait_for_commit(step)
+        infos = ray.get([w.process_info.remote() for w in every_rank(ranks)])
+        rss.append(sum(i["rss"] for i in infos))
+        # At most one writer process per rank, whatever the number of saves.
+        assert all(len(helpers_left(i)) <= (1 if writer == "process" else 0) for i in infos)
+    # Resident memory stays flat: within a few percent of the second save.
+    assert max(rss[2:]) <= rss[1] * 1.05, rss
+    close_all(ranks, coordinator)
+    infos = ray.get([w.process_info.remote() for w in every_rank(ranks)])
+    assert [helpers_left(i) for i in infos] == [[]] * len(infos)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("global_step_*")) == [
+        "global_step_19",
+        "global_step_20",
+    ]
+
+
+@pytest.fixture(scope="module")
+def world_with_rollout(ray_local):
+    """One gloo world of 3 ranks (TP=1, so DP=3): ranks 0 and 1 save, rank 2 is a rollout
+    rank that never calls save()."""
+    port = free_port()
+    workers = [RankWorker.remote("actor", r, 3, port, 1, save_ranks=[0, 1]) for r in range(3)]
+    ray.get([w.train.remote(1) for w in workers])
+    yield workers
+    for w in workers:
+        ray.kill(w)
+
+
+@pytest.mark.parametrize("fully_parallel", [False, True])
+def test_I6_rollout_ranks_never_join_save_collectives(world_with_rollout, tmp_path, fully_parallel):
+    savers = world_with_rollout[:2]
+    cfg = {
+        "root_dir": str(tmp_path / "ckpt"),
+        "timeout_s": 60.0,
+        "fully_parallel_save": fully_parallel,
+    }
+    coordinator = CheckpointCoordinator(cfg, {"actor": 2}, save_driver_state=False)
+    ray.get([w.open_manager.remote(cfg) for w in savers])
+    ray.get([w.save.remote(1) for w in savers])
+    coordinator.wait_for_commit(1)
+    written = [s["bytes_written"] for w in savers for s in ray.get(w.wait.remote())]
+    if fully_parallel:
+        # The replicated shards are spread over both data-parallel ranks.
+        assert min(written) > 0.3 * max(written), written
+    else:
+        # The first replica writes every replicated shard; the other only its own extra.
+        assert written[1] < 0.1 * written[0], written
+    ray.get([w.close.remote() for w in savers])
+    coordinator.close()
+
+
+def test_I5_missing_saving_rank_is_a_deadline_error_naming_it(world_with_rollout, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 3.0}
+    coordinator = CheckpointCoordinator(cfg, {"actor": 2}, save_driver_state=False)
+    saver = world_with_rollout[0]
+    ray.get([w.open_manager.remote(cfg) for w in world_with_rollout[:2]])
+    # Only rank 0 of the save group calls save(): it fails after the deadline, naming rank 1.
+    with pytest.raises(CommitTimeoutError, match=r"(?s)not every rank.*\b1\b"):
+        ray.get(saver.save.remote(1))
+    ray.get([w.close.remote() for w in world_with_rollout[:2]])
+    coordinator.close()
