@@ -13,8 +13,13 @@ import torch
 
 from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError, CommitRecordError
-from verl_ckpt.finalizer import start_finalizer
+from verl_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CommitRecordError,
+    CommitTimeoutError,
+)
+from verl_ckpt.finalizer import check_shared_root, start_finalizer
 from verl_ckpt.fsio import ChecksummingWriter
 from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
 from verl_ckpt.reports import RankReport
@@ -65,7 +70,9 @@ class CheckpointCoordinator:
             self.participants,
             self.config.max_ckpt_to_keep,
             max(60.0, self.config.timeout_s),
+            self.config.max_in_flight,
         )
+        check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
 
     def resume_dir(self) -> Path | None:
         """The committed step to resume from per `resume_mode`, or None for a fresh start."""
@@ -80,8 +87,7 @@ class CheckpointCoordinator:
         """Write the trainer's own state for `step` and report it (synchronous: it is small)."""
         if DRIVER_ROLE not in self.participants:
             raise CheckpointError("this coordinator was built with save_driver_state=False")
-        deadline = time.monotonic() + self.config.timeout_s
-        directory = Path(self._call("begin_step", step, DRIVER_ROLE, 0, 1, deadline=deadline))
+        directory = Path(self._call("begin_step", step, DRIVER_ROLE, 0, 1, self.config.timeout_s))
         path = directory / DRIVER_STATE_FILENAME
         report = RankReport(step, DRIVER_ROLE, 0, 1, uuid.uuid4().hex)
         try:
@@ -93,7 +99,7 @@ class CheckpointCoordinator:
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, stream.size, stream.checksum))
         except OSError as exc:
             report.error = f"writing {path}: {exc}"
-        self._call("report", report, deadline=deadline)
+        self._call("report", report)
         if report.error:
             raise CheckpointError(f"driver state of step {step} not saved: {report.error}")
 
@@ -121,6 +127,12 @@ class CheckpointCoordinator:
         ray.kill(self.finalizer, no_restart=True)
 
     def _call(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or time.monotonic() + self.config.timeout_s
+        # The finalizer applies its own deadline where it waits; ours covers the call itself.
+        deadline = deadline or time.monotonic() + self.config.timeout_s + 30
         ref = getattr(self.finalizer, method).remote(*args)
-        return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise CommitTimeoutError(
+                f"the finalizer of {self.root} did not answer {method} in time"
+            ) from None

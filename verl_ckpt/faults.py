@@ -5,20 +5,26 @@
 phases: `write` (a rank, before writing its files, in the writer thread or process),
 `report` (a rank, before reporting to the finalizer), `commit` (the finalizer, after every
 report arrived and before the commit record), `tracker` (the finalizer, after writing the
-tracker's temporary file, before the rename).
+tracker's temporary file, before the rename), `delete` (the finalizer, retention, after a
+step left the `global_step_<N>` namespace and before its files are removed).
 actions: `hang` (sleep for an hour: a hung participant), `sleep=<seconds>` (a slow one),
-`raise` (raise InjectedFault), `exit` (the process exits at once with status 17, a crash).
-The variable is read when the phase runs, in the process running it.
+`raise` (raise InjectedFault), `enospc` (raise OSError ENOSPC, a full disk at that exact
+moment), `exit` (the process exits at once with status 17, a crash).
+With VERL_CKPT_FAULT_ONCE=<path>, a fault fires only if <path> does not exist, and creates
+it first: a restarted process then runs normally.
+The variables are read when the phase runs, in the process running it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
-__all__ = ["ENV_VAR", "InjectedFault", "inject"]
+__all__ = ["ENV_VAR", "ONCE_ENV_VAR", "InjectedFault", "inject"]
 
 ENV_VAR = "VERL_CKPT_FAULT"
+ONCE_ENV_VAR = "VERL_CKPT_FAULT_ONCE"
 
 
 class InjectedFault(RuntimeError):
@@ -47,13 +53,23 @@ def inject(phase: str, role: str | None = None, rank: int | None = None) -> None
     action = _matching_action(spec, phase, role, rank)
     if action is None:
         return
+    once = os.environ.get(ONCE_ENV_VAR)
+    if once:
+        try:
+            with open(once, "x"):
+                pass
+        except FileExistsError:
+            return
     if action == "hang":
         time.sleep(3600)
     elif action.startswith("sleep="):
         time.sleep(float(action.removeprefix("sleep=")))
     elif action == "raise":
         raise InjectedFault(f"fault injected by {ENV_VAR} at phase {phase} ({role} rank {rank})")
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at phase {phase})")
     elif action == "exit":
         os._exit(17)
     else:
-        raise ValueError(f"{ENV_VAR}: unknown action {action!r} (hang, sleep=<s>, raise or exit)")
+        known = "hang, sleep=<s>, raise, enospc or exit"
+        raise ValueError(f"{ENV_VAR}: unknown action {action!r} ({known})")

@@ -23,12 +23,14 @@ import hashlib
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from verl_ckpt import faults
 from verl_ckpt.commit_record import (
     CommitRecord,
     FileEntry,
@@ -37,13 +39,32 @@ from verl_ckpt.commit_record import (
     write_commit_record,
 )
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
-from verl_ckpt.fsio import file_checksum, fsync_dir
-from verl_ckpt.layout import DRIVER_ROLE, list_step_dirs, role_dir, step_dir
+from verl_ckpt.fsio import (
+    atomic_write_bytes,
+    file_checksum,
+    fsync_dir,
+    remove_stale_temporaries,
+)
+from verl_ckpt.layout import (
+    COMMIT_RECORD_FILENAME,
+    DRIVER_ROLE,
+    ROOT_MARKER_FILENAME,
+    TRACKER_FILENAME,
+    list_step_dirs,
+    role_dir,
+    step_dir,
+)
 from verl_ckpt.reports import RankReport
 from verl_ckpt.retention import delete_step_dir, purge_deleted_steps, steps_to_delete
 from verl_ckpt.tracker import read_tracker, write_tracker
 
-__all__ = ["FINALIZER_NAMESPACE", "finalizer_name", "get_finalizer", "start_finalizer"]
+__all__ = [
+    "FINALIZER_NAMESPACE",
+    "check_shared_root",
+    "finalizer_name",
+    "get_finalizer",
+    "start_finalizer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +96,17 @@ class CheckpointFinalizer:
     """Commits steps of one checkpoint root (see the module docstring for the call order)."""
 
     def __init__(
-        self, root_dir: str, participants: dict[str, int], max_ckpt_to_keep: int | None
+        self,
+        root_dir: str,
+        participants: dict[str, int],
+        max_ckpt_to_keep: int | None,
+        max_in_flight: int = 1,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
         self._participants = dict(participants)
         self._keep = max_ckpt_to_keep
+        self._max_in_flight = max_in_flight
         self._expected = [
             (role, rank) for role, size in sorted(participants.items()) for rank in range(size)
         ]
@@ -100,8 +126,14 @@ class CheckpointFinalizer:
                 sorted(uncommitted),
                 "; their reports were lost in a finalizer restart" if restarted else "",
             )
-        # Finish deletions that a crash interrupted, then apply retention to what is on disk.
+        # Finish deletions and tracker writes that a crash interrupted (the tracker itself
+        # holds the old or the new step: the rename is atomic).
         purge_deleted_steps(self._root)
+        remove_stale_temporaries(self._root, TRACKER_FILENAME)
+        self._warn_if_tracker_lags()
+        # Every node must see this directory: ranks and the driver check this token.
+        self._marker_token = uuid.uuid4().hex
+        atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
         self._apply_retention()
 
     # ---- queries -------------------------------------------------------------------------
@@ -111,7 +143,27 @@ class CheckpointFinalizer:
             "root_dir": str(self._root),
             "participants": dict(self._participants),
             "max_ckpt_to_keep": self._keep,
+            "max_in_flight": self._max_in_flight,
         }
+
+    def marker_token(self) -> str:
+        """The token this finalizer wrote into the root's marker file at start-up."""
+        return self._marker_token
+
+    def _warn_if_tracker_lags(self) -> None:
+        committed = self.committed_steps()
+        tracker = self._safe_tracker()
+        if committed and tracker is not None and committed[-1] > tracker:
+            # A crash between the commit record and the tracker, or a tracker rolled back by
+            # hand: either way the tracker is authoritative and left alone. The newer step
+            # stays on disk until retention removes it after the next commit.
+            logger.warning(
+                "step %d under %s is committed but the tracker names step %d; resume uses the "
+                "tracker (a finalizer crash before moving it, or a manual rollback)",
+                committed[-1],
+                self._root,
+                tracker,
+            )
 
     def committed_steps(self) -> list[int]:
         """Steps whose commit record is readable: a corrupt record never counts toward keep."""
@@ -130,16 +182,21 @@ class CheckpointFinalizer:
 
     # ---- protocol ------------------------------------------------------------------------
 
-    def begin_step(self, step: int, role: str, rank: int, world_size: int) -> str:
+    async def begin_step(
+        self, step: int, role: str, rank: int, world_size: int, timeout_s: float
+    ) -> str:
         """Make sure the step's directories exist; return the participant's directory.
 
-        Runs without awaiting, so the calls of the ranks of one step are serialised. It
-        answers every rank of a step the same way whatever the order of their calls (ranks
-        that were told different things would wait for each other in their planning
+        Back-pressure first: a new step starts only while fewer than `max_in_flight` steps
+        are uncommitted, so that at most `max_ckpt_to_keep + max_in_flight` step directories
+        ever exist. Then, without awaiting (so that the ranks' calls are serialised), the
+        directories. Every rank of a step gets the same answer whatever the order of their
+        calls (ranks told different things would wait for each other in their planning
         collectives): only a committed step is refused; a failed or lost step is written
         again and then refused at report time.
         """
         self._check_participant(role, rank, world_size)
+        await self._wait_for_room(step, timeout_s)
         path = step_dir(self._root, step)
         state = self._steps.get(step)
         if (state is not None and state.committed) or (
@@ -158,6 +215,29 @@ class CheckpointFinalizer:
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
         target.mkdir(parents=True, exist_ok=True)
         return str(target)
+
+    async def _wait_for_room(self, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while step not in self._steps:
+            pending = {s: st for s, st in self._steps.items() if not st.done.is_set()}
+            if len(pending) < self._max_in_flight:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = "; ".join(
+                    f"step {s}: " + describe_participants(self.missing(s)) for s in sorted(pending)
+                )
+                raise CommitTimeoutError(
+                    f"step {step} cannot start under {self._root}: {len(pending)} step(s) still "
+                    f"uncommitted after {timeout_s:.0f}s (max_in_flight={self._max_in_flight}); "
+                    f"missing reports: {missing}"
+                )
+            waits = [asyncio.ensure_future(st.done.wait()) for st in pending.values()]
+            _, unfinished = await asyncio.wait(
+                waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in unfinished:
+                task.cancel()
 
     async def report(self, report: RankReport) -> None:
         """Record one participant's outcome; commit when the last one arrives."""
@@ -248,13 +328,21 @@ class CheckpointFinalizer:
                 continue
             files.extend(self._complete_role(path, role, state))
         fsync_dir(path)
+        faults.inject("commit")
         record = CommitRecord(step=step, participants=dict(self._participants), files=files)
         write_commit_record(path, record)
         # The tracker moves only after the record is durable (I1), and never backwards (I2):
         # a late commit of an older step leaves it on the newer one.
         current = self._safe_tracker()
         if current is None or step > current:
-            write_tracker(self._root, step)
+            try:
+                write_tracker(self._root, step)
+            except OSError:
+                # A step reported as failed must not be committed on disk: take the record
+                # back (unlinking needs no space), so that disk and report agree.
+                (path / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
+                fsync_dir(path)
+                raise
         logger.info("committed step %d under %s", step, self._root)
         # Old steps go only after the new one committed (I3): deleting first would leave no
         # committed step at all if this commit had failed.
@@ -339,6 +427,7 @@ def start_finalizer(
     participants: dict[str, int],
     max_ckpt_to_keep: int | None,
     timeout_s: float = 120.0,
+    max_in_flight: int = 1,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
@@ -358,7 +447,7 @@ def start_finalizer(
             max_task_retries=3,
             num_cpus=0,
         )
-        .remote(root, dict(participants), max_ckpt_to_keep)
+        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight)
     )
     try:
         found = ray.get(actor.describe.remote(), timeout=timeout_s)
@@ -370,6 +459,7 @@ def start_finalizer(
         "root_dir": root,
         "participants": dict(participants),
         "max_ckpt_to_keep": max_ckpt_to_keep,
+        "max_in_flight": max_in_flight,
     }
     if found != wanted:
         raise CheckpointError(
@@ -393,3 +483,26 @@ def get_finalizer(root_dir: str | os.PathLike, timeout_s: float) -> ray.actor.Ac
                     "the driver must call CheckpointCoordinator (or start_finalizer) first"
                 ) from None
             time.sleep(0.1)
+
+
+def check_shared_root(
+    root_dir: str | os.PathLike, finalizer: ray.actor.ActorHandle, timeout_s: float, who: str
+) -> None:
+    """Fail unless this process sees the marker the finalizer wrote into the root.
+
+    Ranks, driver and finalizer may run on different nodes; a root that is not one shared
+    filesystem would scatter a step's files over several disks and never commit correctly.
+    """
+    token = ray.get(finalizer.marker_token.remote(), timeout=timeout_s)
+    marker = Path(root_dir) / ROOT_MARKER_FILENAME
+    try:
+        seen = marker.read_text()
+    except OSError:
+        seen = None
+    if seen != token:
+        raise CheckpointError(
+            f"{who} on node {ray.util.get_node_ip_address()} does not see the checkpoint root "
+            f"{root_dir} that the finalizer writes to (marker {marker.name} "
+            f"{'missing' if seen is None else 'differs'}): checkpoint.root_dir must be one "
+            "filesystem shared by every node"
+        )

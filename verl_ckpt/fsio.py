@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -17,6 +18,7 @@ __all__ = [
     "atomic_write_bytes",
     "file_checksum",
     "fsync_dir",
+    "remove_stale_temporaries",
 ]
 
 # crc32 (zlib) runs at several GB/s and releases the GIL on large buffers, so checksumming
@@ -34,12 +36,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(
+    path: str | os.PathLike, data: bytes, before_replace: Callable[[], None] | None = None
+) -> None:
     """Replace `path` with `data` so that a reader sees the old or the new content, never less.
 
     Order matters: the temporary file is fsynced before the rename (else a crash could leave
     the new name pointing at an empty file), and the directory is fsynced after the rename
-    (else the rename itself may be lost and the old content come back).
+    (else the rename itself may be lost and the old content come back). A temporary file
+    left by a crash is named `.<name>.tmp.<pid>`: `remove_stale_temporaries` clears them.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -48,6 +53,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -103,3 +110,12 @@ def file_checksum(path: str | os.PathLike) -> tuple[int, str]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, f"{crc:08x}"
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, name: str) -> list[Path]:
+    """Remove the temporary files that a crash inside `atomic_write_bytes(name)` left."""
+    removed = []
+    for tmp in Path(directory).glob(f".{name}.tmp.*"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed

@@ -15,6 +15,7 @@ __all__ = [
     "COMMIT_RECORD_FILENAME",
     "DRIVER_ROLE",
     "DRIVER_STATE_FILENAME",
+    "ROOT_MARKER_FILENAME",
     "TRACKER_FILENAME",
     "list_step_dirs",
     "role_dir",
@@ -25,6 +26,9 @@ __all__ = [
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMIT_RECORD_FILENAME = "verl_ckpt_commit.json"
 DRIVER_STATE_FILENAME = "driver_state.pt"
+# Written by the finalizer at start-up; every rank and the driver read it back to prove that
+# they see the same filesystem.
+ROOT_MARKER_FILENAME = ".verl_ckpt_root_marker"
 # The driver reports as one more participant under this role name.
 DRIVER_ROLE = "driver"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")

@@ -3,9 +3,10 @@
 Call order of one `save(step, ...)` on a rank (the training thread blocks for 1-4 only):
   1. back-pressure: wait (with a deadline) until fewer than `max_in_flight` writes are
      running, and raise a failure of an earlier write, once;
-  2. `begin_step` on the finalizer, which creates the step directory;
-  3. plan: agree with the other ranks of the save group (one small all-gather on that group)
-     on the step, the root and whether the structure hash changed; re-plan only if it did;
+  2. agree with the other ranks of the save group (a monitored barrier and one small
+     all-gather on that group) on the step, the root and whether the structure changed;
+  3. `begin_step` on the finalizer, which waits while `max_in_flight` steps are uncommitted
+     and creates the step directory; then plan, re-planning only if the structure changed;
   4. stage: copy every tensor into host buffers reused across saves (invariant I4);
   5. write (background thread pool, or inline): one file per DCP bucket, fsynced and
      checksummed as the bytes pass; then report to the finalizer, then free the buffers.
@@ -40,7 +41,7 @@ from verl_ckpt.errors import (
     CommitTimeoutError,
 )
 from verl_ckpt.file_writer import write_common
-from verl_ckpt.finalizer import get_finalizer
+from verl_ckpt.finalizer import check_shared_root, get_finalizer
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.reports import RankReport
 from verl_ckpt.staging import StagingPool, StagingSlot, copy_into
@@ -128,6 +129,7 @@ class CheckpointManager:
         self._root = Path(self.config.root_dir).resolve()
         self._timeout_s = float(self.config.timeout_s)
         self._finalizer = get_finalizer(self._root, self._timeout_s)
+        check_shared_root(self._root, self._finalizer, self._timeout_s, f"{role} rank {rank}")
         mode = self.config.writer.mode if self.config.async_save else "inline"
         self._writer = make_writer(mode, self.config.writer.threads, f"verl_ckpt_{role}{rank}")
         self._pool = StagingPool(
@@ -170,15 +172,22 @@ class CheckpointManager:
         self._raise_pending_error()
         self._wait_for_capacity()
         sharded = self._compose(model=model, optimizer=optimizer, extra=extra)
-        directory = Path(
-            self._call_finalizer("begin_step", step, self.role, self.rank, self.world_size)
-        )
 
         plan_start = time.perf_counter()
         sharded_part, common = megatron_compat.split_common_state(sharded)
         items = megatron_compat.sharded_items(sharded_part)
         digest = structure_hash(items)
+        # Agreement comes before begin_step: ranks that disagree on the step or the root fail
+        # together before any directory or file exists.
         reuse = self._agree_with_group(step, digest)
+        waited = time.perf_counter()
+        directory = Path(
+            self._call_finalizer(
+                "begin_step", step, self.role, self.rank, self.world_size, self._timeout_s
+            )
+        )
+        # Time spent waiting for an earlier step to commit is back-pressure, not planning.
+        plan_start += time.perf_counter() - waited
         cache = self._plan_cache if reuse else None
         distribution = None
         if self.config.fully_parallel_save:
@@ -469,7 +478,8 @@ class CheckpointManager:
             self._completed.append(job.stats)
 
     def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or time.monotonic() + self._timeout_s
+        # The finalizer applies its own deadline where it waits; ours covers the call itself.
+        deadline = deadline or time.monotonic() + self._timeout_s + 30
         ref = getattr(self._finalizer, method).remote(*args)
         try:
             return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))

@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from verl_ckpt import faults
 from verl_ckpt.fsio import fsync_dir
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME
 
@@ -36,20 +37,18 @@ def steps_to_delete(
 def delete_step_dir(path: Path) -> None:
     """Delete a step directory so that no crash can leave a loadable half-deleted step.
 
-    The commit record goes first, durably: from then on loaders refuse the step. The
-    directory is then renamed out of the `global_step_<N>` namespace in one atomic step, so
-    a crash during the slow recursive delete leaves only a `.deleting_*` directory, which
-    `purge_deleted_steps` finishes at the next start.
+    The directory first leaves the `global_step_<N>` namespace by one atomic rename,
+    made durable: from then on no loader finds it. A crash during the slow recursive delete
+    leaves only a `.deleting_*` directory, which `purge_deleted_steps` finishes at the next
+    start. Its commit record goes first within it, so even a copy of it is not loadable.
     """
-    record = path / COMMIT_RECORD_FILENAME
-    if record.exists():
-        record.unlink()
-        fsync_dir(path)
     doomed = path.with_name(f"{_DELETING_PREFIX}{path.name}")
     if doomed.exists():
         shutil.rmtree(doomed)
     os.replace(path, doomed)
     fsync_dir(path.parent)
+    faults.inject("delete")
+    (doomed / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
     shutil.rmtree(doomed)
 
 

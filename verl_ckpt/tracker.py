@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from verl_ckpt import faults
 from verl_ckpt.errors import TrackerError
 from verl_ckpt.fsio import atomic_write_bytes
 from verl_ckpt.layout import TRACKER_FILENAME
@@ -50,4 +51,8 @@ def write_tracker(root: str | Path, step: int) -> None:
     """Atomically point the tracker at `step` (tmp file, fsync, rename, directory fsync)."""
     if step < 0:
         raise ValueError(f"tracker step must be >= 0, got {step}")
-    atomic_write_bytes(tracker_path(root), f"{step}\n".encode("ascii"))
+    atomic_write_bytes(
+        tracker_path(root),
+        f"{step}\n".encode("ascii"),
+        before_replace=lambda: faults.inject("tracker"),
+    )

@@ -1,0 +1,383 @@
+"""The toy PPO recipe (recipes/ppo_toy.py) as a user runs it: `python -m recipes.ppo_toy` in
+real subprocesses, each with its own embedded Ray on 127.0.0.1, real megatron-core ranks over
+gloo, real checkpoint files; and as a Ray job submitted to a separately started cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from recipes.ppo_config import RecipeConfigError, to_recipe_config
+from recipes.ppo_math import gae, policy_loss, token_rewards
+from verl_ckpt import read_commit_record, read_tracker, step_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPARED = ("reward", "actor_loss", "critic_loss")
+RUN_TIMEOUT_S = 300
+
+
+def recipe_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def start_recipe(out_dir: Path, *overrides: str) -> subprocess.Popen:
+    """`python -m recipes.ppo_toy` with its Hydra output and metrics under `out_dir`."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.ppo_toy",
+        f"hydra.run.dir={out_dir}",
+        f"trainer.metrics_path={out_dir / 'metrics.jsonl'}",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> str:
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        pytest.fail(f"recipe still running after {timeout_s}s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"recipe failed (rc {proc.returncode}):\n{output[-4000:]}"
+    return output
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"{path}: steps out of order or repeated: {steps}"
+    return {r["step"]: r for r in records}
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+# ---- resume ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_I1_I4_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path):
+    """Run 1 (6 steps, saves at 2, 4, 6) and run 2 on the same root (to step 10) give steps
+    7..10 bit-identical rewards and losses to an uninterrupted 10-step run: model, Adam state
+    (kept offloaded on the host between updates), samplers and the driver's prompt RNG all
+    come back exactly from a committed step. Also: the reward rises, and the save steps'
+    metrics carry the checkpoint figures."""
+    root, reference_root = tmp_path / "ckpt", tmp_path / "ckpt_reference"
+    # The first run and the reference run are independent: run them side by side.
+    first = start_recipe(
+        tmp_path / "run1",
+        "trainer.total_steps=6",
+        "checkpoint.save_freq=2",
+        f"checkpoint.root_dir={root}",
+    )
+    reference = start_recipe(
+        tmp_path / "reference", "trainer.total_steps=10", f"checkpoint.root_dir={reference_root}"
+    )
+    finish(first)
+    finish(reference)
+    assert read_tracker(root) == 6
+    second = finish(
+        start_recipe(tmp_path / "run2", "trainer.total_steps=10", f"checkpoint.root_dir={root}")
+    )
+    assert f"resumed from {step_dir(root, 6)} (step 6)" in second
+
+    run1 = read_metrics(tmp_path / "run1" / "metrics.jsonl")
+    run2 = read_metrics(tmp_path / "run2" / "metrics.jsonl")
+    ref = read_metrics(tmp_path / "reference" / "metrics.jsonl")
+    assert sorted(run1) == list(range(1, 7))
+    assert sorted(run2) == list(range(7, 11)), "run 2 did not continue after step 6"
+    assert sorted(ref) == list(range(1, 11))
+    for step in range(1, 11):
+        resumed = run1[step] if step <= 6 else run2[step]
+        assert {k: resumed[k] for k in COMPARED} == {k: ref[step][k] for k in COMPARED}, step
+
+    # The policy learns: mean reward of the last three steps well above the first three.
+    rewards = [ref[step]["reward"] for step in range(1, 11)]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
+
+    for step in (2, 4, 6):
+        figures = run1[step]
+        assert figures["ckpt_blocking_s"] > 0 and figures["ckpt_write_s"] > 0, figures
+        assert figures["ckpt_bytes"] > 100_000, figures
+    assert "ckpt_blocking_s" not in run1[3]
+    # Both runs committed their last step; retention (max_ckpt_to_keep=2) kept the newest two.
+    assert read_tracker(root) == 10 and read_tracker(reference_root) == 10
+    assert sorted(p.name for p in root.glob("global_step_*")) == [
+        "global_step_10",
+        "global_step_6",
+    ]
+    record = read_commit_record(step_dir(root, 10))
+    assert record.participants == {"actor": 2, "critic": 1, "driver": 1}
+
+
+# ---- Ray job submission ------------------------------------------------------------------
+
+
+class RayHead:
+    """A Ray head started with `ray start --head --block` for one test, stopped by its pids.
+
+    `ray stop` is not used: it kills every Ray process on the machine, including the test
+    session's own Ray and other users'. This head has its own temp dir, ports and token, and
+    its processes fate-share with the `ray start --block` process, which is terminated last.
+    """
+
+    def __init__(self, num_cpus: int = 4) -> None:
+        # Short path: Ray's unix socket paths under the temp dir must stay below ~107 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="vcj", dir="/tmp"))
+        self.token_path = self.temp_dir / "auth_token"
+        self.token_path.write_text(uuid.uuid4().hex)
+        gcs, self.dashboard_port, agent, agent_grpc, client, metrics = free_ports(6)
+        self.env = recipe_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
+        self.env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), self.env["PATH"]])
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("ray", path=self.env["PATH"]),
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={gcs}",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+                f"--dashboard-agent-listen-port={agent}",
+                f"--dashboard-agent-grpc-port={agent_grpc}",
+                f"--ray-client-server-port={client}",
+                f"--metrics-export-port={metrics}",
+                f"--num-cpus={num_cpus}",
+                "--include-dashboard=true",
+                f"--temp-dir={self.temp_dir}",
+                "--disable-usage-stats",
+            ],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        request = urllib.request.Request(
+            f"{self.address}/api/version",
+            headers={"Authorization": f"Bearer {self.token_path.read_text()}"},
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"ray start exited early:\n{self.proc.stdout.read()[-4000:]}")
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"the Ray head's job server at {self.address} not up within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM the `ray start --block` process (it stops its children), then kill any of
+        its descendants that outlived it."""
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        assert not alive, f"Ray processes outlived `ray start --block`: {alive}"
+
+
+@pytest.mark.slow
+def test_I1_recipe_runs_as_a_ray_job_on_an_existing_cluster(tmp_path):
+    """recipes/submit_job.sh submits the recipe with `ray job submit --working-dir .` to a
+    running head; the job connects through RAY_ADDRESS, trains 2 steps, and commits step 2."""
+    root = tmp_path / "ckpt"
+    head = RayHead()
+    try:
+        head.wait_ready()
+        job = subprocess.run(
+            [
+                "bash",
+                str(REPO_ROOT / "recipes" / "submit_job.sh"),
+                "trainer.total_steps=2",
+                "checkpoint.save_freq=2",
+                f"checkpoint.root_dir={root}",
+                f"trainer.metrics_path={tmp_path / 'metrics.jsonl'}",
+            ],
+            cwd=tmp_path,  # the script finds the repository itself
+            env={**head.env, "RAY_ADDRESS": head.address},
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        output = job.stdout + job.stderr
+        assert job.returncode == 0, output[-4000:]
+        assert "succeeded" in output and "connected to the Ray cluster" in output
+    finally:
+        head.stop()
+    assert read_tracker(root) == 2
+    record = read_commit_record(step_dir(root, 2))
+    assert record.participants == {"actor": 2, "critic": 1, "driver": 1}
+    assert sorted(read_metrics(tmp_path / "metrics.jsonl")) == [1, 2]
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor.tensor_parallel_size=3", "actor.tensor_parallel_size"),
+        ("checkpoint.max_ckpt_to_keep=0", "checkpoint.max_ckpt_to_keep"),
+        ("critic.world_size=two", "critic.world_size"),
+    ],
+)
+def test_bad_override_fails_before_ray_starts_naming_the_key(tmp_path, override, key):
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.ppo_toy", f"hydra.run.dir={tmp_path}", override],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert key in proc.stderr, proc.stderr[-2000:]
+    assert "embedded Ray" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        (
+            {"actor": {"world_size": 4, "tensor_parallel_size": 2}, "rollout": {"batch_size": 31}},
+            "rollout.batch_size",
+        ),
+        (
+            {
+                "critic": {"tensor_parallel_size": 4, "world_size": 4},
+                "model": {"ffn_hidden_size": 66},
+            },
+            "critic.tensor_parallel_size",
+        ),
+        ({"model": {"hidden_size": 30}}, "model.hidden_size"),
+        ({"rollout": {"target_token": 32}}, "rollout.target_token"),
+        ({"trainer": {"total_steps": 0}}, "trainer.total_steps"),
+    ],
+)
+def test_cross_key_checks_name_the_key(settings, key):
+    with pytest.raises(RecipeConfigError, match=key.replace(".", r"\.")):
+        to_recipe_config(OmegaConf.create(settings))
+
+
+def test_schema_defaults_match_configs_ppo_toy_yaml():
+    """The dataclass defaults and the YAML users read say the same (checkpoint aside)."""
+    yaml = OmegaConf.load(REPO_ROOT / "configs" / "ppo_toy.yaml")
+    del yaml["defaults"]
+    yaml.trainer.metrics_path = None  # ${hydra:...} resolves only inside the Hydra app
+    from_yaml, defaults = to_recipe_config(yaml), to_recipe_config(OmegaConf.create({}))
+    for section in ("trainer", "model", "rollout", "algorithm", "actor", "critic"):
+        assert getattr(from_yaml, section) == getattr(defaults, section), section
+
+
+# ---- arithmetic and optimizer offload ----------------------------------------------------
+
+
+def test_gae_matches_a_hand_computation():
+    rewards = torch.tensor([[1.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.25, 0.5]])
+    advantages, returns = gae(rewards, values, gamma=1.0, lam=1.0)
+    # lam = gamma = 1: advantage = reward-to-go - value.
+    assert torch.allclose(advantages, torch.tensor([[1.5, 0.75, 0.5]]))
+    assert torch.allclose(returns, torch.tensor([[2.0, 1.0, 1.0]]))
+    zero_lam, _ = gae(rewards, values, gamma=1.0, lam=0.0)
+    assert torch.allclose(zero_lam, torch.tensor([[0.75, 0.25, 0.5]]))  # one-step TD errors
+    assert token_rewards(torch.tensor([[3, 1, 3]]), 3).tolist() == [[1.0, 0.0, 1.0]]
+
+
+def test_policy_loss_clips_large_ratios():
+    old = torch.zeros(1, 2)
+    adv = torch.ones(1, 2)
+    unclipped = policy_loss(torch.full((1, 2), 0.1), old, adv, clip_ratio=0.2)
+    clipped = policy_loss(torch.full((1, 2), 1.0), old, adv, clip_ratio=0.2)
+    assert torch.isclose(unclipped, -torch.exp(torch.tensor(0.1)))
+    assert torch.isclose(clipped, torch.tensor(-1.2))
+
+
+def test_I4_optimizer_offload_swaps_storage_and_never_writes_the_host_copy():
+    """Between updates the optimizer state lives in fresh host tensors that nothing mutates:
+    the next update swaps in new copies first (what lets a save reference them safely)."""
+    from recipes.workers import ActorWorker
+
+    worker = ActorWorker(to_recipe_config(OmegaConf.create({})), rank=0)
+    worker.model = torch.nn.Linear(4, 4)
+    worker.optimizer = torch.optim.Adam(worker.model.parameters(), lr=0.1)
+
+    def update():
+        worker._onload_optimizer()
+        worker.model(torch.ones(2, 4)).sum().backward()
+        worker.optimizer.step()
+        worker.optimizer.zero_grad()
+        worker._offload_optimizer()
+
+    update()
+    host = [dict(s) for s in worker.optimizer.state.values()]
+    frozen = [{k: v.clone() for k, v in s.items()} for s in host]
+    update()
+    for before, copy, now in zip(host, frozen, worker.optimizer.state.values()):
+        for name, tensor in before.items():
+            assert torch.equal(tensor, copy[name]), f"offloaded {name} was written in place"
+            assert now[name].data_ptr() != tensor.data_ptr()
+        assert not torch.equal(now["exp_avg"], before["exp_avg"])
