@@ -165,6 +165,17 @@ class RankWorker:
         torch.set_rng_state(loaded["extra"]["rng"])
         self.generator.set_state(loaded["extra"]["generator"])
 
+    def load_model_and_optimizer(self, step_path: Any) -> None:
+        """Restore model and optimizer only (no per-rank extra state)."""
+        loaded = self.manager.load(
+            step_path,
+            model=self.model.sharded_state_dict(),
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            extra=False,
+        )
+        self.model.load_state_dict(loaded["model"])
+        self.mc.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
+
     def plain_megatron_load(self, role_dir: str) -> dict[str, torch.Tensor]:
         """Invariant I7: megatron-core alone, no code of ours, reads the role directory."""
         from megatron.core import dist_checkpointing

@@ -242,7 +242,8 @@ class RayHead:
 @pytest.mark.slow
 def test_I1_recipe_runs_as_a_ray_job_on_an_existing_cluster(tmp_path):
     """recipes/submit_job.sh submits the recipe with `ray job submit --working-dir .` to a
-    running head; the job connects through RAY_ADDRESS, trains 2 steps, and commits step 2."""
+    running head; the job connects through RAY_ADDRESS, trains 2 steps, and commits step 2
+    (with the `checkpoint=sync` preset, which the other tests do not run)."""
     root = tmp_path / "ckpt"
     head = RayHead()
     try:
@@ -252,6 +253,7 @@ def test_I1_recipe_runs_as_a_ray_job_on_an_existing_cluster(tmp_path):
                 "bash",
                 str(REPO_ROOT / "recipes" / "submit_job.sh"),
                 "trainer.total_steps=2",
+                "checkpoint=sync",
                 "checkpoint.save_freq=2",
                 f"checkpoint.root_dir={root}",
                 f"trainer.metrics_path={tmp_path / 'metrics.jsonl'}",
@@ -270,7 +272,9 @@ def test_I1_recipe_runs_as_a_ray_job_on_an_existing_cluster(tmp_path):
     assert read_tracker(root) == 2
     record = read_commit_record(step_dir(root, 2))
     assert record.participants == {"actor": 2, "critic": 1, "driver": 1}
-    assert sorted(read_metrics(tmp_path / "metrics.jsonl")) == [1, 2]
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert sorted(metrics) == [1, 2]
+    assert metrics[2]["ckpt_bytes"] > 100_000 and metrics[2]["ckpt_write_s"] > 0
 
 
 # ---- configuration -----------------------------------------------------------------------

@@ -5,6 +5,7 @@ Depends on torch only (not megatron-core), so that a spawned writer process star
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ try:  # torch >= 2.5 takes the serialization format explicitly
 except ImportError:  # pragma: no cover - older torch
     _WRITE_ITEM_KWARGS = {}
 
-__all__ = ["COMMON_FILENAME", "WrittenFile", "write_bucket", "write_common"]
+__all__ = ["COMMON_FILENAME", "WrittenFile", "serialize_common", "write_bucket", "write_common"]
 
 COMMON_FILENAME = "common.pt"
 
@@ -54,12 +55,20 @@ def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
     return results, WrittenFile(os.path.basename(path), stream.size, stream.checksum)
 
 
-def write_common(common_state_dict: dict, checkpoint_dir: Path) -> WrittenFile:
-    """Write common.pt (the non-sharded part) as megatron-core's torch common strategy does."""
+def serialize_common(common_state_dict: dict) -> bytes:
+    """common.pt's bytes, taken inside save(): the snapshot of the non-sharded state (I4)."""
+    buffer = io.BytesIO()
+    torch.save(common_state_dict, buffer)
+    return buffer.getvalue()
+
+
+def write_common(data: bytes, checkpoint_dir: Path) -> WrittenFile:
+    """Write common.pt (the non-sharded part, as megatron-core's torch common strategy lays
+    it out), fsynced, with its checksum."""
     path = checkpoint_dir / COMMON_FILENAME
     with open(path, "wb") as raw:
         stream = ChecksummingWriter(raw)
-        torch.save(common_state_dict, stream)
+        stream.write(data)
         raw.flush()
         os.fsync(raw.fileno())
     return WrittenFile(COMMON_FILENAME, stream.size, stream.checksum)

@@ -1,7 +1,9 @@
 """The finalizer: one Ray actor per checkpoint root that commits steps.
 
 Call order of one step (who runs each part):
-  0) driver: `start_finalizer()` once, with the expected participants.
+  0) driver: `start_finalizer()` once, with the expected participants; the finalizer writes
+     a marker into the root that every rank and the driver read back (one shared
+     filesystem, checked at start-up).
   1) every rank: `begin_step(step)` (inside `save()`) - the finalizer creates the step
      directory, removing an uncommitted leftover of an earlier run first.
   2) every rank: writes its files in the background, then `report(RankReport)`.
@@ -12,8 +14,15 @@ Call order of one step (who runs each part):
 
 The finalizer learns completion from reports, never from collectives (invariant I6). Its
 state is rebuilt from disk when it (re)starts: committed steps are the directories holding a
-commit record. Reports are kept in memory only: after a restart, steps that were in flight
-are marked lost, never committed, and a rank that reports one is told so.
+readable commit record. Reports are kept in memory only: after a restart, steps that were in
+flight are marked lost, never committed, and a rank that reports one is told so.
+
+Crash recovery at (re)start, by where the previous instance died:
+  - before the commit record: the step is lost (uncommitted; ignored, reported);
+  - after the commit record, before or during the tracker's rename: the step is committed,
+    so the restarted finalizer completes it by moving the tracker (forward only);
+  - during retention: the step had already left the `global_step_<N>` namespace by an
+    atomic rename; the leftover `.deleting_*` directory is removed at start.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verl_ckpt import faults
 from verl_ckpt.commit_record import (
@@ -130,7 +140,7 @@ class CheckpointFinalizer:
         # holds the old or the new step: the rename is atomic).
         purge_deleted_steps(self._root)
         remove_stale_temporaries(self._root, TRACKER_FILENAME)
-        self._warn_if_tracker_lags()
+        self._repair_lagging_tracker(restarted)
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
@@ -150,16 +160,26 @@ class CheckpointFinalizer:
         """The token this finalizer wrote into the root's marker file at start-up."""
         return self._marker_token
 
-    def _warn_if_tracker_lags(self) -> None:
+    def _repair_lagging_tracker(self, restarted: bool) -> None:
+        """A committed step newer than the tracker: finish its commit, or leave it.
+
+        After a restart of this actor it is our own commit, interrupted between the commit
+        record (the commit point) and the tracker: completing it moves the tracker forward,
+        never backward. At a fresh start it may be a tracker rolled back by hand, which we
+        respect: resume follows the tracker, and the newer step stays on disk until retention
+        removes it after the next commit.
+        """
         committed = self.committed_steps()
         tracker = self._safe_tracker()
-        if committed and tracker is not None and committed[-1] > tracker:
-            # A crash between the commit record and the tracker, or a tracker rolled back by
-            # hand: either way the tracker is authoritative and left alone. The newer step
-            # stays on disk until retention removes it after the next commit.
+        if not committed or (tracker is not None and committed[-1] <= tracker):
+            return
+        if restarted:
+            logger.warning("completing the commit of step %d: moving the tracker", committed[-1])
+            write_tracker(self._root, committed[-1])
+        elif tracker is not None:
             logger.warning(
-                "step %d under %s is committed but the tracker names step %d; resume uses the "
-                "tracker (a finalizer crash before moving it, or a manual rollback)",
+                "step %d under %s is committed but the tracker names step %d; resume follows "
+                "the tracker (a manual rollback?)",
                 committed[-1],
                 self._root,
                 tracker,
@@ -247,6 +267,9 @@ class CheckpointFinalizer:
                 f"step {report.step}: report of {report.role} rank {report.rank} refused, the "
                 "finalizer restarted while the step was in flight and lost the other reports"
             )
+        state = self._steps.get(report.step)
+        if state is None and is_committed(step_dir(self._root, report.step)):
+            return  # late: committed before a restart of this actor
         state = self._steps.setdefault(report.step, _StepState(report.step))
         if state.done.is_set():
             return  # a duplicate or late report of a finished step changes nothing
@@ -446,6 +469,10 @@ def start_finalizer(
             max_restarts=-1,
             max_task_retries=3,
             num_cpus=0,
+            # Beside the driver that started it: the driver's node must see the root anyway.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=True
+            ),
         )
         .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight)
     )

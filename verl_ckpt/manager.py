@@ -40,7 +40,7 @@ from verl_ckpt.errors import (
     CommitRecordError,
     CommitTimeoutError,
 )
-from verl_ckpt.file_writer import write_common
+from verl_ckpt.file_writer import serialize_common, write_common
 from verl_ckpt.finalizer import check_shared_root, get_finalizer
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.reports import RankReport
@@ -88,7 +88,8 @@ class _SaveJob:
     save_id: str
     slot: StagingSlot
     prepared: megatron_compat.PreparedSave
-    extra_files: list[FileEntry]
+    common_bytes: bytes | None
+    directory: Path
     live_tensors: list[_LiveTensor]
     stats: SaveStats
     deadline: float
@@ -220,12 +221,9 @@ class CheckpointManager:
                 cache,
                 distribution,
             )
-            extra_files = []
-            if self.rank == 0 and common:
-                written = write_common(common, directory)
-                extra_files.append(
-                    FileEntry(f"{self.role}/{written.name}", written.size, written.checksum)
-                )
+            # Rank 0 writes the non-sharded part, as megatron-core does; serialised now (the
+            # snapshot), written with the shards (so that its failure is reported the same way).
+            common_bytes = serialize_common(common) if self.rank == 0 and common else None
         except BaseException:
             self._pool.release(slot)
             raise
@@ -246,7 +244,8 @@ class CheckpointManager:
             save_id=uuid.uuid4().hex,
             slot=slot,
             prepared=prepared,
-            extra_files=extra_files,
+            common_bytes=common_bytes,
+            directory=directory,
             live_tensors=live,
             stats=stats,
             deadline=time.monotonic() + self._timeout_s,
@@ -439,12 +438,12 @@ class CheckpointManager:
                 (self.role, self.rank),
             )
             _check_unchanged(job.live_tensors)
-            for results, written in outcomes:
+            files = [written for _, written in outcomes]
+            if job.common_bytes is not None:
+                files.append(write_common(job.common_bytes, job.directory))
+            for results, _ in outcomes:
                 report.write_results.extend(results)
-                report.files.append(
-                    FileEntry(f"{self.role}/{written.name}", written.size, written.checksum)
-                )
-            report.files.extend(job.extra_files)
+            report.files = [FileEntry(f"{self.role}/{f.name}", f.size, f.checksum) for f in files]
             if self.rank == 0:
                 report.global_metadata = job.prepared.global_metadata
         except WriteTimeout as exc:

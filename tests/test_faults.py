@@ -1,0 +1,364 @@
+"""Reliability: real kills, real full disks, real corrupt files. Whatever fails, the tracker
+names a complete, loadable step and resume works. Each test names the invariant it checks.
+
+Faults are real wherever they can be produced for real (SIGKILL of processes, a small tmpfs
+that fills up, files truncated and bit-flipped on disk). The documented hook
+VERL_CKPT_FAULT (verl_ckpt/faults.py) only places a fault at an exact moment: a hang or a
+process exit at a chosen phase, and ENOSPC exactly during the tracker write, which no real
+disk can be made to produce at that instant.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from tests.conftest import REPO_ROOT, ROLES, free_port
+from tests.rank_worker import RankWorker
+from verl_ckpt import (
+    CheckpointCoordinator,
+    CheckpointError,
+    CheckpointWriteError,
+    CommitRecordError,
+    CommitTimeoutError,
+    StepNotCommittedError,
+    read_tracker,
+    step_dir,
+)
+from verl_ckpt.commit_record import is_committed, read_commit_record, verify_files
+from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
+from verl_ckpt.finalizer import FINALIZER_NAMESPACE, CheckpointFinalizer, finalizer_name
+from verl_ckpt.layout import list_step_dirs
+
+
+def every_rank(ranks):
+    return [w for group in ranks.values() for w in group]
+
+
+def save_everyone(ranks, coordinator, step, after="nothing"):
+    stats = ray.get([w.save.remote(step, after) for w in every_rank(ranks)])
+    coordinator.save_driver_state(step, {"step": step})
+    return stats
+
+
+def open_all(ranks, cfg):
+    ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
+
+
+def close_all(ranks, coordinator):
+    ray.get([w.close.remote() for w in every_rank(ranks)])
+    coordinator.close()
+
+
+def faulty_coordinator(cfg, roles, fault, disarmed_marker):
+    """A coordinator whose finalizer runs with VERL_CKPT_FAULT=`fault`, fired once, when
+    `disarmed_marker` does not exist (the test deletes it to arm the fault)."""
+    root = Path(cfg["root_dir"]).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    disarmed_marker.touch()
+    participants = {**roles, "driver": 1}
+    env = {ENV_VAR: fault, ONCE_ENV_VAR: str(disarmed_marker), "PYTHONPATH": str(REPO_ROOT)}
+    finalizer = ray.remote(CheckpointFinalizer).options(
+        name=finalizer_name(root),
+        namespace=FINALIZER_NAMESPACE,
+        max_restarts=-1,
+        max_task_retries=3,
+        num_cpus=0,
+        runtime_env={"env_vars": env},
+    )
+    handle = finalizer.remote(str(root), participants, cfg.get("max_ckpt_to_keep"), 1)
+    # Wait until it runs: only then is its name registered for the coordinator to find.
+    ray.get(handle.describe.remote())
+    coordinator = CheckpointCoordinator(cfg, roles)
+    assert coordinator.finalizer._actor_id == handle._actor_id
+    # The creating handle owns the actor: drop it and Ray collects the actor.
+    coordinator.owner_handle = handle
+    return coordinator
+
+
+@pytest.fixture
+def lone_rank(ray_local):
+    """A fresh one-rank role `victim` that a test may kill or hang."""
+    worker = RankWorker.remote("victim", 0, 1, free_port(), 1)
+    ray.get(worker.train.remote(1))
+    yield worker
+    ray.kill(worker)
+
+
+def test_I1_I5_sigkill_of_a_rank_mid_write_commits_nothing_and_names_it(lone_rank, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0}
+    coordinator = CheckpointCoordinator(cfg, {"victim": 1})
+    ray.get(lone_rank.open_manager.remote(cfg))
+    ray.get(lone_rank.save.remote(1))
+    coordinator.save_driver_state(1, {"step": 1})
+    coordinator.wait_for_commit(1)
+    ray.get(lone_rank.wait.remote())
+    ray.get(lone_rank.set_env.remote(ENV_VAR, "write:victim=hang"))
+    ray.get(lone_rank.save.remote(2))
+    coordinator.save_driver_state(2, {"step": 2})
+    os.kill(ray.get(lone_rank.pid.remote()), signal.SIGKILL)
+    with pytest.raises(CommitTimeoutError, match="missing reports from: victim rank 0"):
+        coordinator.wait_for_commit(2, timeout_s=3)
+    assert read_tracker(cfg["root_dir"]) == 1
+    assert is_committed(step_dir(cfg["root_dir"], 1))
+    assert not is_committed(step_dir(cfg["root_dir"], 2))
+    coordinator.close()
+
+
+def test_I5_hung_rank_is_named_and_training_is_not_blocked(lone_rank, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 3.0}
+    coordinator = CheckpointCoordinator(cfg, {"victim": 1})
+    ray.get(lone_rank.open_manager.remote(cfg))
+    ray.get(lone_rank.set_env.remote(ENV_VAR, "report:victim=hang"))
+    started = time.monotonic()
+    ray.get(lone_rank.save.remote(1))  # returns: the hang is in the background report
+    assert time.monotonic() - started < 3
+    ray.get(lone_rank.train.remote(1))  # and the rank keeps training
+    coordinator.save_driver_state(1, {"step": 1})
+    with pytest.raises(CommitTimeoutError, match="victim rank 0"):
+        coordinator.wait_for_commit(1, timeout_s=3)
+    # The rank's next save does not pile up behind the hung one: a deadline error naming it.
+    with pytest.raises(CommitTimeoutError, match="write of step 1 is still running"):
+        ray.get(lone_rank.save.remote(2))
+    assert read_tracker(cfg["root_dir"]) is None
+    coordinator.close()
+
+
+@pytest.mark.parametrize("phase", ["commit", "tracker"])
+def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
+    """Killed after every report arrived but before the commit record (the step is lost),
+    or between the tracker's temporary file and its rename (the step is committed and the
+    restarted finalizer completes it). The tracker is never garbage."""
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0}
+    marker = tmp_path / "disarmed"
+    coordinator = faulty_coordinator(cfg, ROLES, f"{phase}=exit", marker)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    marker.unlink()  # arm: the finalizer exits at this phase of step 2's commit
+    save_everyone(ranks, coordinator, 2)
+    root = Path(cfg["root_dir"])
+    if phase == "commit":
+        with pytest.raises(StepNotCommittedError, match="lost"):
+            coordinator.wait_for_commit(2, timeout_s=30)
+        assert read_tracker(root) == 1
+        assert not is_committed(step_dir(root, 2))
+    else:
+        deadline = time.monotonic() + 30
+        while read_tracker(root) != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert read_tracker(root) == 2 and is_committed(step_dir(root, 2))
+    assert not list(root.glob(".latest_checkpointed_iteration.txt.tmp.*"))
+    for w in every_rank(ranks):
+        try:
+            ray.get(w.wait.remote())
+        except CheckpointWriteError as exc:
+            # The last report was in flight when the finalizer died: Ray retried it on the
+            # restarted finalizer, which refuses it. Reported once, clearly.
+            assert phase == "commit" and "finalizer restarted" in str(exc)
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(root) == 3
+    close_all(ranks, coordinator)
+
+
+def test_I3_finalizer_killed_mid_deletion_leaves_nothing_loadable_and_resumes(ranks, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0, "max_ckpt_to_keep": 1}
+    marker = tmp_path / "disarmed"
+    coordinator = faulty_coordinator(cfg, ROLES, "delete=exit", marker)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    marker.unlink()  # arm: the finalizer dies while deleting step 1 after step 2 committed
+    save_everyone(ranks, coordinator, 2)
+    root = Path(cfg["root_dir"])
+    deadline = time.monotonic() + 30
+    while read_tracker(root) != 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert read_tracker(root) == 2
+    # Step 1 is gone from the step namespace at once, and the restarted finalizer finishes
+    # the deletion of the .deleting_ leftover.
+    assert 1 not in list_step_dirs(root)
+    coordinator.status()  # the restarted finalizer is up
+    assert not list(root.glob(".deleting_*"))
+    close_all(ranks, coordinator)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem of its own (tmpfs), unmounted afterwards."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], check=True)
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_I1_disk_full_during_shard_write_keeps_previous_step(ranks, small_disk):
+    cfg = {"root_dir": str(small_disk / "ckpt"), "timeout_s": 30.0}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    ray.get([w.wait.remote() for w in every_rank(ranks)])
+    # Fill the disk: what is left is less than one step.
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    (small_disk / "ballast").write_bytes(b"\0" * (free - 64 * 1024))
+    ray.get([w.save.remote(2) for w in every_rank(ranks)])
+    with pytest.raises(CheckpointError, match="driver state of step 2 not saved.*No space left"):
+        coordinator.save_driver_state(2, {"step": 2})
+    with pytest.raises(StepNotCommittedError, match="No space left on device"):
+        coordinator.wait_for_commit(2)
+    for w in every_rank(ranks):
+        try:
+            ray.get(w.wait.remote())
+        except CheckpointWriteError as exc:
+            assert "No space left on device" in str(exc)
+    root = Path(cfg["root_dir"])
+    assert read_tracker(root) == 1
+    assert verify_files(step_dir(root, 1), read_commit_record(step_dir(root, 1))) == []
+    # Space freed (the failed step's files too): the next save commits.
+    (small_disk / "ballast").unlink()
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(root) == 3
+    close_all(ranks, coordinator)
+
+
+def test_I1_I2_disk_full_during_tracker_write_uncommits_the_step(ranks, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0}
+    marker = tmp_path / "disarmed"
+    coordinator = faulty_coordinator(cfg, ROLES, "tracker=enospc", marker)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    marker.unlink()
+    save_everyone(ranks, coordinator, 2)
+    with pytest.raises(StepNotCommittedError, match="No space left on device"):
+        coordinator.wait_for_commit(2)
+    root = Path(cfg["root_dir"])
+    assert read_tracker(root) == 1
+    assert not is_committed(step_dir(root, 2))
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(root) == 3
+    close_all(ranks, coordinator)
+
+
+def test_I3_back_to_back_saves_with_keep_1_never_leave_zero_or_too_many_steps(ranks, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0, "max_ckpt_to_keep": 1}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    root = Path(cfg["root_dir"])
+    violations, seen_commit, stop = [], threading.Event(), threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            steps = list_step_dirs(root)
+            committed = [s for s, p in steps.items() if is_committed(p)]
+            if len(steps) > 1 + 1:  # keep + max_in_flight
+                violations.append(f"{len(steps)} step directories: {sorted(steps)}")
+            if committed:
+                seen_commit.set()
+            elif seen_commit.is_set() and read_tracker(root) is not None:
+                # The listing may interleave with a deletion: confirm from the tracker.
+                if not is_committed(step_dir(root, read_tracker(root))):
+                    violations.append(f"no committed step, listing {sorted(steps)}")
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for step in range(1, 9):
+            save_everyone(ranks, coordinator, step)
+        coordinator.wait_for_commit(8)
+    finally:
+        stop.set()
+        watcher.join()
+    assert violations == []
+    assert sorted(list_step_dirs(root)) == [8]
+    close_all(ranks, coordinator)
+
+
+def test_ranks_that_disagree_on_the_step_fail_before_writing(ranks, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first, second = ranks["actor"]
+    refs = [first.save.remote(5), second.save.remote(6)]
+    for ref in refs:
+        with pytest.raises(CheckpointError, match="disagree on what to save.*step 5.*step 6"):
+            ray.get(ref)
+    assert list_step_dirs(cfg["root_dir"]) == {}
+    close_all(ranks, coordinator)
+
+
+def test_I1_corrupt_shard_is_caught_before_any_state_is_touched(ranks, tmp_path):
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0, "verify_checksums_on_load": True}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    shard = step_dir(cfg["root_dir"], 1) / "critic" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    critic = ranks["critic"][0]
+    ray.get(critic.train.remote(1))
+    before = ray.get(critic.state_copy.remote())
+    with pytest.raises(CommitRecordError, match=r"__0_0\.distcp: checksum"):
+        ray.get(critic.load.remote(1))
+    after = ray.get(critic.state_copy.remote())
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    close_all(ranks, coordinator)
+
+
+def test_resume_with_another_world_size_reshards_model_and_refuses_extra(ranks, tmp_path):
+    """The actor saved at TP=2 over 2 ranks; a 1-rank TP=1 world loads it: megatron-core
+    reshards model and optimizer, while per-rank extra state is refused before loading."""
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    ray.get([w.close.remote() for w in every_rank(ranks)])
+    loader = RankWorker.remote("actor", 0, 1, free_port(), 1)
+    try:
+        ray.get(loader.open_manager.remote(cfg))
+        with pytest.raises(CheckpointError, match="saved with 2 ranks, loading with 1"):
+            ray.get(loader.load.remote(1))
+        model_only = {**cfg, "load_contents": ["model", "optimizer"]}
+        ray.get(loader.open_manager.remote(model_only))
+        ray.get(loader.load_model_and_optimizer.remote(1))
+        losses = ray.get(loader.train.remote(1))
+        assert losses[0] == losses[0]  # a finite loss: the resharded model trains
+        ray.get(loader.close.remote())
+    finally:
+        ray.kill(loader)
+    coordinator.close()
+
+
+def test_root_that_is_a_file_or_read_only_fails_at_start_naming_it(ray_local, tmp_path):
+    from verl_ckpt import CheckpointConfigError
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointConfigError, match="exists and is not a directory"):
+        CheckpointCoordinator({"root_dir": str(tmp_path / "file")}, {"actor": 1})
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)], check=True
+    )
+    try:
+        with pytest.raises(CheckpointConfigError, match="ro/ckpt cannot be created"):
+            CheckpointCoordinator({"root_dir": str(read_only / "ckpt")}, {"actor": 1})
+    finally:
+        subprocess.run(["umount", "-l", str(read_only)], check=False)
