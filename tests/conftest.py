@@ -6,8 +6,14 @@ import os
 import socket
 from pathlib import Path
 
-import pytest
-import ray
+# Keep every Ray address on loopback. Ray replaces 127.0.0.1 by the machine's reachable IP
+# (ray._private.services.resolve_ip_for_localhost) unless multi-node clusters are off, which
+# this variable does; it must be set before ray is imported, and Ray's own processes
+# inherit it. Multi-node tests still run several nodes, all on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -57,6 +57,9 @@ class RankWorker:
         self.optimizer = self.mc.make_adam(self.model)
         self.train(1)
 
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def pid(self) -> int:
         import os
 

@@ -285,7 +285,6 @@ def test_I1_recipe_runs_as_a_ray_job_on_an_existing_cluster(tmp_path):
     [
         ("actor.tensor_parallel_size=3", "actor.tensor_parallel_size"),
         ("checkpoint.max_ckpt_to_keep=0", "checkpoint.max_ckpt_to_keep"),
-        ("critic.world_size=two", "critic.world_size"),
     ],
 )
 def test_bad_override_fails_before_ray_starts_naming_the_key(tmp_path, override, key):
@@ -300,6 +299,31 @@ def test_bad_override_fails_before_ray_starts_naming_the_key(tmp_path, override,
     assert proc.returncode != 0
     assert key in proc.stderr, proc.stderr[-2000:]
     assert "embedded Ray" not in proc.stdout + proc.stderr
+
+
+def test_hydra_checks_overrides_against_the_schema_and_composes_presets():
+    """Unknown keys and wrong types fail in Hydra naming the key; checkpoint=sync swaps the
+    checkpoint preset (composed in-process, as the app does)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from recipes.ppo_config import register_recipe_configs
+    from verl_ckpt import register_configs
+
+    register_configs()
+    register_recipe_configs()
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base=None):
+        for override, key in (
+            ("critic.world_size=two", "critic.world_size"),
+            ("actor.x=1", "actor.x"),
+        ):
+            with pytest.raises(ConfigCompositionException) as failure:
+                compose("ppo_toy", overrides=[override])
+            assert key in str(failure.value.__cause__ or failure.value)
+        composed = compose("ppo_toy", overrides=["checkpoint=sync", "trainer.metrics_path=null"])
+    cfg = to_recipe_config(composed)
+    assert not cfg.checkpoint.async_save and cfg.checkpoint.writer.mode == "inline"
+    assert cfg.checkpoint.save_freq == 10 and cfg.checkpoint.staging.offload_aware
 
 
 @pytest.mark.parametrize(

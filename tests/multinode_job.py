@@ -1,0 +1,41 @@
+"""A driver for the multi-node tests: role `actor` with one rank on node_a and one on node_b
+of an existing Ray cluster, saving one step. Prints one JSON line with the outcome."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import ray
+
+
+def main(address: str, root: str) -> None:
+    ray.init(address=address, namespace="verl_ckpt_multinode", log_to_driver=False)
+    from tests.conftest import free_port
+    from tests.rank_worker import RankWorker
+    from verl_ckpt import CheckpointCoordinator, read_tracker
+
+    cfg = {"root_dir": root, "timeout_s": 60.0}
+    coordinator = CheckpointCoordinator(cfg, {"actor": 2})
+    port = free_port()
+    ranks = [
+        RankWorker.options(resources={node: 0.01}).remote("actor", rank, 2, port, 1)
+        for rank, node in enumerate(["node_a", "node_b"])
+    ]
+    nodes = ray.get([r.node.remote() for r in ranks])
+    outcome = {"nodes": nodes}
+    try:
+        ray.get([r.open_manager.remote(cfg) for r in ranks])
+        ray.get([r.save.remote(1) for r in ranks])
+        coordinator.save_driver_state(1, {"step": 1})
+        coordinator.wait_for_commit(1)
+        ray.get([r.close.remote() for r in ranks])
+        outcome["tracker"] = read_tracker(root)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome["error"] = str(exc).splitlines()[-1]
+    coordinator.close()
+    print("RESULT " + json.dumps(outcome), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

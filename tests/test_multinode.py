@@ -1,0 +1,106 @@
+"""Many machines: ranks on two Ray nodes (two `ray start` nodes on loopback). Commits work
+across nodes when the root is one shared filesystem; when a node sees another filesystem
+at the same path (its own mount namespace with a tmpfs over the root: a real unshared
+disk), start-up fails clearly, naming the node."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.slow
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def start_node(args: list[str], root: Path | None, env: dict) -> None:
+    command = [RAY, "start", *args]
+    if root is not None:
+        # This node gets a private mount namespace in which the root is an empty tmpfs.
+        inner = f"mount -t tmpfs tmpfs {shlex.quote(str(root))} && exec {shlex.join(command)}"
+        command = ["unshare", "-m", "--propagation", "private", "sh", "-c", inner]
+    subprocess.run(command, check=True, env=env, capture_output=True, timeout=120)
+
+
+def stop_cluster(gcs_port: int) -> None:
+    """Kill the processes of this cluster only: Ray's processes naming its GCS port."""
+    mine = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "ray" in cmdline and (
+            f":{gcs_port} " in f"{cmdline} " or f"--gcs_server_port={gcs_port}" in cmdline
+        ):
+            mine.append(proc)
+    for proc in mine:
+        proc.kill()
+    psutil.wait_procs(mine, timeout=30)
+
+
+@pytest.fixture
+def two_nodes(tmp_path, request):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    port = free_port()
+    # Two nodes on two loopback addresses. Multi-node Ray needs clusters enabled, and then
+    # rewrites 127.0.0.1 (only that spelling) to the machine's reachable IP: 127.0.0.2 and
+    # 127.0.0.3 are loopback too and are kept as they are.
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+    }
+    head = ["--head", f"--port={port}", "--node-ip-address=127.0.0.2", "--include-dashboard=false"]
+    other = [f"--address=127.0.0.2:{port}", "--node-ip-address=127.0.0.3"]
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    try:
+        start_node([*head, '--resources={"node_a": 1}', *common], None, env)
+        unshared = root if request.param == "unshared" else None
+        start_node([*other, '--resources={"node_b": 1}', *common], unshared, env)
+        yield f"127.0.0.2:{port}", root, env
+    finally:
+        stop_cluster(port)
+
+
+def run_job(address: str, root: Path, env: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.multinode_job", address, str(root)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.parametrize("two_nodes", ["shared"], indirect=True)
+def test_I1_commit_across_two_nodes(two_nodes):
+    address, root, env = two_nodes
+    started = time.monotonic()
+    outcome = run_job(address, root, env)
+    assert len(set(outcome["nodes"])) == 2, outcome
+    assert outcome.get("error") is None and outcome["tracker"] == 1, outcome
+    assert time.monotonic() - started < 300
+
+
+@pytest.mark.parametrize("two_nodes", ["unshared"], indirect=True)
+def test_root_not_shared_by_every_node_fails_clearly(two_nodes):
+    address, root, env = two_nodes
+    outcome = run_job(address, root, env)
+    assert len(set(outcome["nodes"])) == 2, outcome
+    assert "actor rank 1 on node" in outcome["error"], outcome
+    assert "must be one filesystem shared by every node" in outcome["error"], outcome
+    assert not (root / "latest_checkpointed_iteration.txt").exists()
