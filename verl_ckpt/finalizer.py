@@ -122,6 +122,11 @@ class CheckpointFinalizer:
         ]
         self._steps: dict[int, _StepState] = {}
         self._commit_lock = asyncio.Lock()
+        # Reports carry DCP metadata whose classes live in torch and megatron-core: import
+        # them now, at start-up, not while unpickling the first report (seconds during which
+        # this actor would answer nobody, the driver's begin_step included).
+        import verl_ckpt.megatron_compat  # noqa: F401
+
         self._root.mkdir(parents=True, exist_ok=True)
         # Steps on disk without a commit record when we start. After a restart of this actor
         # they may be steps whose reports we lost: those are never committed and never
