@@ -14,6 +14,7 @@ from typing import Any
 from verl_ckpt import CheckpointConfig, to_checkpoint_config
 
 __all__ = [
+    "ROLES",
     "AlgorithmConfig",
     "ModelConfig",
     "PPOToyConfig",
@@ -21,6 +22,7 @@ __all__ = [
     "RoleConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "derive_seed",
     "register_recipe_configs",
     "to_recipe_config",
 ]
@@ -30,6 +32,12 @@ ROLES = ("actor", "critic")
 
 class RecipeConfigError(ValueError):
     """A recipe setting is invalid; the message names the key and says why."""
+
+
+def derive_seed(seed: int, purpose: str, index: int = 0) -> int:
+    """A distinct, reproducible seed per purpose (model init, sampler, prompts) and index."""
+    offsets = {"actor_model": 1, "critic_model": 2, "prompts": 3, "sampler": 100}
+    return seed * 1000 + offsets[purpose] + index
 
 
 def _fail(key: str, value: Any, why: str) -> None:
@@ -122,6 +130,7 @@ class PPOToyConfig:
         for role in ROLES:
             self._check_role(role, getattr(self, role))
         self.checkpoint = to_checkpoint_config(self.checkpoint)
+        self._check_offload_aware_staging()
 
     def role(self, name: str) -> RoleConfig:
         return getattr(self, name)
@@ -173,6 +182,21 @@ class PPOToyConfig:
                 _fail(f"algorithm.{key}", getattr(a, key), "must lie in [0, 1]")
         if a.clip_ratio <= 0:
             _fail("algorithm.clip_ratio", a.clip_ratio, "must be > 0")
+
+    def _check_offload_aware_staging(self) -> None:
+        # Zero-copy saves of host-resident optimizer state are safe only if the trainer swaps
+        # that state's storage between updates; Adam without offload updates it in place, and
+        # a save whose write overlaps the next update would fail.
+        if not self.checkpoint.staging.offload_aware:
+            return
+        for name in ROLES:
+            if not self.role(name).optimizer_offload:
+                _fail(
+                    "checkpoint.staging.offload_aware",
+                    True,
+                    f"needs {name}.optimizer_offload=true (the optimizer state is then replaced "
+                    "between updates, never written in place)",
+                )
 
     def _check_role(self, name: str, role: RoleConfig) -> None:
         tp = role.tensor_parallel_size

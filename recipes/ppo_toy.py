@@ -9,9 +9,9 @@ Task: after a random prompt the actor samples `rollout.response_length` tokens; 
 the fraction of them equal to `rollout.target_token`. A tiny GPT learns it in tens of steps.
 
 One driver step (verl's order): rollout (actor) -> values (critic) -> rewards -> GAE
-advantages -> actor and critic updates (concurrently) -> metrics; on a save step every rank
-snapshots its state (`CheckpointManager.save`, returns once the snapshot is taken) and the
-driver writes its own state; the commit happens in the background (the finalizer actor) and
+advantages -> actor and critic updates (concurrently) -> metrics; on a save step the driver
+writes its own state and every rank snapshots its state (`CheckpointManager.save`, returns
+once the snapshot is taken); the commit happens in the background (the finalizer actor) and
 the loop never waits for it. Before exit the ranks finish their writes (`close`) and the
 driver waits for the last save to commit.
 
@@ -27,29 +27,33 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-import hydra
-import ray
-import torch
-from omegaconf import DictConfig
+if not os.environ.get("RAY_ADDRESS"):
+    # An embedded, single-node Ray: keep every address on 127.0.0.1. Ray replaces 127.0.0.1
+    # by the machine's reachable IP (resolve_ip_for_localhost) unless multi-node clusters are
+    # off; the variable is read when ray is imported, and Ray's processes inherit it.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-# megatron-core warns about optional CUDA extensions and deprecations at import and build.
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+import hydra  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-import verl_ckpt  # noqa: E402 - megatron-core warns at import
-from recipes.ppo_config import (  # noqa: E402
+# The driver never imports megatron-core: only the rank processes do (recipes.workers).
+import verl_ckpt
+from recipes.ppo_config import (
     ROLES,
     PPOToyConfig,
     RecipeConfigError,
+    derive_seed,
     register_recipe_configs,
     to_recipe_config,
 )
-from recipes.ppo_math import gae, token_rewards, whiten  # noqa: E402
-from recipes.workers import ActorWorker, CriticWorker, derive_seed  # noqa: E402
+from recipes.ppo_math import gae, token_rewards, whiten
+from recipes.workers import ActorWorker, CriticWorker
 
 log = logging.getLogger("ppo_toy")
 
@@ -297,9 +301,13 @@ class PPOToyTrainer:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def save(self, step: int) -> dict[str, Any]:
-        """Every rank snapshots its state (concurrently), then the driver saves its own."""
+        """The driver saves its own state, then every rank snapshots its state (concurrently).
+
+        The step commits when the last participant reported, and that report waits for the
+        commit. The driver's small synchronous save goes first so that the last report is
+        normally a rank's, sent from its background writer, not the training loop.
+        """
         begin = time.perf_counter()
-        stats = ray.get(self._call_all("save", step))
         self.coordinator.save_driver_state(
             step,
             {
@@ -308,17 +316,22 @@ class PPOToyTrainer:
                 "prompt_generator": self.prompt_generator.get_state(),
             },
         )
+        stats = ray.get(self._call_all("save", step))
         wall = time.perf_counter() - begin
         blocking = max(s["blocking_s"] for s in stats)
+        log.debug("step %d: per-rank save figures %s", step, stats)
         self._writes[step] = {}
         log.info(
             "step %d: checkpoint snapshot taken, ranks blocked %.3f s (slowest of %d), "
-            "driver %.3f s in all; %s",
+            "driver %.3f s in all; %.2f MB copied, %.2f MB of offloaded optimizer state "
+            "referenced without a copy; %s",
             step,
             blocking,
             len(stats),
             wall,
-            "writing in the background" if self.cfg.checkpoint.async_save else "written",
+            sum(s["bytes_staged"] for s in stats) / 1e6,
+            sum(s["bytes_zero_copy"] for s in stats) / 1e6,
+            "writing in the background" if self.cfg.checkpoint.writes_in_background else "written",
         )
         return {"ckpt_blocking_s": blocking, "ckpt_save_wall_s": wall}
 

@@ -22,30 +22,29 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-# megatron-core warns about optional CUDA extensions and deprecations at import and build.
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+from recipes.ppo_config import PPOToyConfig, derive_seed
+from recipes.ppo_math import policy_loss, value_loss
 
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region  # noqa: E402
+if TYPE_CHECKING:
+    from verl_ckpt import CheckpointManager
 
-from recipes import megatron_cpu  # noqa: E402
-from recipes.ppo_config import PPOToyConfig  # noqa: E402
-from recipes.ppo_math import policy_loss, value_loss  # noqa: E402
-from verl_ckpt import CheckpointManager  # noqa: E402
-
-__all__ = ["ActorWorker", "CriticWorker", "derive_seed"]
+__all__ = ["ActorWorker", "CriticWorker"]
 
 EXTRA_FORMAT = 1
 
 
-def derive_seed(seed: int, purpose: str, index: int = 0) -> int:
-    """A distinct, reproducible seed per purpose (model init, sampler, prompts) and index."""
-    offsets = {"actor_model": 1, "critic_model": 2, "prompts": 3, "sampler": 100}
-    return seed * 1000 + offsets[purpose] + index
+def _import_megatron() -> Any:
+    """megatron-core and what builds on it, imported in the rank processes only: the driver
+    imports this module just to name the actor classes."""
+    # megatron-core warns about optional CUDA extensions and deprecations at import and build.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from recipes import megatron_cpu
+
+    return megatron_cpu
 
 
 class _RankWorker:
@@ -54,6 +53,7 @@ class _RankWorker:
     role = ""
 
     def __init__(self, cfg: PPOToyConfig, rank: int) -> None:
+        self.mc = _import_megatron()
         self.cfg = cfg
         self.role_cfg = cfg.role(self.role)
         self.rank = rank
@@ -74,8 +74,13 @@ class _RankWorker:
             return sock.getsockname()[1]
 
     def setup(self, port: int) -> dict[str, int]:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+        from verl_ckpt import CheckpointManager
+
         tp = self.role_cfg.tensor_parallel_size
-        megatron_cpu.init_distributed(
+        self.mc.init_distributed(
             self.rank,
             self.world_size,
             port,
@@ -84,7 +89,7 @@ class _RankWorker:
             seed=self.cfg.trainer.seed,
         )
         m = self.cfg.model
-        shape = megatron_cpu.TinyGPTConfig(
+        shape = self.mc.TinyGPTConfig(
             vocab_size=m.vocab_size,
             hidden_size=m.hidden_size,
             num_layers=m.num_layers,
@@ -92,13 +97,15 @@ class _RankWorker:
             ffn_hidden_size=m.ffn_hidden_size,
             seq_length=self.cfg.sequence_length,
         )
-        self.model = megatron_cpu.build_tiny_gpt(
+        self.model = self.mc.build_tiny_gpt(
             shape, seed=derive_seed(self.cfg.trainer.seed, f"{self.role}_model")
         )
-        self.optimizer = megatron_cpu.make_adam(self.model, lr=self.role_cfg.lr)
+        self.optimizer = self.mc.make_adam(self.model, lr=self.role_cfg.lr)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.reduce_from_tp = reduce_from_tensor_model_parallel_region
         self.manager = CheckpointManager(self.cfg.checkpoint, self.role, self.rank, self.world_size)
         return {"pid": os.getpid(), "tp_rank": self.tp_rank, "dp_rank": self.dp_rank}
 
@@ -109,11 +116,17 @@ class _RankWorker:
         stats = self.manager.save(
             step,
             model=self.model.sharded_state_dict(),
-            optimizer=megatron_cpu.optimizer_sharded_state_dict(self.model, self.optimizer),
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
             extra=self._extra_state(),
         )
         self._watched.append(stats)
-        return {"blocking_s": stats.blocking_s, "bytes_staged": stats.bytes_staged}
+        return {
+            "blocking_s": stats.blocking_s,
+            "plan_s": stats.plan_s,
+            "stage_s": stats.stage_s,
+            "bytes_staged": stats.bytes_staged,
+            "bytes_zero_copy": stats.bytes_zero_copy,
+        }
 
     def finished_writes(self) -> list[dict[str, Any]]:
         """Figures of this rank's saves whose background write ended since the last call.
@@ -127,17 +140,27 @@ class _RankWorker:
         return [{"step": s.step, "write_s": s.write_s, "bytes": s.bytes_written} for s in done]
 
     def load(self, step_dir: str) -> None:
-        """Restore model, optimizer and RNG from a committed step."""
+        """Restore what `checkpoint.load_contents` names (model, optimizer, RNG) from a
+        committed step."""
+        contents = self.cfg.checkpoint.load_contents
         loaded = self.manager.load(
             step_dir,
-            model=self.model.sharded_state_dict(),
-            optimizer=megatron_cpu.optimizer_sharded_state_dict(self.model, self.optimizer),
+            model=self.model.sharded_state_dict() if "model" in contents else None,
+            optimizer=(
+                self.mc.optimizer_sharded_state_dict(self.model, self.optimizer)
+                if "optimizer" in contents
+                else None
+            ),
+            extra="extra" in contents,
         )
-        self.model.load_state_dict(loaded["model"])
-        megatron_cpu.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
-        self._offloaded = False
-        self._offload_optimizer()
-        self._restore_extra_state(loaded["extra"])
+        if "model" in contents:
+            self.model.load_state_dict(loaded["model"])
+        if "optimizer" in contents:
+            self._onload_optimizer()
+            self.mc.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
+            self._offload_optimizer()
+        if "extra" in contents:
+            self._restore_extra_state(loaded["extra"])
 
     def close(self) -> list[dict[str, Any]]:
         """Finish this rank's writes (with the checkpoint deadline); their figures."""
@@ -191,7 +214,7 @@ class _RankWorker:
         return batch.chunk(self.dp_size, dim=0)[self.dp_rank]
 
     def _forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        inputs = megatron_cpu.causal_inputs(self.model, tokens)
+        inputs = self.mc.causal_inputs(self.model, tokens)
         return self.model(*inputs, labels=labels)
 
     def _optimise(self, loss_fn) -> float:
@@ -214,10 +237,9 @@ class _RankWorker:
         # replicated parameters the same gradient on every TP rank.
         if self.dp_size == 1:
             return
-        group = parallel_state.get_data_parallel_group()
         for param in self.model.parameters():
             if param.grad is not None:
-                torch.distributed.all_reduce(param.grad, group=group)
+                torch.distributed.all_reduce(param.grad, group=self.dp_group)
                 param.grad.div_(self.dp_size)
 
     def _result(self, **values: Any) -> dict[str, Any]:
@@ -243,7 +265,7 @@ class ActorWorker(_RankWorker):
         sequences = self._local_slice(prompts)
         for _ in range(self.cfg.rollout.response_length):
             logits = self._forward(sequences)[:, -1, :]
-            probs = torch.softmax(megatron_cpu.gather_vocab_logits(logits).float(), dim=-1)
+            probs = torch.softmax(self.mc.gather_vocab_logits(logits).float(), dim=-1)
             next_token = torch.multinomial(probs, 1, generator=self.sampler)
             sequences = torch.cat([sequences, next_token], dim=1)
         return self._result(tokens=sequences, log_probs=self._log_probs(sequences))
@@ -292,5 +314,5 @@ class CriticWorker(_RankWorker):
         # that still depend on their logits, so every rank runs the same backward
         # collectives; the all-reduce hands everyone the value (identity in backward).
         local = logits[..., 0] if self.tp_rank == 0 else logits[..., 0] * 0.0
-        values = reduce_from_tensor_model_parallel_region(local.contiguous())
+        values = self.reduce_from_tp(local.contiguous())
         return values[:, self.prompt_length - 1 :].float()

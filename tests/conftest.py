@@ -32,6 +32,8 @@ def ray_local():
         ray.shutdown()
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(
+        # "local": always a new cluster of our own, never one found running on the machine.
+        address="local",
         _node_ip_address="127.0.0.1",
         num_cpus=4,
         include_dashboard=False,

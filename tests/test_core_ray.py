@@ -8,6 +8,7 @@ import ray
 import torch
 
 from tests.conftest import ROLES
+from tests.helpers import every_rank, open_all, save_everyone
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -21,30 +22,16 @@ from verl_ckpt import (
 from verl_ckpt.reports import RankReport
 
 
-def all_ranks(ranks):
-    return [w for group in ranks.values() for w in group]
-
-
 def config(tmp_path, **overrides):
     return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
-
-
-def open_managers(ranks, cfg):
-    ray.get([w.open_manager.remote(cfg) for w in all_ranks(ranks)])
-
-
-def save_all(ranks, coordinator, step, mutate_after=False):
-    stats = ray.get([w.save.remote(step, mutate_after) for w in all_ranks(ranks)])
-    coordinator.save_driver_state(step, {"step": step, "data_position": step * 4})
-    return stats
 
 
 def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
     cfg = config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_managers(ranks, cfg)
-    before = ray.get([w.state_copy.remote() for w in all_ranks(ranks)])
-    save_all(ranks, coordinator, 2, mutate_after=True)
+    open_all(ranks, cfg)
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    save_everyone(ranks, coordinator, 2, after="inplace")
     summary = coordinator.wait_for_commit(2)
     assert summary["step"] == 2 and read_tracker(cfg["root_dir"]) == 2
     record = read_commit_record(step_dir(cfg["root_dir"], 2))
@@ -62,54 +49,54 @@ def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
         role_dir = str(step_dir(cfg["root_dir"], 2) / role)
         plain = ray.get([w.plain_megatron_load.remote(role_dir) for w in group])
         for i, w in enumerate(group):
-            expected = before[all_ranks(ranks).index(w)]
+            expected = before[every_rank(ranks).index(w)]
             for key, value in plain[i].items():
                 assert torch.equal(value, expected[key]), key
     del i
 
     # I4 through our own load: model, optimizer moments and step restored exactly.
-    ray.get([w.load.remote(2) for w in all_ranks(ranks)])
-    after = ray.get([w.state_copy.remote() for w in all_ranks(ranks)])
+    ray.get([w.load.remote(2) for w in every_rank(ranks)])
+    after = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
     for b, a in zip(before, after, strict=True):
         assert b.keys() == a.keys()
         for key in b:
             assert torch.equal(b[key], a[key]), key
     assert coordinator.load_driver_state(step_dir(cfg["root_dir"], 2))["data_position"] == 8
-    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
 
 
 def test_I3_retention_keeps_newest_and_survives_finalizer_restart(ranks, tmp_path):
     cfg = config(tmp_path, max_ckpt_to_keep=2)
     coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_managers(ranks, cfg)
+    open_all(ranks, cfg)
     for step in (1, 2, 3):
-        save_all(ranks, coordinator, step)
+        save_everyone(ranks, coordinator, step)
         coordinator.wait_for_commit(step)
     root = tmp_path / "ckpt"
     assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_2", "global_step_3"]
     # Kill the finalizer for real; Ray restarts it and it rebuilds its state from disk.
     ray.kill(coordinator.finalizer, no_restart=False)
-    save_all(ranks, coordinator, 4)
+    save_everyone(ranks, coordinator, 4)
     coordinator.wait_for_commit(4)
     assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_3", "global_step_4"]
     assert read_tracker(root) == 4
-    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
 
 
 def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks, tmp_path):
     cfg = config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_managers(ranks, cfg)
-    save_all(ranks, coordinator, 1)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
     coordinator.wait_for_commit(1)
-    ray.get([w.wait.remote() for w in all_ranks(ranks)])
+    ray.get([w.wait.remote() for w in every_rank(ranks)])
     # The critic's shard files are about 200 KB: cap its file size well below that.
     critic = ranks["critic"][0]
     ray.get(critic.limit_file_size.remote(16 * 1024))
     try:
-        save_all(ranks, coordinator, 2)
+        save_everyone(ranks, coordinator, 2)
         with pytest.raises(StepNotCommittedError, match=r"critic rank 0: OSError.*File too large"):
             coordinator.wait_for_commit(2)
     finally:
@@ -120,17 +107,17 @@ def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks
     ray.get(critic.wait.remote())
     assert read_tracker(cfg["root_dir"]) == 1
     # The next save succeeds and commits.
-    save_all(ranks, coordinator, 3)
+    save_everyone(ranks, coordinator, 3)
     coordinator.wait_for_commit(3)
     assert read_tracker(cfg["root_dir"]) == 3
-    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
 
 
 def test_I5_commit_deadline_names_the_missing_ranks(ranks, tmp_path):
     cfg = config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_managers(ranks, cfg)
+    open_all(ranks, cfg)
     ray.get(ranks["critic"][0].save.remote(1))
     coordinator.save_driver_state(1, {"step": 1})
     # The actor ranks never save step 1: the wait ends at its deadline, naming them.
@@ -139,15 +126,15 @@ def test_I5_commit_deadline_names_the_missing_ranks(ranks, tmp_path):
     ):
         coordinator.wait_for_commit(1, timeout_s=2)
     assert read_tracker(cfg["root_dir"]) is None
-    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
 
 
 def test_I1_finalizer_restart_loses_reports_and_never_half_commits(ranks, tmp_path):
     cfg = config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_managers(ranks, cfg)
-    save_all(ranks, coordinator, 1)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
     coordinator.wait_for_commit(1)
     ray.get(ranks["critic"][0].save.remote(2))
     ray.get(ranks["critic"][0].wait.remote())
@@ -162,10 +149,10 @@ def test_I1_finalizer_restart_loses_reports_and_never_half_commits(ranks, tmp_pa
         coordinator.wait_for_commit(2, timeout_s=5)
     assert read_tracker(cfg["root_dir"]) == 1
     # A later step commits normally.
-    save_all(ranks, coordinator, 3)
+    save_everyone(ranks, coordinator, 3)
     coordinator.wait_for_commit(3)
     assert read_tracker(cfg["root_dir"]) == 3
-    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
 
 
@@ -175,8 +162,8 @@ def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, t
     names = {}
     for name, cfg in (("async", async_cfg), ("sync", sync_cfg)):
         coordinator = CheckpointCoordinator(cfg, ROLES)
-        open_managers(ranks, cfg)
-        stats = save_all(ranks, coordinator, 1)
+        open_all(ranks, cfg)
+        stats = save_everyone(ranks, coordinator, 1)
         if name == "sync":
             # A synchronous save returns with its files written.
             assert all(s["write_s"] is not None for s in stats)
@@ -189,7 +176,7 @@ def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, t
         assert coordinator.wait_for_commit(1)["tracker"] == 1
         with pytest.raises(CheckpointError, match="step 1 .*already committed"):
             coordinator.save_driver_state(1, {"step": 1})
-        ray.get([w.close.remote() for w in all_ranks(ranks)])
+        ray.get([w.close.remote() for w in every_rank(ranks)])
         coordinator.close()
     assert names["async"] == names["sync"]
 
@@ -197,15 +184,15 @@ def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, t
 def test_structure_change_replans_and_same_structure_reuses_plan(ranks, tmp_path):
     cfg = config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_managers(ranks, cfg)
-    first = save_all(ranks, coordinator, 1)
-    second = save_all(ranks, coordinator, 2)
+    open_all(ranks, cfg)
+    first = save_everyone(ranks, coordinator, 1)
+    second = save_everyone(ranks, coordinator, 2)
     assert not any(s["plan_reused"] for s in first)
     assert all(s["plan_reused"] for s in second)
     # Every critic tensor changes shape: the plan must be rebuilt, never reused stale.
     critic = ranks["critic"][0]
     ray.get(critic.rebuild.remote(hidden_size=48))
-    save_all(ranks, coordinator, 3)
+    save_everyone(ranks, coordinator, 3)
     for step in (1, 2, 3):
         coordinator.wait_for_commit(step)
     stats = ray.get(critic.wait.remote())
@@ -216,5 +203,5 @@ def test_structure_change_replans_and_same_structure_reuses_plan(ranks, tmp_path
     after = ray.get(critic.state_copy.remote())
     assert all(torch.equal(before[k], after[k]) for k in before)
     ray.get(critic.rebuild.remote(hidden_size=32))
-    ray.get([w.close.remote() for w in all_ranks(ranks)])
+    ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()

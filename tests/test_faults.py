@@ -22,6 +22,7 @@ import ray
 import torch
 
 from tests.conftest import REPO_ROOT, ROLES, free_port
+from tests.helpers import close_all, every_rank, open_all, save_everyone
 from tests.rank_worker import RankWorker
 from verl_ckpt import (
     CheckpointCoordinator,
@@ -37,25 +38,6 @@ from verl_ckpt.commit_record import is_committed, read_commit_record, verify_fil
 from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.finalizer import FINALIZER_NAMESPACE, CheckpointFinalizer, finalizer_name
 from verl_ckpt.layout import list_step_dirs
-
-
-def every_rank(ranks):
-    return [w for group in ranks.values() for w in group]
-
-
-def save_everyone(ranks, coordinator, step, after="nothing"):
-    stats = ray.get([w.save.remote(step, after) for w in every_rank(ranks)])
-    coordinator.save_driver_state(step, {"step": step})
-    return stats
-
-
-def open_all(ranks, cfg):
-    ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
-
-
-def close_all(ranks, coordinator):
-    ray.get([w.close.remote() for w in every_rank(ranks)])
-    coordinator.close()
 
 
 def faulty_coordinator(cfg, roles, fault, disarmed_marker):

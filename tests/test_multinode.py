@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +62,16 @@ def two_nodes(tmp_path, request):
         "RAY_AUTH_MODE": "disabled",
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
     }
-    head = ["--head", f"--port={port}", "--node-ip-address=127.0.0.2", "--include-dashboard=false"]
+    # A temp dir of its own: `ray start` records "the current cluster" there, where a plain
+    # ray.init() elsewhere on the machine would otherwise find and join it.
+    temp_dir = tempfile.mkdtemp(prefix="vcray", dir="/tmp")
+    head = [
+        "--head",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.2",
+        "--include-dashboard=false",
+        f"--temp-dir={temp_dir}",
+    ]
     other = [f"--address=127.0.0.2:{port}", "--node-ip-address=127.0.0.3"]
     common = ["--num-cpus=1", "--disable-usage-stats"]
     try:
@@ -70,6 +81,7 @@ def two_nodes(tmp_path, request):
         yield f"127.0.0.2:{port}", root, env
     finally:
         stop_cluster(port)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def run_job(address: str, root: Path, env: dict) -> dict:

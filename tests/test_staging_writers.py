@@ -11,19 +11,10 @@ import ray
 import torch
 
 from tests.conftest import ROLES, free_port
+from tests.helpers import close_all, every_rank, save_everyone
 from tests.rank_worker import RankWorker
 from verl_ckpt import CheckpointCoordinator, CheckpointWriteError, CommitTimeoutError, read_tracker
 from verl_ckpt.faults import ENV_VAR
-
-
-def every_rank(ranks):
-    return [w for group in ranks.values() for w in group]
-
-
-def save_everyone(ranks, coordinator, step, after="nothing"):
-    stats = ray.get([w.save.remote(step, after) for w in every_rank(ranks)])
-    coordinator.save_driver_state(step, {"step": step})
-    return stats
 
 
 def assert_restores(ranks, step, before):
@@ -40,11 +31,6 @@ def helpers_left(info):
     singleton that any spawn starts, shared with every other user of multiprocessing in the
     process, which exits with the rank's process and holds none of our memory."""
     return [cmd for _, cmd in info["children"] if "resource_tracker" not in cmd]
-
-
-def close_all(ranks, coordinator):
-    ray.get([w.close.remote() for w in every_rank(ranks)])
-    coordinator.close()
 
 
 @pytest.mark.parametrize(

@@ -17,9 +17,8 @@ from verl_ckpt.errors import (
     CheckpointConfigError,
     CheckpointError,
     CommitRecordError,
-    CommitTimeoutError,
 )
-from verl_ckpt.finalizer import check_shared_root, start_finalizer
+from verl_ckpt.finalizer import call_finalizer, check_shared_root, start_finalizer
 from verl_ckpt.fsio import ChecksummingWriter
 from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
 from verl_ckpt.reports import RankReport
@@ -127,12 +126,7 @@ class CheckpointCoordinator:
         ray.kill(self.finalizer, no_restart=True)
 
     def _call(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        # The finalizer applies its own deadline where it waits; ours covers the call itself.
         deadline = deadline or time.monotonic() + self.config.timeout_s + 30
-        ref = getattr(self.finalizer, method).remote(*args)
-        try:
-            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-        except ray.exceptions.GetTimeoutError:
-            raise CommitTimeoutError(
-                f"the finalizer of {self.root} did not answer {method} in time"
-            ) from None
+        return call_finalizer(
+            self.finalizer, method, *args, deadline=deadline, who=f"the driver of {self.root}"
+        )

@@ -33,6 +33,7 @@ import logging
 import os
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,7 @@ from verl_ckpt.tracker import read_tracker, write_tracker
 
 __all__ = [
     "FINALIZER_NAMESPACE",
+    "call_finalizer",
     "check_shared_root",
     "finalizer_name",
     "get_finalizer",
@@ -122,10 +124,13 @@ class CheckpointFinalizer:
         ]
         self._steps: dict[int, _StepState] = {}
         self._commit_lock = asyncio.Lock()
+        self._commit_tasks: set[asyncio.Task] = set()
         # Reports carry DCP metadata whose classes live in torch and megatron-core: import
         # them now, at start-up, not while unpickling the first report (seconds during which
         # this actor would answer nobody, the driver's begin_step included).
-        import verl_ckpt.megatron_compat  # noqa: F401
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex)")
+            import verl_ckpt.megatron_compat  # noqa: F401
 
         self._root.mkdir(parents=True, exist_ok=True)
         # Steps on disk without a commit record when we start. After a restart of this actor
@@ -286,12 +291,19 @@ class CheckpointFinalizer:
             return
         if self.missing(report.step):
             return
+        # The commit runs on its own: the last reporter (often the driver, in its training
+        # loop) is not kept waiting for fsyncs it does not need to see.
+        task = asyncio.create_task(self._commit_in_background(state))
+        self._commit_tasks.add(task)
+        task.add_done_callback(self._commit_tasks.discard)
+
+    async def _commit_in_background(self, state: _StepState) -> None:
         async with self._commit_lock:
             try:
                 await asyncio.to_thread(self._commit, state)
                 state.committed = True
             except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
-                logger.exception("commit of step %d failed", report.step)
+                logger.exception("commit of step %d failed", state.step)
                 state.commit_error = f"{type(exc).__name__}: {exc}"
             finally:
                 state.done.set()
@@ -474,9 +486,10 @@ def start_finalizer(
             max_restarts=-1,
             max_task_retries=3,
             num_cpus=0,
-            # Beside the driver that started it: the driver's node must see the root anyway.
+            # On the driver's node, which must see the root anyway (the driver writes its own
+            # state there); the job ends with that node, so a hard affinity costs nothing.
             scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=True
+                ray.get_runtime_context().get_node_id(), soft=False
             ),
         )
         .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight)
@@ -538,3 +551,19 @@ def check_shared_root(
             f"{'missing' if seen is None else 'differs'}): checkpoint.root_dir must be one "
             "filesystem shared by every node"
         )
+
+
+def call_finalizer(
+    finalizer: ray.actor.ActorHandle, method: str, *args: Any, deadline: float, who: str
+) -> Any:
+    """Call `method` on the finalizer and wait for the answer until `deadline` (monotonic).
+
+    Where the finalizer itself waits (begin_step, wait_for_commit) it applies the caller's
+    timeout and names what is missing; this deadline only bounds the call, so callers give
+    it some slack beyond their own timeout.
+    """
+    ref = getattr(finalizer, method).remote(*args)
+    try:
+        return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+    except ray.exceptions.GetTimeoutError:
+        raise CommitTimeoutError(f"{who}: the finalizer did not answer {method} in time") from None

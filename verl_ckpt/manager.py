@@ -26,7 +26,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -41,7 +40,7 @@ from verl_ckpt.errors import (
     CommitTimeoutError,
 )
 from verl_ckpt.file_writer import serialize_common, write_common
-from verl_ckpt.finalizer import check_shared_root, get_finalizer
+from verl_ckpt.finalizer import call_finalizer, check_shared_root, get_finalizer
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.reports import RankReport
 from verl_ckpt.staging import StagingPool, StagingSlot, copy_into
@@ -71,6 +70,8 @@ class SaveStats:
     write_s: float | None = None
     bytes_written: int | None = None
     files_written: int | None = None
+    # Set when the write failed (the error is also raised once by the next save()/wait()).
+    error: str | None = None
 
 
 @dataclass
@@ -322,7 +323,10 @@ class CheckpointManager:
             problems = verify_files(path, record, prefix=f"{self.role}/")
             if problems:
                 raise CommitRecordError(f"{path} failed verification: " + "; ".join(problems))
-        return megatron_compat.load_role_dir(template, path / self.role)
+        loaded = megatron_compat.load_role_dir(template, path / self.role)
+        # megatron-core merges common.pt back in, which may hold non-sharded parts of contents
+        # that were not asked for (an optimizer's param_groups): return only what was.
+        return {key: value for key, value in loaded.items() if key in template}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish the writes in flight (with a deadline) and stop every helper thread and
@@ -460,6 +464,7 @@ class CheckpointManager:
                 self._writer.forget_slot(job.slot)
             job.live_tensors = []
         job.stats.write_s = time.perf_counter() - start
+        job.stats.error = report.error
         job.stats.bytes_written = sum(f.size for f in report.files)
         job.stats.files_written = len(report.files)
         try:
@@ -469,6 +474,7 @@ class CheckpointManager:
             if report.error is None:
                 report.error = f"could not report to the finalizer: {exc}"
         if report.error is not None:
+            job.stats.error = report.error
             raise CheckpointWriteError(
                 f"{self.role} rank {self.rank} failed to save step {job.step} under "
                 f"{self._root}: {report.error}"
@@ -477,16 +483,9 @@ class CheckpointManager:
             self._completed.append(job.stats)
 
     def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        # The finalizer applies its own deadline where it waits; ours covers the call itself.
         deadline = deadline or time.monotonic() + self._timeout_s + 30
-        ref = getattr(self._finalizer, method).remote(*args)
-        try:
-            return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-        except ray.exceptions.GetTimeoutError:
-            raise CommitTimeoutError(
-                f"{self.role} rank {self.rank}: the finalizer of {self._root} did not answer "
-                f"{method} in time"
-            ) from None
+        who = f"{self.role} rank {self.rank} of {self._root}"
+        return call_finalizer(self._finalizer, method, *args, deadline=deadline, who=who)
 
     def _wait_for_capacity(self) -> None:
         while len(self._in_flight) >= self.config.max_in_flight:

@@ -1,0 +1,324 @@
+"""How the finalizer's commit grows with the number of ranks (8 to 4096 per step).
+
+What is real: the `CheckpointFinalizer` actor (started by `verl_ckpt.finalizer.start_finalizer`
+with participants {"actor": N}, no driver participant, keep 2 committed steps), its
+`begin_step` and `report` calls over Ray, and everything a commit does: it stats every
+reported file, writes the role's `.metadata` (DCP) and `metadata.json`, the commit record,
+the tracker, and deletes the step that retention drops.
+What is simulated: the N ranks. One driver process plays them: it writes, per rank, one
+real DCP data file holding that rank's row of one global [N, 16] tensor (DCP's own
+`_write_item`, so the write results, the global metadata and the file sizes are real, and
+the committed directory loads with `torch.distributed.checkpoint.load`), then sends the N
+`RankReport`s. Real ranks would send them from N processes at about the same time; here the
+first N-1 are submitted at once and awaited, then the last one is timed alone.
+
+Figures per N (median over the timed steps):
+- commit latency: last report sent -> tracker names the step (the driver polls the tracker
+  file every ms), and -> the last report's call returned (commit + retention);
+- report intake: time for the first N-1 reports, and per report;
+- begin_step: time for the N ranks' `begin_step` calls.
+Then the finalizer class itself (called directly inside a helper actor) runs one step of the
+largest N under cProfile, to show which functions grow faster than linearly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import functools
+import inspect
+import io
+import os
+import pstats
+import shutil
+import statistics
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    SerializationFormat,
+    _StorageWriterTransforms,
+    _write_item,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from verl_ckpt.commit_record import FileEntry
+from verl_ckpt.fsio import ChecksummingWriter
+from verl_ckpt.reports import RankReport
+from verl_ckpt.tracker import read_tracker
+
+__all__ = ["run"]
+
+ROLE = "actor"
+FQN = "decoder.weight"
+WIDTH = 16
+TIMED_STEPS = 3  # after one warm-up step per N
+
+
+def _rank_file(directory: Path, rank: int, world: int) -> tuple[list, FileEntry]:
+    """Write rank `rank`'s shard (one row of a [world, WIDTH] tensor) as DCP would."""
+    name = f"__{rank}_0.distcp"
+    tensor = torch.full((1, WIDTH), float(rank))
+    offsets = torch.Size([rank, 0])
+    item = WriteItem(
+        index=MetadataIndex(FQN, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([1, WIDTH])),
+            properties=TensorProperties.create_from_tensor(tensor),
+            size=torch.Size([world, WIDTH]),
+        ),
+    )
+    with open(directory / name, "wb") as raw:
+        stream = ChecksummingWriter(raw)
+        result = _write_item(
+            _StorageWriterTransforms(),
+            stream,
+            tensor,
+            item,
+            name,
+            serialization_format=SerializationFormat.TORCH_SAVE,
+        )
+    return [result], FileEntry(f"{ROLE}/{name}", stream.size, stream.checksum)
+
+
+def _global_metadata(world: int) -> Metadata:
+    properties = TensorProperties.create_from_tensor(torch.zeros(1, WIDTH))
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size([r, 0]), sizes=torch.Size([1, WIDTH]))
+        for r in range(world)
+    ]
+    return Metadata(
+        state_dict_metadata={
+            FQN: TensorStorageMetadata(properties, torch.Size([world, WIDTH]), chunks)
+        }
+    )
+
+
+def _reports(step: int, world: int, directory: Path) -> list[RankReport]:
+    reports = []
+    for rank in range(world):
+        results, entry = _rank_file(directory, rank, world)
+        report = RankReport(step, ROLE, rank, world, uuid.uuid4().hex)
+        report.write_results = results
+        report.files = [entry]
+        if rank == 0:
+            report.global_metadata = _global_metadata(world)
+        reports.append(report)
+    return reports
+
+
+class _TrackerWatch:
+    """Polls the tracker every millisecond until it names `step`; `.moved_at` is when."""
+
+    def __init__(self, root: Path, step: int) -> None:
+        self.moved_at: float | None = None
+        self._root, self._step = root, step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if read_tracker(self._root) == self._step:
+                    self.moved_at = time.perf_counter()
+                    return
+            except Exception:  # noqa: BLE001 - a tracker being replaced; poll again
+                pass
+            time.sleep(0.001)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        self._stop.set()
+
+
+@functools.cache
+def _begin_takes_timeout() -> bool:
+    from verl_ckpt.finalizer import CheckpointFinalizer
+
+    return "timeout_s" in inspect.signature(CheckpointFinalizer.begin_step).parameters
+
+
+def _begin_args(step: int, rank: int, world: int) -> tuple:
+    """`begin_step`'s arguments (its signature gained a deadline over time)."""
+    args: tuple = (step, ROLE, rank, world)
+    return args + (120.0,) if _begin_takes_timeout() else args
+
+
+def _measure(world: int, root: Path) -> list[dict[str, float]]:
+    from verl_ckpt.finalizer import start_finalizer
+
+    finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=2, timeout_s=120.0)
+    figures = []
+    try:
+        for step in range(1, TIMED_STEPS + 2):
+            t = time.perf_counter()
+            directory = Path(ray.get(finalizer.begin_step.remote(*_begin_args(step, 0, world))))
+            ray.get(
+                [finalizer.begin_step.remote(*_begin_args(step, r, world)) for r in range(1, world)]
+            )
+            begin_s = time.perf_counter() - t
+            reports = _reports(step, world, directory)
+            os.sync()  # the files' dirty pages out of the way of the timed commit
+            ray.get(finalizer.describe.remote())  # the actor is idle and warm
+            t = time.perf_counter()
+            ray.get([finalizer.report.remote(r) for r in reports[:-1]])
+            intake_s = time.perf_counter() - t
+            watch = _TrackerWatch(root, step)
+            sent = time.perf_counter()
+            ray.get(finalizer.report.remote(reports[-1]))
+            returned = time.perf_counter()
+            watch.join(60)
+            if read_tracker(root) != step or watch.moved_at is None:
+                raise RuntimeError(f"N={world}: step {step} did not move the tracker")
+            if step == 1:
+                continue  # warm-up: imports in the actor, first directory listing
+            figures.append(
+                {
+                    "tracker_s": watch.moved_at - sent,
+                    "returned_s": returned - sent,
+                    "intake_s": intake_s,
+                    "begin_s": begin_s,
+                }
+            )
+        _check_loadable(root, TIMED_STEPS + 1, world)
+    finally:
+        ray.kill(finalizer, no_restart=True)
+    return figures
+
+
+def _check_loadable(root: Path, step: int, world: int) -> None:
+    """The committed role directory is a real DCP checkpoint: load it back, no ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    target = {FQN: torch.zeros(world, WIDTH)}
+    dcp.load(target, checkpoint_id=str(root / f"global_step_{step}" / ROLE), no_dist=True)
+    expected = torch.arange(world, dtype=torch.float32).unsqueeze(1).expand(world, WIDTH)
+    if not torch.equal(target[FQN], expected):
+        raise RuntimeError(f"N={world}: the committed checkpoint does not load back")
+
+
+def _profile_in_process(world: int, root: Path) -> str:
+    """Run the finalizer class itself (no actor) on 2 steps of N reports under cProfile."""
+    from verl_ckpt.finalizer import CheckpointFinalizer
+
+    finalizer = CheckpointFinalizer(str(root), {ROLE: world}, 2)
+    profiler = cProfile.Profile()
+
+    async def call(method: Any, *args: Any) -> Any:
+        result = method(*args)
+        return await result if inspect.isawaitable(result) else result
+
+    async def one_step(step: int) -> None:
+        directory = Path(await call(finalizer.begin_step, *_begin_args(step, 0, world)))
+        reports = _reports(step, world, directory)
+        os.sync()
+        if step == 2:
+            profiler.enable()
+        for rank in range(1, world):
+            await call(finalizer.begin_step, *_begin_args(step, rank, world))
+        for report in reports:
+            await finalizer.report(report)
+        if step == 2:
+            profiler.disable()
+
+    async def both() -> None:
+        for step in (1, 2):
+            await one_step(step)
+
+    asyncio.run(both())
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats("verl_ckpt", 8)
+    stats.sort_stats("cumulative").print_stats(
+        r"verl_ckpt.*\((report|_commit|_check_reported_files"
+        r"|_complete_role|_apply_retention|committed_steps"
+        r"|missing|begin_step)\)",
+        12,
+    )
+    return "\n".join(
+        line for line in out.getvalue().splitlines() if line.strip() and "List reduced" not in line
+    )
+
+
+@ray.remote(num_cpus=0)
+class _Profiler:
+    def run(self, world: int, root: Path) -> str:
+        return _profile_in_process(world, root)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        for world in rank_counts:
+            root = workdir / f"n{world}"
+            figures = _measure(world, root)
+            shutil.rmtree(root, ignore_errors=True)
+            row = {k: _median([f[k] for f in figures]) for k in figures[0]}
+            rows.append((world, row))
+            log(
+                f"    N={world}: commit (last report -> tracker) {row['tracker_s'] * 1e3:.1f} ms, "
+                f"report intake {row['intake_s'] / max(1, world - 1) * 1e3:.2f} ms/report"
+            )
+        # Inside a Ray actor: the finalizer class asks Ray's runtime context whether its
+        # actor was restarted.
+        profiler = _Profiler.remote()
+        try:
+            profile = ray.get(
+                profiler.run.remote(max(rank_counts), workdir / "profile"), timeout=900
+            )
+        finally:
+            ray.kill(profiler, no_restart=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _markdown(rows, profile, max(rank_counts))
+
+
+def _markdown(rows: list[tuple[int, dict[str, float]]], profile: str, largest: int) -> str:
+    lines = [
+        "| ranks N | commit: last report -> tracker ms | last report call returned ms | "
+        "per rank us (commit / N) | intake of N-1 reports s | per report ms | begin_step x N s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world, r in rows:
+        lines.append(
+            f"| {world} | {r['tracker_s'] * 1e3:.1f} | {r['returned_s'] * 1e3:.1f} | "
+            f"{r['tracker_s'] / world * 1e6:.0f} | {r['intake_s']:.2f} | "
+            f"{r['intake_s'] / max(1, world - 1) * 1e3:.2f} | {r['begin_s']:.2f} |"
+        )
+    growth = []
+    for (w0, r0), (w1, r1) in zip(rows, rows[1:]):
+        scale = w1 / w0
+        per_report = (r1["intake_s"] / (w1 - 1)) / (r0["intake_s"] / max(1, w0 - 1))
+        growth.append(
+            f"N {w0} -> {w1} (x{scale:g}): commit x{r1['tracker_s'] / r0['tracker_s']:.1f}, "
+            f"intake per report x{per_report:.2f}"
+        )
+    return (
+        __doc__.split("\n\n", 1)[1].strip()
+        + "\n\nMedian of "
+        + f"{TIMED_STEPS} steps per N after a warm-up step:\n\n"
+        + "\n".join(lines)
+        + "\n\nGrowth: "
+        + "; ".join(growth)
+        + f"\n\nIn-process cProfile of one step with N={largest} (begin_step x N, N reports, the "
+        "commit; by own time):\n\n```\n" + profile + "\n```"
+    )

@@ -1,0 +1,148 @@
+"""Training step time of the toy PPO recipe with and without checkpoints in the background.
+
+Runs `python -m recipes.ppo_toy` as a user does (a subprocess with its own embedded Ray),
+three times with the same seed and config but `checkpoint`:
+  - saves disabled (`checkpoint.save_freq=0`),
+  - a save after every step (`checkpoint.save_freq=1`, the default async preset: writer
+    threads; offload-aware staging as configs/ppo_toy.yaml sets it),
+  - a save after every step with the `sync` preset (the rank writes inside save()),
+and compares the per-step wall times (`step_s`) of its metrics JSONL. Steps 1-2 are left
+out (start-up, the finalizer's first commit). The model is enlarged from the recipe's default
+(`MODEL` below) so that a save is megabytes rather than kilobytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL = ["model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_layers=4"]
+SKIP_STEPS = 2
+RUN_TIMEOUT_S = 900
+
+__all__ = ["run"]
+
+
+def _variants() -> list[tuple[str, list[str]]]:
+    return [
+        ("no saves", ["checkpoint.save_freq=0"]),
+        ("save every step, async (thread)", ["checkpoint.save_freq=1"]),
+        (
+            "save every step, sync",
+            ["checkpoint=sync", "checkpoint.save_freq=1", "checkpoint.max_ckpt_to_keep=2"],
+        ),
+    ]
+
+
+def _run_once(out: Path, steps: int, overrides: list[str], log: Any) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    command = [
+        sys.executable,
+        "-m",
+        "recipes.ppo_toy",
+        f"hydra.run.dir={out}",
+        f"trainer.total_steps={steps}",
+        f"trainer.metrics_path={metrics}",
+        f"checkpoint.root_dir={out / 'ckpt'}",
+        "checkpoint.max_ckpt_to_keep=2",
+        *MODEL,
+        *overrides,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    begin = time.perf_counter()
+    proc = subprocess.run(
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise RuntimeError(f"recipe exited with {proc.returncode}:\n{tail}")
+    log(f"    {' '.join(overrides)}: {time.perf_counter() - begin:.0f} s")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def _figures(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    steady = [r for r in records if r["step"] > SKIP_STEPS]
+    steps = [r["step_s"] for r in steady]
+
+    def med(key: str) -> float | None:
+        values = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "steps": len(steps),
+        "median": statistics.median(steps),
+        "mean": statistics.fmean(steps),
+        "p90": sorted(steps)[int(0.9 * (len(steps) - 1))],
+        "blocking": med("ckpt_blocking_s"),
+        "save_wall": med("ckpt_save_wall_s"),
+        "write": med("ckpt_write_s"),
+        "bytes": med("ckpt_bytes"),
+        "first_steps": [round(r["step_s"], 3) for r in records[:SKIP_STEPS]],
+    }
+
+
+def run(workdir: Path, log: Any = print, quick: bool = False) -> str:
+    if not (REPO_ROOT / "recipes" / "ppo_toy.py").exists():
+        return "skipped: recipes/ppo_toy.py does not exist (yet)."
+    steps = 12 if quick else 24
+    log(f"\n[recipe] recipes.ppo_toy, {steps} steps per run, {' '.join(MODEL)}")
+    results = []
+    try:
+        for name, overrides in _variants():
+            try:
+                records = _run_once(workdir / _slug(name), steps, overrides, log)
+                results.append((name, _figures(records), None))
+            except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError) as exc:
+                results.append((name, None, str(exc)))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _markdown(results, steps)
+
+
+def _markdown(results: list, steps: int) -> str:
+    base = next((f for n, f, _ in results if n == "no saves" and f), None)
+    lines = [
+        __doc__.split("\n\n", 1)[1].strip(),
+        "",
+        f"{steps} steps per run; {' '.join(MODEL)}; figures over steps {SKIP_STEPS + 1}..{steps}.",
+        "",
+        "| run | step s (median) | mean | p90 | vs no saves (median) | ckpt blocking s | "
+        "save call in driver s | write s | MB per save | steps 1-2 s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    failures = []
+    for name, f, error in results:
+        if f is None:
+            failures.append(f"- {name}: failed: {error}")
+            continue
+        ratio = f"{f['median'] / base['median']:.2f}x" if base else "-"
+        lines.append(
+            f"| {name} | {f['median']:.3f} | {f['mean']:.3f} | {f['p90']:.3f} | {ratio} | "
+            f"{_f(f['blocking'])} | {_f(f['save_wall'])} | {_f(f['write'])} | "
+            f"{(f['bytes'] or 0) / 1e6:.1f} | {f['first_steps']} |"
+        )
+    return "\n".join(lines + ([""] + failures if failures else []))
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)

@@ -1,0 +1,457 @@
+"""Figures, tables, targets, Markdown and the plot of a benchmark run."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.saves import Op
+from benchmarks.systems import REFERENCE
+
+__all__ = ["Row", "machine_description", "summarize", "targets", "timing_tables"]
+
+# verl_ckpt's targets at steady state.
+BLOCKING_TARGET = 1.25  # x the copy floor
+DURABLE_TARGET = 1.25  # x the write floor
+FLOORS = ("copy floor", "write floor")
+MiB = 2**20
+
+
+@dataclass
+class Row:
+    system: str
+    first_blocking: float | None
+    first_durable: float | None
+    blocking: float | None  # median of the saves after the first
+    durable: float | None
+    saves: int
+    copy_floor: float | None  # medians of the floors of this system's block
+    write_floor: float | None
+    ref_blocking: float | None  # median of the reference's saves in this block
+    ref_durable: float | None
+    first_peak: int | None
+    steady_peak: int | None
+    held: list[int]  # resident over the baseline after each save
+
+    def ratio(self, which: str) -> float | None:
+        pairs = {
+            "blocking/copy": (self.blocking, self.copy_floor),
+            "durable/write": (self.durable, self.write_floor),
+            "blocking/ref": (self.blocking, self.ref_blocking),
+            "durable/ref": (self.durable, self.ref_durable),
+            "first blocking/copy": (self.first_blocking, self.copy_floor),
+            "first durable/write": (self.first_durable, self.write_floor),
+            "first blocking/ref": (self.first_blocking, self.ref_blocking),
+            "first durable/ref": (self.first_durable, self.ref_durable),
+        }
+        a, b = pairs[which]
+        return a / b if a is not None and b else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(ops: list[Op], systems: list[str]) -> list[Row]:
+    rows = []
+    for name in [REFERENCE] + [s for s in systems if s != REFERENCE]:
+        if name == REFERENCE:
+            in_block = ops  # the reference runs in every block
+            own = [o for o in ops if o.name == name]
+            ref = [o for o in own if o.iteration > 0]
+            mem = [o for o in own if o.block == name]
+        else:
+            in_block = [o for o in ops if o.block == name]
+            own = [o for o in in_block if o.name == name]
+            ref = [o for o in in_block if o.name == REFERENCE]
+            mem = own
+        if not own:
+            continue
+        first = [o for o in own if o.iteration == 0]
+        steady = [o for o in own if o.iteration > 0]
+        copy = [o.blocking_s for o in in_block if o.name == "copy floor"]
+        write = [o.durable_s for o in in_block if o.name == "write floor"]
+        mem_steady = [o.peak_extra for o in mem if o.iteration > 0 and o.peak_extra is not None]
+        mem_first = [o.peak_extra for o in mem if o.iteration == 0]
+        rows.append(
+            Row(
+                system=name,
+                first_blocking=first[0].blocking_s if first else None,
+                first_durable=first[0].durable_s if first else None,
+                blocking=_median([o.blocking_s for o in steady]),
+                durable=_median([o.durable_s for o in steady]),
+                saves=len(own),
+                copy_floor=_median(copy),
+                write_floor=_median(write),
+                ref_blocking=_median([o.blocking_s for o in ref]),
+                ref_durable=_median([o.durable_s for o in ref]),
+                first_peak=mem_first[0] if mem_first else None,
+                steady_peak=int(_median(mem_steady)) if mem_steady else None,
+                held=[o.resident_after for o in mem if o.resident_after is not None],
+            )
+        )
+    return rows
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MiB:.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def timing_tables(rows: list[Row]) -> str:
+    steady = _table(
+        [
+            "system",
+            "blocking s",
+            "durable s",
+            "blocking / copy floor",
+            "durable / write floor",
+            f"blocking / {REFERENCE}",
+            f"durable / {REFERENCE}",
+        ],
+        [
+            [
+                r.system,
+                _f(r.blocking),
+                _f(r.durable),
+                _x(r.ratio("blocking/copy")),
+                _x(r.ratio("durable/write")),
+                _x(r.ratio("blocking/ref")),
+                _x(r.ratio("durable/ref")),
+            ]
+            for r in rows
+        ],
+    )
+    first = _table(
+        [
+            "system",
+            "blocking s",
+            "durable s",
+            "blocking / copy floor",
+            "durable / write floor",
+            f"blocking / {REFERENCE}",
+            f"durable / {REFERENCE}",
+        ],
+        [
+            [
+                r.system,
+                _f(r.first_blocking),
+                _f(r.first_durable),
+                _x(r.ratio("first blocking/copy")),
+                _x(r.ratio("first durable/write")),
+                _x(r.ratio("first blocking/ref")),
+                _x(r.ratio("first durable/ref")),
+            ]
+            for r in rows
+        ],
+    )
+    floors = _table(
+        ["block of", "copy floor s", "write floor s", f"{REFERENCE} blocking s", "durable s"],
+        [
+            [r.system, _f(r.copy_floor), _f(r.write_floor), _f(r.ref_blocking), _f(r.ref_durable)]
+            for r in rows
+        ],
+    )
+    return (
+        "### Steady state (median of saves 2..n)\n\n"
+        + steady
+        + "\n\n### First save\n\n"
+        + first
+        + "\n\n### Floors and reference, per block (medians; ratios above use these)\n\n"
+        + floors
+    )
+
+
+def memory_table(rows: list[Row]) -> str:
+    body = []
+    for r in rows:
+        held = r.held
+        grows = "-"
+        if len(held) >= 3:
+            # Held memory after the 2nd save vs after the last: growth beyond noise (8 MiB)?
+            delta = held[-1] - held[1]
+            grows = f"yes (+{delta / MiB:.0f} MiB)" if delta > 8 * MiB else "no"
+        body.append(
+            [
+                r.system,
+                _mib(r.first_peak),
+                _mib(r.steady_peak),
+                " -> ".join(_mib(h) for h in held) if held else "-",
+                grows,
+            ]
+        )
+    return _table(
+        [
+            "system",
+            "peak extra, first save MiB",
+            "peak extra, steady MiB",
+            "held after each save MiB",
+            "grows across saves",
+        ],
+        body,
+    )
+
+
+def targets(rows: list[Row]) -> list[str]:
+    """verl_ckpt's targets at steady state, each met or missed, with the figures."""
+    by = {r.system: r for r in rows}
+    ref = by.get(REFERENCE)
+    if ref is None:
+        return ["reference not measured"]
+    lines = []
+    blocking = ref.ratio("blocking/copy")
+    durable = ref.ratio("durable/write")
+    lines.append(
+        f"blocking within {BLOCKING_TARGET}x of the copy floor: "
+        + ("MET" if blocking is not None and blocking <= BLOCKING_TARGET else "MISSED")
+        + f" ({_x(blocking)}: {_f(ref.blocking)} s vs {_f(ref.copy_floor)} s)"
+    )
+    lines.append(
+        f"time to durable within {DURABLE_TARGET}x of the write floor: "
+        + ("MET" if durable is not None and durable <= DURABLE_TARGET else "MISSED")
+        + f" ({_x(durable)}: {_f(ref.durable)} s vs {_f(ref.write_floor)} s)"
+    )
+    peers = [r for r in rows if not r.system.startswith("verl_ckpt") and r.blocking is not None]
+    closest = min(peers, key=lambda r: r.ratio("blocking/ref") or 1e9).system if peers else None
+    faster = [
+        r for r in peers if r.ratio("blocking/ref") is not None and r.ratio("blocking/ref") < 1
+    ]
+    if peers:
+        lines.append(
+            "ahead of every peer on blocking: "
+            + ("MET" if not faster else "MISSED")
+            + (
+                " (faster: "
+                + ", ".join(f"{r.system} at {_x(r.ratio('blocking/ref'))} of ours" for r in faster)
+                + ")"
+                if faster
+                else f" (closest: {closest})"
+            )
+        )
+    return lines
+
+
+def machine_description() -> dict[str, str]:
+    import megatron.core
+    import ray
+    import torch
+
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": f"{os.cpu_count()} cores ({cpu})",
+        "ram": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB",
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "megatron-core": getattr(megatron.core, "__version__", "?"),
+        "ray": ray.__version__,
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def plot(rows: list[Row], path: Path, title: str) -> str | None:
+    """Blocking time and time to durable per system (steady medians, first save as a dot)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    names = [r.system for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2), sharey=True)
+    panels = (
+        ("blocking time per save (s)", "blocking", "first_blocking", "copy_floor", "copy floor"),
+        ("time to durable (s)", "durable", "first_durable", "write_floor", "write floor"),
+    )
+    for ax, (label, steady, first, floor, floor_label) in zip(axes, panels, strict=True):
+        ys = range(len(rows))
+        values = [getattr(r, steady) or 0 for r in rows]
+        colors = ["tab:blue" if n.startswith("verl_ckpt") else "tab:gray" for n in names]
+        ax.barh(ys, values, color=colors, label="steady (median)")
+        ax.scatter(
+            [getattr(r, first) or 0 for r in rows],
+            ys,
+            color="black",
+            s=14,
+            zorder=3,
+            label="first save",
+        )
+        floors = [getattr(r, floor) for r in rows if getattr(r, floor)]
+        if floors:
+            ax.axvline(statistics.median(floors), color="tab:red", ls="--", label=floor_label)
+        ax.set_xlabel(label)
+        ax.set_xscale("log")
+        ax.grid(axis="x", which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0].set_yticks(range(len(rows)), names)
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def profile_excerpt(text: str | None, lines: int = 40) -> str:
+    if not text:
+        return ""
+    body = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(body[:lines])
+
+
+def verl_breakdown(ops: list[Op]) -> str:
+    """Where verl_ckpt's blocking time goes, from its own SaveStats (slowest rank)."""
+    body = []
+    names = sorted({o.name for o in ops if o.name.startswith("verl_ckpt")})
+    for name in names:
+        steady = [o for o in ops if o.name == name and o.iteration > 0 and o.rank_info]
+        if not steady:
+            continue
+        plan = _median([max(i.get("plan_s", 0) for i in o.rank_info) for o in steady])
+        stage = _median([max(i.get("stage_s", 0) for i in o.rank_info) for o in steady])
+        blocking = _median([o.blocking_s for o in steady])
+        write = _median([max(i.get("write_s") or 0 for i in o.rank_info) for o in steady])
+        staged = _median([sum(i.get("bytes_staged", 0) for i in o.rank_info) for o in steady])
+        zero = _median([sum(i.get("bytes_zero_copy", 0) for i in o.rank_info) for o in steady])
+        other = blocking - plan - stage if None not in (blocking, plan, stage) else None
+        body.append(
+            [
+                name,
+                _f(blocking),
+                _f(stage),
+                _f(plan),
+                _f(other),
+                _f(write),
+                f"{(staged or 0) / MiB:.0f} / {(zero or 0) / MiB:.0f}",
+            ]
+        )
+    return _table(
+        [
+            "system",
+            "blocking s",
+            "stage (copy) s",
+            "plan s",
+            "rest s",
+            "write s (rank)",
+            "MiB copied / written live",
+        ],
+        body,
+    )
+
+
+def write_markdown(path: Path, sections: list[tuple[str, str]], meta: dict[str, Any]) -> None:
+    out = ["# verl_ckpt benchmark results", ""]
+    out += [f"- **{k}**: {v}" for k, v in meta.items()]
+    for title, body in sections:
+        out += ["", f"## {title}", "", body.rstrip()]
+    path.write_text("\n".join(out) + "\n")
+
+
+def after_save_table(after: dict[str, dict[str, Any]]) -> str:
+    body = []
+    for name, a in after.items():
+        ratio = a["after_save_s"] / a["alone_s"] if a["alone_s"] else None
+        body.append(
+            [
+                name,
+                "swap (offload)" if a["offload"] else "in place",
+                _f(a["alone_s"]),
+                _f(a["after_save_s"]),
+                _x(ratio),
+                _f(a["blocking_s"]),
+                _f(a["durable_s"]),
+            ]
+        )
+    return _table(
+        [
+            "system",
+            "update",
+            "update alone s",
+            "update right after save() s",
+            "slowdown",
+            "that save's blocking s",
+            "durable s",
+        ],
+        body,
+    )
+
+
+AFTER_SAVE_NOTE = (
+    "The cost a background save puts on the next training step, which blocking time does not "
+    "show: right after save() returns, each rank writes its whole state once (every "
+    "parameter and both Adam moments, `add_` in place; for offload_aware the moments are "
+    "replaced by new tensors, as an offloading trainer swaps them, since writing them in "
+    "place would fail that save by design), while the save's write is running; compared "
+    "with the same update with no save in flight. A forked writer (mcore async) makes every "
+    "page the update touches a copy-on-write fault; writer threads and processes compete "
+    "for the 2 cores and the memory bandwidth; synchronous systems have finished before "
+    "the update starts."
+)
+
+
+def write_path_table(found: dict[str, list[float]], durable: float | None) -> str:
+    med = {k: _median(v) for k, v in found.items() if v}
+    floor = med.get("write floor")
+    body = [
+        [k, _f(v), _x(v / floor if floor else None), str(len(found[k]))] for k, v in med.items()
+    ]
+    if durable is not None:
+        body.append(
+            [
+                "verl_ckpt thread save, time to durable (steady median above)",
+                _f(durable),
+                _x(durable / floor if floor else None),
+                "-",
+            ]
+        )
+    table = _table(["variant (both ranks at once)", "median s", "vs write floor", "runs"], body)
+
+    def diff(a: str, b: str) -> str:
+        if a in med and b in med:
+            return f"{med[a] - med[b]:+.3f} s"
+        return "-"
+
+    parts = [
+        "checksum (crc32 on the writing thread): raw + crc32 vs write floor "
+        f"{diff('raw + crc32', 'write floor')}",
+        "serialisation (torch.save per tensor, DCP `_write_item`) without checksum: "
+        f"plain files x1 vs write floor {diff('plain files x1', 'write floor')}",
+        "verl_ckpt's checksumming stream: verl files x1 vs plain files x1 "
+        f"{diff('verl files x1', 'plain files x1')}",
+        "two files in two threads (writer.threads=2): verl files x2 vs x1 "
+        f"{diff('verl files x2', 'verl files x1')}",
+        "the snapshot copy before the write (copy-then-write designs): "
+        f"{diff('copy, then write floor', 'write floor')}",
+    ]
+    if durable is not None and "verl files x2" in med:
+        parts.append(
+            "the rest of a verl_ckpt save (plan, staging copy, report, commit): save durable vs "
+            f"verl files x2 {durable - med['verl files x2']:+.3f} s"
+        )
+    return table + "\n\n" + "\n".join(f"- {p}" for p in parts)

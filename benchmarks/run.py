@@ -1,0 +1,320 @@
+"""`python -m benchmarks.run`: verl_ckpt against its peers and the floors, in one command.
+
+    python -m benchmarks.run                      # full run: 1 GiB state, 4 saves per system
+    python -m benchmarks.run --quick              # smoke run (~1-2 min): small state, 3 saves
+    python -m benchmarks.run --size-gib 0.5 --saves 6 --systems "verl_ckpt thread,torch.save"
+    python -m benchmarks.run --finalizer-scale    # only the finalizer scale benchmark
+    python -m benchmarks.run --recipe             # also: recipe step time with/without saves
+
+Writes benchmarks/results.md and benchmarks/results.png (or --out-dir). Starts its own Ray
+on 127.0.0.1 and shuts it down; removes its temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+# megatron-core warns about optional CUDA extensions at import.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from benchmarks.systems import SYSTEMS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="small state, 3 saves, small scale")
+    parser.add_argument("--size-gib", type=float, help="whole state over both ranks (default 1)")
+    parser.add_argument("--saves", type=int, help="saves per system (default 4; quick 3)")
+    parser.add_argument(
+        "--systems",
+        help="comma-separated subset of: " + ", ".join(SYSTEMS) + " (default: all)",
+    )
+    parser.add_argument(
+        "--finalizer-scale",
+        action="store_true",
+        help="run only the finalizer scale benchmark (writes results_finalizer.md)",
+    )
+    parser.add_argument(
+        "--skip-finalizer-scale", action="store_true", help="leave out the finalizer benchmark"
+    )
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        help="simulated rank counts of the finalizer benchmark (default 8,64,512,4096; "
+        "with --finalizer-scale 8,64,512,2048,4096; quick 8,64,512)",
+    )
+    parser.add_argument("--recipe", action="store_true", help="also time recipes.ppo_toy steps")
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile'd save")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the write-path breakdown")
+    parser.add_argument("--workdir", default=None, help="where checkpoints go (default: /tmp)")
+    parser.add_argument("--out-dir", default=str(HERE), help="where results.md/.png go")
+    parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    args = parser.parse_args(argv)
+    args.size_gib = args.size_gib or (0.125 if args.quick else 1.0)
+    args.saves = args.saves or (3 if args.quick else 4)
+    if args.saves < 2:
+        parser.error("--saves must be >= 2 (the first save is reported apart)")
+    names = [s.strip() for s in args.systems.split(",")] if args.systems else list(SYSTEMS)
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose among {list(SYSTEMS)}")
+    args.system_names = names
+    if args.ranks:
+        args.rank_counts = [int(x) for x in args.ranks.split(",")]
+    elif args.quick:
+        args.rank_counts = [8, 64, 512]
+    elif args.finalizer_scale:
+        args.rank_counts = [8, 64, 512, 2048, 4096]
+    else:
+        args.rank_counts = [8, 64, 512, 4096]
+    return args
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def start_ray(verbose: bool) -> None:
+    import ray
+
+    pythonpath = str(REPO_ROOT)
+    ray.init(
+        address="local",  # never attach to another Ray on this machine
+        _node_ip_address="127.0.0.1",
+        num_cpus=4,
+        include_dashboard=False,
+        namespace="verl_ckpt_bench",
+        log_to_driver=verbose,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": pythonpath,
+                "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1",
+            }
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="verl_ckpt_bench_", dir=args.workdir))
+    import ray
+
+    from benchmarks import report
+
+    meta = report.machine_description()
+    meta["command"] = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    sections: list[tuple[str, str]] = []
+    rows = []
+    begin = time.perf_counter()
+    start_ray(args.verbose)
+    try:
+        if not args.finalizer_scale:
+            rows = run_saves(args, workdir, meta, sections)
+        if args.finalizer_scale or not args.skip_finalizer_scale:
+            sections.append(run_finalizer_scale(args, workdir))
+        if args.recipe:
+            sections.append(run_recipe(args, workdir))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+    meta["wall time of this run"] = f"{time.perf_counter() - begin:.0f} s"
+    # The finalizer benchmark alone must not overwrite the save results of a full run.
+    md = out_dir / ("results_finalizer.md" if args.finalizer_scale else "results.md")
+    report.write_markdown(md, sections, meta)
+    log(f"\nwrote {md}")
+    if rows:
+        problem = report.plot(rows, out_dir / "results.png", _plot_title(meta, args))
+        log(problem or f"wrote {out_dir / 'results.png'}")
+    return 0
+
+
+def _plot_title(meta: dict, args: argparse.Namespace) -> str:
+    return (
+        f"{args.size_gib:g} GiB state over 2 ranks, {args.saves} saves per system; "
+        f"{meta['cpu']}, torch {meta['torch']}, megatron-core {meta['megatron-core']}"
+    )
+
+
+def run_saves(
+    args: argparse.Namespace, workdir: Path, meta: dict, sections: list[tuple[str, str]]
+) -> list:
+    from benchmarks import report
+    from benchmarks.mcore_cpu import CPU_WORKAROUND
+    from benchmarks.saves import SaveBench
+    from benchmarks.state import describe, spec_for_size
+    from benchmarks.systems import REFERENCE
+
+    spec = spec_for_size(int(args.size_gib * 2**30))
+    meta["state"] = describe(spec)
+    meta["saves per system"] = str(args.saves)
+    log(f"[saves] state: {describe(spec)}; workdir {workdir}")
+    bench = SaveBench(spec, workdir, log)
+    left: list[str] = []
+    write_path: dict[str, list[float]] = {}
+    try:
+        ops = bench.run(args.system_names, args.saves, profile=not args.no_profile)
+        if not args.no_breakdown:
+            write_path = bench.write_path(reps=2 if args.quick else 3)
+    finally:
+        left = bench.close()
+    raw = {
+        "meta": meta,
+        "ops": [asdict(o) for o in ops],
+        "after_save": bench.after_save,
+        "write_path": write_path,
+        "profile": bench.profile,
+    }
+    (Path(args.out_dir) / "results.json").write_text(json.dumps(raw, indent=1, default=str))
+    rows = report.summarize(ops, args.system_names)
+    tables = report.timing_tables(rows)
+    memory = report.memory_table(rows)
+    goals = report.targets(rows)
+    log("\n" + tables + "\n\n### Memory\n\n" + memory + "\n\n### Targets (verl_ckpt thread)\n")
+    for line in goals:
+        log("- " + line)
+    sections.append(("Save benchmark: timings", tables))
+    sections.append(("Save benchmark: memory", memory + "\n\n" + MEMORY_NOTE))
+    sections.append(("Targets (verl_ckpt thread mode, steady state)", _bullets(goals)))
+    after = report.after_save_table(bench.after_save)
+    log("\n### The next training step, right after save() returned\n\n" + after)
+    sections.append(
+        (
+            "The next training step, right after save() returned",
+            after + "\n\n" + report.AFTER_SAVE_NOTE,
+        )
+    )
+    if write_path:
+        ref = next((r for r in rows if r.system == REFERENCE), None)
+        text = report.write_path_table(write_path, ref.durable if ref else None)
+        log("\n### Where time to durable goes (write path)\n\n" + text)
+        sections.append(("Where verl_ckpt's time to durable goes", text + "\n\n" + WRITE_PATH_NOTE))
+    sections.append(
+        (
+            "Where verl_ckpt's blocking time goes",
+            report.verl_breakdown(ops)
+            + "\n\n"
+            + BREAKDOWN_NOTE
+            + (
+                "\n\ncProfile of one more save of verl_ckpt thread mode (rank 0, cumulative):\n\n"
+                "```\n" + report.profile_excerpt(bench.profile) + "\n```"
+                if bench.profile
+                else ""
+            ),
+        )
+    )
+    notes = [CPU_WORKAROUND] + SYSTEM_NOTES
+    notes.append(
+        "helper processes left after the ranks exited: "
+        + ("; ".join(left) + " (killed by pid)" if left else "none")
+    )
+    sections.append(("How each system was run", _bullets(notes)))
+    return rows
+
+
+def run_finalizer_scale(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
+    from benchmarks.finalizer_scale import run as run_scale
+
+    log(f"\n[finalizer] simulated ranks per step: {args.rank_counts}")
+    text = run_scale(args.rank_counts, workdir / "finalizer", log)
+    log("\n" + text)
+    return ("Finalizer scale", text)
+
+
+def run_recipe(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
+    from benchmarks.recipe_bench import run as run_recipe_bench
+
+    text = run_recipe_bench(workdir / "recipe", log, quick=args.quick)
+    log("\n" + text)
+    return ("Recipe: training step time with and without background saves", text)
+
+
+def _bullets(lines: list[str]) -> str:
+    return "\n".join(f"- {line}" for line in lines)
+
+
+MEMORY_NOTE = (
+    "Peak extra: the highest resident memory of both rank processes (RSS, sampled every 5 ms) "
+    "plus every process they started (USS, every 100 ms), during the save (from its start to "
+    "durable), minus the same total just before the system was opened: it includes what the "
+    "system keeps between saves (staging buffers, writer processes). Held after each save: "
+    "the same total once the save is durable, minus the baseline. Shared memory is counted "
+    "once (in the rank that touched it); a forked child's pages shared with its parent are "
+    "not counted again."
+)
+
+BREAKDOWN_NOTE = (
+    "From verl_ckpt's own SaveStats, slowest rank, median of steady saves: stage = copying "
+    "into the staging pool; plan = structure hash, group agreement (monitored barrier + "
+    "all_gather_object), validation when re-planning, megatron-core planning with the cached "
+    "plan, common.pt; rest = back-pressure wait, composing the sharded dict, the `begin_step` "
+    "round trip to the finalizer actor, submitting the write."
+)
+
+WRITE_PATH_NOTE = (
+    "Each variant writes the rank's 504 MiB (at the default size) on both ranks at once, "
+    "like the systems, fsync included: `raw + crc32` is the write floor with zlib.crc32 over "
+    "the bytes on the writing thread; `plain files xN` is DCP's `_write_item` (a "
+    "`torch.save` per tensor) into N files by N threads; `verl files xN` is verl_ckpt's own "
+    "`file_writer.write_bucket` (the same plus its crc32 checksumming stream) as its writer "
+    "runs it; `copy, then write floor` is the copy floor followed by the write floor, the "
+    "least a design that snapshots by copying and then writes can take."
+)
+
+SYSTEM_NOTES = [
+    "verl_ckpt: CheckpointManager per rank (save_contents model+optimizer, writer.threads=2), "
+    "CheckpointCoordinator in the driver; time to durable ends when `wait_for_commit` returns "
+    "(files fsynced, .metadata/metadata.json and commit record written, tracker moved).",
+    "verl_ckpt thread offload_aware: staging.offload_aware=true; the optimizer state lives on "
+    "the host (as an offloaded optimizer does), so exp_avg/exp_avg_sq are written from the "
+    "live tensors and only the parameters are copied: it copies a third of the bytes the copy "
+    "floor copies.",
+    "torch.save: one file per rank of the rank's tensors (params, exp_avg, exp_avg_sq), then "
+    "fsync; blocking = durable.",
+    "mcore sync: megatron-core `dist_checkpointing.save(..., async_sharded_save=False)` with the "
+    "torch_dist strategy (thread_count=2, no cached metadata, as verl configures it), "
+    "validation on; its writer forks one process per file.",
+    "mcore async (fork): `dist_checkpointing.save(..., async_sharded_save=True)` + "
+    "`AsyncCallsQueue` (TemporalAsyncCaller: a fork per save) as verl's Megatron checkpoint "
+    "manager drives it; finalized with `maybe_finalize_async_calls(blocking=True)` right after "
+    "the save returns (the earliest a trainer polling every step could). On CPU its preload is "
+    "no copy (`tensor.to('cpu')` returns the tensor), so its snapshot is the fork's "
+    "copy-on-write: cheap to take, paid later as page faults when the trainer writes to its "
+    "tensors while the child still runs (not exercised here: the state is not modified). On "
+    "GPU it would copy device to host before forking. verl wraps the strategy in "
+    "FullyParallelSaveStrategyWrapper; with DP=1 (2 ranks at TP=2) it has nothing to spread, "
+    "so it is left out.",
+    "DCP async thread / process: `torch.distributed.checkpoint.async_save` of DTensors "
+    "(Shard/Replicate on a 1-D CPU mesh) with AsyncCheckpointerType.THREAD or .PROCESS and one "
+    "long-lived DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=<True "
+    "for the process executor>, use_async_staging=False, use_non_blocking_copy=False)); pinned "
+    "memory, async staging and non-blocking copies all need an accelerator on torch 2.13. The "
+    "stager caches its storages, so from the second save on it copies into reused memory; the "
+    "process executor's checkpoint process (spawned, with its own gloo group) starts at the "
+    "first save.",
+    "Floors: copy = `copy_` of every tensor into buffers allocated and touched beforehand; "
+    "write = `os.write` of the same bytes into one file per rank, then fsync. Both ranks run "
+    "in parallel, like the systems; the slowest rank counts.",
+    "Each save's directory is deleted once durable, and `os.sync()` runs before every timed "
+    "operation, both outside the timings.",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

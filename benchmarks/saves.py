@@ -1,0 +1,336 @@
+"""The save benchmark: every system saves the same 2-rank state, paired with the floors.
+
+Systems run one after another, each opened, measured and closed (freeing its buffers and
+helper processes) before the next. Inside a system's block every iteration runs, in an
+order rotated per iteration:
+  the copy floor, the write floor, a save of the reference (verl_ckpt thread mode, kept
+  open through all blocks) and a save of the system,
+each one finished (durable) before the next starts. Ratios against the floors and the
+reference come from the same block, so a burst of load from other work on the machine
+weighs on both sides of a ratio alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from benchmarks.memory import MemorySampler
+from benchmarks.state import StateSpec
+from benchmarks.systems import REFERENCE, SYSTEMS, verl_config
+
+__all__ = ["Op", "SaveBench", "free_port"]
+
+CALL_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Op:
+    """One timed operation (a floor or a save) and its figures."""
+
+    block: str  # the system whose block it ran in
+    name: str  # "copy floor", "write floor" or a system
+    iteration: int  # 0 = the first save of `name` in this block
+    blocking_s: float
+    durable_s: float
+    peak_extra: int | None = None  # bytes over the block's baseline, saves only
+    resident_after: int | None = None
+    rank_info: list[dict[str, Any]] = field(default_factory=list)
+
+
+class SaveBench:
+    def __init__(self, spec: StateSpec, workdir: Path, log: Any = print) -> None:
+        from benchmarks.rank import RankBench
+
+        self.spec = spec
+        self.workdir = workdir
+        self.log = log
+        port = free_port()
+        self.ranks = [
+            RankBench.remote(r, spec.world_size, port, spec.hidden, spec.layers)
+            for r in range(spec.world_size)
+        ]
+        infos = ray.get([r.info.remote() for r in self.ranks], timeout=CALL_TIMEOUT_S)
+        self.pids = [i["pid"] for i in infos]
+        self.state_bytes = sum(i["bytes"] for i in infos)
+        self.sampler = MemorySampler(self.pids).start()
+        self.ops: list[Op] = []
+        self.coordinators: dict[str, Any] = {}
+        self.steps: dict[str, int] = {}
+        self.baselines: dict[str, int] = {}
+        self.profile: str | None = None
+        self.after_save: dict[str, dict[str, Any]] = {}
+        self.helper_pids: dict[int, tuple[str, float]] = {}
+
+    # ---- blocks --------------------------------------------------------------------------
+
+    def run(self, systems: list[str], saves: int, profile: bool = True) -> list[Op]:
+        """The reference's own block first, then one block per other system."""
+        self._open(REFERENCE)
+        self._block(REFERENCE, saves, with_reference=False)
+        if profile:
+            self.profile = self._profiled_reference_save()
+        for name in systems:
+            if name == REFERENCE:
+                continue
+            try:
+                self._open(name)
+                self._block(name, saves, with_reference=True)
+            finally:
+                self._close(name)
+        self._close(REFERENCE)
+        return self.ops
+
+    def _block(self, name: str, saves: int, with_reference: bool) -> None:
+        self.log(
+            f"[saves] {name}: {saves} saves, paired with the floors"
+            + (f" and {REFERENCE}" if with_reference else "")
+        )
+        for i in range(saves):
+            plan = ["copy floor", "write floor"]
+            if with_reference:
+                plan.append(REFERENCE)
+            plan.append(name)
+            shift = i % len(plan)
+            for op_name in plan[shift:] + plan[:shift]:
+                if op_name == "copy floor":
+                    self._copy_floor(name, i)
+                elif op_name == "write floor":
+                    self._write_floor(name, i)
+                else:
+                    self._save(name, op_name, i if op_name == name else i + 1)
+            last = [o for o in self.ops if o.block == name and o.name == name][-1]
+            self.log(
+                f"    save {i + 1}: blocking {last.blocking_s:.3f} s, durable "
+                f"{last.durable_s:.3f} s, peak extra {(last.peak_extra or 0) / 2**20:.0f} MiB"
+            )
+        self._after_save(name)
+        after = self.after_save[name]
+        self.log(
+            f"    next step's update: {after['alone_s']:.3f} s alone, "
+            f"{after['after_save_s']:.3f} s right after save() returned"
+        )
+
+    def _open(self, name: str) -> None:
+        self._settle()
+        self.baselines[name] = self.sampler.now()
+        root = self.workdir / _slug(name)
+        kind, options = SYSTEMS[name]
+        if kind == "verl":
+            from verl_ckpt import CheckpointCoordinator
+
+            config = verl_config(str(root), options["mode"], options["offload_aware"])
+            self.coordinators[name] = CheckpointCoordinator(
+                config, {"bench": self.spec.world_size}, save_driver_state=False
+            )
+        self._get([r.open_system.remote(name, str(root)) for r in self.ranks])
+        self.steps[name] = 0
+
+    def _close(self, name: str) -> None:
+        self.helper_pids.update(self.sampler.seen_children)
+        self._get([r.close_system.remote(name) for r in self.ranks])
+        coordinator = self.coordinators.pop(name, None)
+        if coordinator is not None:
+            coordinator.close()
+        shutil.rmtree(self.workdir / _slug(name), ignore_errors=True)
+
+    # ---- operations ----------------------------------------------------------------------
+
+    def _copy_floor(self, block: str, i: int) -> None:
+        self._settle()
+        outs = self._get([r.floor_copy.remote() for r in self.ranks])
+        blocking = max(o["blocking_s"] for o in outs)
+        self.ops.append(Op(block, "copy floor", i, blocking, blocking))
+
+    def _write_floor(self, block: str, i: int) -> None:
+        self._settle()
+        directory = self.workdir / "write_floor"
+        outs = self._get(
+            [
+                r.floor_write.remote(str(directory / f"rank{k}.bin"))
+                for k, r in enumerate(self.ranks)
+            ]
+        )
+        durable = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
+        self.ops.append(Op(block, "write floor", i, durable, durable))
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def _save(
+        self,
+        block: str,
+        name: str,
+        i: int,
+        profile: bool = False,
+        update: bool | None = None,
+    ) -> tuple[Op, list[dict]]:
+        """One save of `name`, waited for until durable. update=None: measured as a save;
+        otherwise the ranks run a training-step-like update right after save() returned
+        (offload-style if True), and the op is returned, not recorded."""
+        self._settle()
+        self.steps[name] += 1
+        step = self.steps[name]
+        root = self.workdir / _slug(name)
+        directory = root / f"global_step_{step}"
+        if update is None:
+            calls = [r.save.remote(name, step, str(directory), profile) for r in self.ranks]
+        else:
+            calls = [
+                r.save_then_update.remote(name, step, str(directory), update) for r in self.ranks
+            ]
+        saved = self._get(calls)
+        t0 = min(s["t0"] for s in saved)
+        coordinator = self.coordinators.get(name)
+        if coordinator is not None:
+            coordinator.wait_for_commit(step)
+            t_durable = time.time()
+            waited = self._get([r.wait.remote(name) for r in self.ranks])
+        else:
+            waited = self._get([r.wait.remote(name) for r in self.ranks])
+            t_durable = max(w["t_end"] for w in waited)
+        peak = self.sampler.peak(t0, t_durable)
+        op = Op(
+            block,
+            name,
+            i,
+            blocking_s=max(s["blocking_s"] for s in saved),
+            durable_s=t_durable - t0,
+            peak_extra=peak - self.baselines[name],
+            resident_after=self.sampler.now() - self.baselines[name],
+            rank_info=[{**s["info"], **w["info"]} for s, w in zip(saved, waited, strict=True)],
+        )
+        if not profile and update is None:
+            self.ops.append(op)
+        shutil.rmtree(directory, ignore_errors=True)
+        return op, saved
+
+    def _profiled_reference_save(self) -> str:
+        """One more save of the reference under cProfile on rank 0 (not counted)."""
+        _, saved = self._save(REFERENCE, REFERENCE, -1, profile=True)
+        return saved[0].get("profile", "")
+
+    def _after_save(self, name: str) -> None:
+        """The next training step: an update of the whole state alone, then the same update
+        right after save() returned, while the save's write runs."""
+        offload = bool(SYSTEMS[name][1].get("offload_aware"))
+        self._settle()
+        alone = max(
+            o["update_s"] for o in self._get([r.update.remote(offload) for r in self.ranks])
+        )
+        self._get([r.restore.remote() for r in self.ranks])
+        op, saved = self._save(name, name, -1, update=offload)
+        self._get([r.restore.remote() for r in self.ranks])
+        self.after_save[name] = {
+            "alone_s": alone,
+            "after_save_s": max(s["update_s"] for s in saved),
+            "blocking_s": op.blocking_s,
+            "durable_s": op.durable_s,
+            "offload": offload,
+        }
+
+    def write_path(self, reps: int) -> dict[str, list[float]]:
+        """Why time to durable exceeds the write floor: verl_ckpt's write path in pieces,
+        each variant `reps` times, rotated, both ranks at once; plus the write floor."""
+        from benchmarks.systems import WRITE_PATH_VARIANTS
+
+        self.log(f"[write path] {len(WRITE_PATH_VARIANTS)} variants x {reps}, with the write floor")
+        plan = ["write floor", *WRITE_PATH_VARIANTS]
+        found: dict[str, list[float]] = {v: [] for v in plan}
+        directory = self.workdir / "write_path"
+        for i in range(reps):
+            shift = i % len(plan)
+            for variant in plan[shift:] + plan[:shift]:
+                self._settle()
+                if variant == "write floor":
+                    calls = [
+                        r.floor_write.remote(str(directory / f"rank{k}.bin"))
+                        for k, r in enumerate(self.ranks)
+                    ]
+                else:
+                    calls = [
+                        r.write_path_variant.remote(variant, str(directory / f"rank{k}"))
+                        for k, r in enumerate(self.ranks)
+                    ]
+                outs = self._get(calls)
+                found[variant].append(max(o["t_end"] for o in outs) - min(o["t0"] for o in outs))
+                shutil.rmtree(directory, ignore_errors=True)
+        return found
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Flush dirty pages left by earlier work (deleted files), outside every timing."""
+        os.sync()
+        time.sleep(0.05)
+
+    def _get(self, refs: list) -> list:
+        return ray.get(refs, timeout=CALL_TIMEOUT_S)
+
+    def close(self) -> list[str]:
+        """Tear the ranks down; kill (by pid) any helper process they left. Returns what
+        was left, for the report."""
+        self.helper_pids.update(self.sampler.seen_children)
+        for name in list(self.coordinators):
+            try:
+                self._get([r.close_system.remote(name) for r in self.ranks])
+            except Exception:  # noqa: BLE001 - tearing down anyway
+                pass
+            self.coordinators.pop(name).close()
+        try:
+            self._get([r.shutdown.remote() for r in self.ranks])
+        except Exception as exc:  # noqa: BLE001
+            self.log(f"[saves] rank shutdown failed: {exc}")
+        self.sampler.stop()
+        for r in self.ranks:
+            ray.kill(r, no_restart=True)
+        time.sleep(1.0)
+        # Whatever outlived its rank is a leak: name it in the report, then kill it (by pid,
+        # checked against its start time so that a recycled pid is never touched).
+        left = []
+        for pid, (name, created) in sorted(self.helper_pids.items()):
+            if _same_process_alive(pid, created):
+                left.append(f"pid {pid}: {name}")
+                _kill(pid)
+        return left
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
+def _same_process_alive(pid: int, created: float) -> bool:
+    """Whether the helper process seen earlier (pid and start time) still runs."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill(pid: int) -> None:
+    """Kill a helper process that one of our ranks started and that outlived its rank."""
+    import psutil
+
+    try:
+        psutil.Process(pid).kill()
+    except psutil.Error:
+        pass
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

@@ -1,0 +1,402 @@
+"""The systems under test and the floors, as they run inside one rank.
+
+Each system has the same three calls, made by the rank actor (benchmarks/rank.py):
+  save(step, directory)  the part the training thread waits for (timed as "blocking");
+  wait()                 until this rank's part of the save is durable (fsynced; for DCP and
+                         megatron-core also the collective finalize that writes the metadata);
+  close()                stop every helper thread and process the system started.
+For verl_ckpt, "durable" is the commit, which the driver waits for (`wait_for_commit`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.state import RankState
+
+__all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
+
+# name -> (kind, options); the order is the order of the report.
+SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "verl_ckpt thread": ("verl", {"mode": "thread", "offload_aware": False}),
+    "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
+    "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),
+    "verl_ckpt thread offload_aware": ("verl", {"mode": "thread", "offload_aware": True}),
+    "torch.save": ("torch_save", {}),
+    "mcore sync": ("mcore_sync", {}),
+    "mcore async (fork)": ("mcore_async", {}),
+    "DCP async thread": ("dcp", {"executor": "thread"}),
+    "DCP async process": ("dcp", {"executor": "process"}),
+}
+REFERENCE = "verl_ckpt thread"
+
+
+def verl_config(root: str, mode: str, offload_aware: bool) -> dict[str, Any]:
+    """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match)."""
+    return {
+        "root_dir": root,
+        "save_contents": ["model", "optimizer"],
+        "load_contents": ["model", "optimizer"],
+        "timeout_s": 600.0,
+        "writer": {"mode": mode, "threads": 2},
+        "staging": {"offload_aware": offload_aware},
+    }
+
+
+class VerlSystem:
+    """verl_ckpt's CheckpointManager in one writer mode."""
+
+    def __init__(self, state: RankState, root: str, mode: str, offload_aware: bool) -> None:
+        from verl_ckpt import CheckpointManager
+
+        self.state = state
+        config = verl_config(root, mode, offload_aware)
+        self.manager = CheckpointManager(config, "bench", state.rank, state.spec.world_size)
+
+    def save(self, step: int, directory: Path) -> dict[str, Any]:
+        stats = self.manager.save(
+            step,
+            model=self.state.model_sharded_state_dict(),
+            optimizer=self.state.optimizer_sharded_state_dict(),
+        )
+        return asdict(stats)
+
+    def wait(self) -> dict[str, Any]:
+        done = self.manager.wait()
+        return asdict(done[-1]) if done else {}
+
+    def close(self) -> None:
+        self.manager.close()
+
+    def helper_pids(self) -> list[int]:
+        pid = self.manager.writer_pid
+        return [pid] if pid else []
+
+
+class TorchSaveSystem:
+    """`torch.save` of the rank's tensors into one file, then fsync: fully synchronous."""
+
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+
+    def save(self, step: int, directory: Path) -> dict[str, Any]:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / f"rank{self.state.rank}.pt", "wb") as f:
+            torch.save(self.state.tensors(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        return {}
+
+    def wait(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class McoreSyncSystem:
+    """megatron-core `dist_checkpointing.save` (torch_dist), synchronous, CPU workaround."""
+
+    def __init__(self, state: RankState) -> None:
+        from benchmarks.mcore_cpu import CpuTorchDistSaveStrategy
+
+        self.state = state
+        self.strategy = CpuTorchDistSaveStrategy("torch_dist", 1)
+
+    def save(self, step: int, directory: Path) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing
+
+        directory.mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(
+            self.state.sharded_state_dict(), str(directory), sharded_strategy=self.strategy
+        )
+        return {}
+
+    def wait(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        from benchmarks.mcore_cpu import shutdown_manager
+
+        shutdown_manager()
+
+
+class McoreAsyncSystem:
+    """megatron-core's async save as verl drives it: `dist_checkpointing.save(...,
+    async_sharded_save=True)`, a fork per save (TemporalAsyncCaller), and the collective
+    finalize (`maybe_finalize_async_calls`), here called with blocking=True right away, the
+    earliest a trainer polling every step could finalize."""
+
+    def __init__(self, state: RankState) -> None:
+        from benchmarks.mcore_cpu import CpuAsyncCallsQueue, CpuTorchDistSaveStrategy
+
+        self.state = state
+        self.strategy = CpuTorchDistSaveStrategy("torch_dist", 1)
+        self.queue = CpuAsyncCallsQueue()
+
+    def save(self, step: int, directory: Path) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing
+
+        directory.mkdir(parents=True, exist_ok=True)
+        request = dist_checkpointing.save(
+            self.state.sharded_state_dict(),
+            str(directory),
+            sharded_strategy=self.strategy,
+            async_sharded_save=True,
+        )
+        self.queue.schedule_async_request(request)
+        return {}
+
+    def wait(self) -> dict[str, Any]:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+        return {}
+
+    def close(self) -> None:
+        from benchmarks.mcore_cpu import shutdown_manager
+
+        self.queue.maybe_finalize_async_calls(blocking=True)
+        shutdown_manager()
+
+
+class DcpSystem:
+    """PyTorch DCP `async_save` of DTensors with a long-lived `DefaultStager` (its staging
+    storages are cached and reused from the second save on, as torchtitan keeps one).
+
+    On CPU the stager can use neither pinned memory, nor async staging, nor non-blocking
+    copies (each needs an accelerator): StagingOptions(False, shared, False, False), with
+    shared memory for the process executor so that the staged tensors reach its process
+    without a copy.
+    """
+
+    def __init__(self, state: RankState, executor: str) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.state = state
+        self.process = executor == "process"
+        self.kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
+        self.mesh = init_device_mesh("cpu", (state.spec.world_size,))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False,
+                use_shared_memory=self.process,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
+        self.future = None
+
+    def save(self, step: int, directory: Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+
+        response = dcp.async_save(
+            self.state.dtensor_state_dict(self.mesh),
+            checkpoint_id=str(directory),
+            async_checkpointer_type=self.kind,
+            async_stager=self.stager,
+        )
+        self.future = getattr(response, "upload_completion", response)
+        return {}
+
+    def wait(self) -> dict[str, Any]:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+        return {}
+
+    def close(self) -> None:
+        self.wait()
+        self.stager.close()
+        if self.process:
+            stop_dcp_process()
+
+
+def stop_dcp_process(timeout_s: float = 30.0) -> None:
+    """Stop DCP's checkpoint process (a module global that lives until interpreter exit)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    proc = executor._CHECKPOINT_PROCESS
+    if proc is None:
+        return
+    executor._CHECKPOINT_PROCESS = None
+    try:
+        proc._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+    except (OSError, ValueError):
+        pass
+    proc._save_process.join(timeout_s)
+    if proc._save_process.is_alive():
+        proc._save_process.kill()
+        proc._save_process.join(10)
+
+
+def make_system(name: str, state: RankState, root: str) -> Any:
+    kind, options = SYSTEMS[name]
+    if kind == "verl":
+        return VerlSystem(state, root, **options)
+    if kind == "torch_save":
+        return TorchSaveSystem(state)
+    if kind == "mcore_sync":
+        return McoreSyncSystem(state)
+    if kind == "mcore_async":
+        return McoreAsyncSystem(state)
+    if kind == "dcp":
+        return DcpSystem(state, **options)
+    raise ValueError(f"unknown system {name!r}")
+
+
+# ---- floors --------------------------------------------------------------------------------
+
+
+class CopyFloor:
+    """One copy of the state into host memory allocated and touched beforehand: the least a
+    snapshot can cost on this machine."""
+
+    def __init__(self, state: RankState) -> None:
+        self.sources = list(state.tensors().values())
+        self.buffers = [torch.empty_like(t) for t in self.sources]
+        for b in self.buffers:
+            b.zero_()
+
+    def run(self) -> None:
+        for buffer, source in zip(self.buffers, self.sources, strict=True):
+            buffer.copy_(source)
+
+
+class WriteFloor:
+    """A raw sequential write of the state's bytes into one file, then fsync: the least
+    persistence can cost (no serialisation, no checksum, no metadata)."""
+
+    def __init__(self, state: RankState) -> None:
+        self.sources = list(state.tensors().values())
+
+    def run(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _raw_write(path, self.sources, checksum=False)
+
+
+# ---- why time to durable is above the write floor ------------------------------------------
+
+
+class WritePath:
+    """The pieces of verl_ckpt's write path, each timed alone on the same bytes.
+
+    `verl files` runs verl_ckpt's own `file_writer.write_bucket` (DCP `_write_item`, i.e.
+    `torch.save` of each tensor, through the checksumming stream, then fsync) on the rank's
+    tensors split into `files` files written by as many threads, as its thread writer does;
+    `plain files` is the same without the checksumming stream; `raw + crc32` is the write
+    floor plus zlib.crc32 over the bytes, on the writing thread.
+    """
+
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+        self.sources = list(state.tensors().items())
+
+    def run(self, variant: str, directory: Path, copy_floor: CopyFloor) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        if variant == "raw + crc32":
+            _raw_write(directory / "raw.bin", [t for _, t in self.sources], checksum=True)
+        elif variant == "copy, then write floor":
+            copy_floor.run()
+            _raw_write(directory / "raw.bin", [t for _, t in self.sources], checksum=False)
+        elif variant.startswith(("verl files", "plain files")):
+            files = int(variant.split("x")[-1])
+            checksum = variant.startswith("verl")
+            self._files(directory, files, checksum)
+        else:
+            raise ValueError(variant)
+
+    def _files(self, directory: Path, files: int, checksum: bool) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+
+        from verl_ckpt.file_writer import write_bucket
+
+        buckets = _buckets(self.sources, directory, files)
+        transforms = _StorageWriterTransforms()
+        write = write_bucket if checksum else _write_bucket_plain
+        with ThreadPoolExecutor(files) as pool:
+            list(pool.map(write, buckets, [transforms] * len(buckets)))
+
+
+WRITE_PATH_VARIANTS = (
+    "raw + crc32",
+    "plain files x1",
+    "verl files x1",
+    "verl files x2",
+    "copy, then write floor",
+)
+
+
+def _raw_write(path: Path, tensors: list[torch.Tensor], checksum: bool) -> None:
+    import zlib
+
+    crc = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for tensor in tensors:
+            view = memoryview(tensor.numpy()).cast("B")
+            if checksum:
+                crc = zlib.crc32(view, crc)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _buckets(sources: list[tuple[str, torch.Tensor]], directory: Path, files: int) -> list:
+    """DCP write buckets over whole tensors, balanced by size (as megatron-core splits)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    bins: list[list] = [[] for _ in range(files)]
+    sizes = [0] * files
+    for key, tensor in sorted(sources, key=lambda kv: -kv[1].numel()):
+        i = sizes.index(min(sizes))
+        offsets = torch.Size([0] * tensor.dim())
+        item = WriteItem(
+            index=MetadataIndex(key, offsets),
+            type=WriteItemType.TENSOR,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.size()),
+                properties=TensorProperties.create_from_tensor(tensor),
+                size=tensor.size(),
+            ),
+        )
+        bins[i].append((item, tensor))
+        sizes[i] += tensor.numel() * tensor.element_size()
+    return [
+        (str(directory / f"__0_{i}.distcp"), f"__0_{i}.distcp", ([], items))
+        for i, items in enumerate(bins)
+        if items
+    ]
+
+
+def _write_bucket_plain(bucket: tuple, transforms: Any) -> None:
+    """`write_bucket` without the checksumming stream (to isolate the checksum's cost)."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+
+    path, storage_key, (_, tensor_data) = bucket
+    with open(path, "wb") as raw:
+        for item, data in tensor_data:
+            _write_item(
+                transforms,
+                raw,
+                data,
+                item,
+                storage_key,
+                serialization_format=SerializationFormat.TORCH_SAVE,
+            )
+        raw.flush()
+        os.fsync(raw.fileno())
