@@ -14,7 +14,8 @@ first N-1 are submitted at once and awaited, then the last one is timed alone.
 
 Figures per N (median over the timed steps):
 - commit latency: last report sent -> tracker names the step (the driver polls the tracker
-  file every ms), and -> the last report's call returned (commit + retention);
+  file every ms); also when the last report's call returned (the finalizer now commits in
+  the background after answering it, so this is the report round trip alone);
 - report intake: time for the first N-1 reports, and per report;
 - begin_step: time for the N ranks' `begin_step` calls.
 Then the finalizer class itself (called directly inside a helper actor) runs one step of the
@@ -212,7 +213,13 @@ def _check_loadable(root: Path, step: int, world: int) -> None:
 
 
 def _profile_in_process(world: int, root: Path) -> str:
-    """Run the finalizer class itself (no actor) on 2 steps of N reports under cProfile."""
+    """Run the finalizer class itself (no actor) on 2 steps of N reports under cProfile.
+
+    Step 2 is profiled: its N begin_step calls and N reports, then its commit. The commit
+    normally runs in a worker thread (out of cProfile's sight), so for the profiled step the
+    last report is recorded into the step's state and `_commit` is called directly (private
+    API: a diagnostic, not a use of the library).
+    """
     from verl_ckpt.finalizer import CheckpointFinalizer
 
     finalizer = CheckpointFinalizer(str(root), {ROLE: world}, 2)
@@ -230,10 +237,17 @@ def _profile_in_process(world: int, root: Path) -> str:
             profiler.enable()
         for rank in range(1, world):
             await call(finalizer.begin_step, *_begin_args(step, rank, world))
-        for report in reports:
+        for report in reports[:-1]:
             await finalizer.report(report)
         if step == 2:
+            state = finalizer._steps[step]
+            state.reports[reports[-1].participant] = reports[-1]
+            finalizer._commit(state)
+            state.done.set()
             profiler.disable()
+        else:
+            await finalizer.report(reports[-1])
+            await call(finalizer.wait_for_commit, step, 120.0)
 
     async def both() -> None:
         for step in (1, 2):
@@ -244,14 +258,53 @@ def _profile_in_process(world: int, root: Path) -> str:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats("verl_ckpt", 8)
     stats.sort_stats("cumulative").print_stats(
-        r"verl_ckpt.*\((report|_commit|_check_reported_files"
-        r"|_complete_role|_apply_retention|committed_steps"
-        r"|missing|begin_step)\)",
+        r"verl_ckpt.*\((report|_commit|_check_reported_files|_complete_role|_apply_retention"
+        r"|committed_steps|missing|begin_step|write_commit_record)\)",
         12,
     )
     return "\n".join(
         line for line in out.getvalue().splitlines() if line.strip() and "List reduced" not in line
     )
+
+
+def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, float]]:
+    """A new step's first `begin_step` (inside a rank's save()) with S committed steps of N
+    ranks on disk and retention off (max_ckpt_to_keep=None, the default): the committed
+    steps are copies of one real commit record of N ranks (committed_steps() reads only
+    the records)."""
+    from verl_ckpt.finalizer import start_finalizer
+
+    finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=None, timeout_s=120.0)
+    out = []
+    try:
+        directory = Path(ray.get(finalizer.begin_step.remote(*_begin_args(1, 0, world))))
+        reports = _reports(1, world, directory)
+        ray.get([finalizer.report.remote(r) for r in reports])
+        ray.get(finalizer.wait_for_commit.remote(1, 120.0))
+        record = next(p for p in (root / "global_step_1").iterdir() if p.suffix == ".json")
+        present = 1
+        step = 10_000
+        for target in kept:
+            for k in range(present + 1, target + 1):
+                copy = root / f"global_step_{k + 1}"
+                copy.mkdir()
+                shutil.copy(record, copy / record.name)
+            present = max(present, target)
+            samples = []
+            for _ in range(3):
+                step += 1
+                t = time.perf_counter()
+                ray.get(finalizer.begin_step.remote(*_begin_args(step, 0, world)))
+                samples.append(time.perf_counter() - t)
+                # Leave the step failed (a report with an error), so that the next begin_step
+                # is not held back by an uncommitted step.
+                failed = RankReport(step, ROLE, 0, world, uuid.uuid4().hex, error="benchmark")
+                ray.get(finalizer.report.remote(failed))
+                shutil.rmtree(root / f"global_step_{step}", ignore_errors=True)
+            out.append((target, _median(samples)))
+    finally:
+        ray.kill(finalizer, no_restart=True)
+    return out
 
 
 @ray.remote(num_cpus=0)
@@ -287,12 +340,22 @@ def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
             )
         finally:
             ray.kill(profiler, no_restart=True)
+        kept = _begin_vs_kept(max(rank_counts), workdir / "kept", [1, 8, 32, 128])
+        log(
+            "    begin_step of a new step vs committed steps kept: "
+            + ", ".join(f"S={k}: {v * 1e3:.0f} ms" for k, v in kept)
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return _markdown(rows, profile, max(rank_counts))
+    return _markdown(rows, profile, max(rank_counts), kept)
 
 
-def _markdown(rows: list[tuple[int, dict[str, float]]], profile: str, largest: int) -> str:
+def _markdown(
+    rows: list[tuple[int, dict[str, float]]],
+    profile: str,
+    largest: int,
+    kept: list[tuple[int, float]],
+) -> str:
     lines = [
         "| ranks N | commit: last report -> tracker ms | last report call returned ms | "
         "per rank us (commit / N) | intake of N-1 reports s | per report ms | begin_step x N s |",

@@ -263,6 +263,7 @@ def machine_description() -> dict[str, str]:
         pass
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "verl_ckpt": _git_state(),
         "cpu": f"{os.cpu_count()} cores ({cpu})",
         "ram": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB",
         "kernel": platform.release(),
@@ -272,6 +273,29 @@ def machine_description() -> dict[str, str]:
         "ray": ray.__version__,
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
+
+
+def _git_state() -> str:
+    """The commit of the checkout, and whether verl_ckpt/ had uncommitted changes."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "verl_ckpt"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.split("\n")
+    except OSError:
+        return "?"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"git {head or '?'}" + (
+        f" + uncommitted changes in {', '.join(changed)}" if changed else ""
+    )
 
 
 def plot(rows: list[Row], path: Path, title: str) -> str | None:
@@ -446,6 +470,9 @@ def write_path_table(found: dict[str, list[float]], durable: float | None) -> st
         f"{diff('verl files x1', 'plain files x1')}",
         "two files in two threads (writer.threads=2): verl files x2 vs x1 "
         f"{diff('verl files x2', 'verl files x1')}",
+        "torch.save's own zip-record CRC32 (a second checksum pass, never verified by "
+        "torch.load by default): verl files x2 with it off vs on "
+        f"{diff('verl files x2, torch.save zip crc32 off', 'verl files x2')}",
         "the snapshot copy before the write (copy-then-write designs): "
         f"{diff('copy, then write floor', 'write floor')}",
     ]

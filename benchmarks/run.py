@@ -3,7 +3,7 @@
     python -m benchmarks.run                      # full run: 1 GiB state, 4 saves per system
     python -m benchmarks.run --quick              # smoke run (~1-2 min): small state, 3 saves
     python -m benchmarks.run --size-gib 0.5 --saves 6 --systems "verl_ckpt thread,torch.save"
-    python -m benchmarks.run --finalizer-scale    # only the finalizer scale benchmark
+    python -m benchmarks.run --finalizer-scale    # only the finalizer scale benchmark (8..4096)
     python -m benchmarks.run --recipe             # also: recipe step time with/without saves
 
 Writes benchmarks/results.md and benchmarks/results.png (or --out-dir). Starts its own Ray
@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run only the finalizer scale benchmark (writes results_finalizer.md)",
     )
     parser.add_argument(
-        "--skip-finalizer-scale", action="store_true", help="leave out the finalizer benchmark"
+        "--with-finalizer-scale",
+        action="store_true",
+        help="add the finalizer scale benchmark to the save benchmark (about 2-3 min more)",
     )
     parser.add_argument(
         "--ranks",
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.finalizer_scale:
             rows = run_saves(args, workdir, meta, sections)
-        if args.finalizer_scale or not args.skip_finalizer_scale:
+        if args.finalizer_scale or args.with_finalizer_scale:
             sections.append(run_finalizer_scale(args, workdir))
         if args.recipe:
             sections.append(run_recipe(args, workdir))

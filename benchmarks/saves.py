@@ -47,6 +47,7 @@ class Op:
     iteration: int  # 0 = the first save of `name` in this block
     blocking_s: float
     durable_s: float
+    pair: int = -1  # ops of one iteration of one block share it (paired ratios)
     peak_extra: int | None = None  # bytes over the block's baseline, saves only
     resident_after: int | None = None
     rank_info: list[dict[str, Any]] = field(default_factory=list)
@@ -74,6 +75,7 @@ class SaveBench:
         self.baselines: dict[str, int] = {}
         self.profile: str | None = None
         self.after_save: dict[str, dict[str, Any]] = {}
+        self._pair = -1
         self.helper_pids: dict[int, tuple[str, float]] = {}
 
     # ---- blocks --------------------------------------------------------------------------
@@ -101,6 +103,7 @@ class SaveBench:
             + (f" and {REFERENCE}" if with_reference else "")
         )
         for i in range(saves):
+            self._pair += 1
             plan = ["copy floor", "write floor"]
             if with_reference:
                 plan.append(REFERENCE)
@@ -154,7 +157,7 @@ class SaveBench:
         self._settle()
         outs = self._get([r.floor_copy.remote() for r in self.ranks])
         blocking = max(o["blocking_s"] for o in outs)
-        self.ops.append(Op(block, "copy floor", i, blocking, blocking))
+        self.ops.append(Op(block, "copy floor", i, blocking, blocking, pair=self._pair))
 
     def _write_floor(self, block: str, i: int) -> None:
         self._settle()
@@ -166,7 +169,7 @@ class SaveBench:
             ]
         )
         durable = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
-        self.ops.append(Op(block, "write floor", i, durable, durable))
+        self.ops.append(Op(block, "write floor", i, durable, durable, pair=self._pair))
         shutil.rmtree(directory, ignore_errors=True)
 
     def _save(
@@ -208,6 +211,7 @@ class SaveBench:
             i,
             blocking_s=max(s["blocking_s"] for s in saved),
             durable_s=t_durable - t0,
+            pair=self._pair,
             peak_extra=peak - self.baselines[name],
             resident_after=self.sampler.now() - self.baselines[name],
             rank_info=[{**s["info"], **w["info"]} for s, w in zip(saved, waited, strict=True)],

@@ -344,3 +344,15 @@ def test_root_that_is_a_file_or_read_only_fails_at_start_naming_it(ray_local, tm
             CheckpointCoordinator({"root_dir": str(read_only / "ckpt")}, {"actor": 1})
     finally:
         subprocess.run(["umount", "-l", str(read_only)], check=False)
+
+
+def test_rank_with_another_root_fails_at_start_before_writing(ranks, tmp_path):
+    """A rank configured with another root than the driver finds no finalizer for it and
+    fails at start-up, naming that root, before any save."""
+    coordinator = CheckpointCoordinator({"root_dir": str(tmp_path / "ckpt")}, ROLES)
+    critic = ranks["critic"][0]
+    elsewhere = {"root_dir": str(tmp_path / "elsewhere"), "timeout_s": 2.0}
+    with pytest.raises(CommitTimeoutError, match=r"no finalizer for checkpoint root .*elsewhere"):
+        ray.get(critic.open_manager.remote(elsewhere))
+    assert not (tmp_path / "elsewhere").exists()
+    coordinator.close()

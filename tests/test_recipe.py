@@ -326,9 +326,12 @@ def test_hydra_checks_overrides_against_the_schema_and_composes_presets():
                 compose("ppo_toy", overrides=[override])
             assert key in str(failure.value.__cause__ or failure.value)
         composed = compose("ppo_toy", overrides=["checkpoint=sync", "trainer.metrics_path=null"])
+        default = compose("ppo_toy", overrides=["trainer.metrics_path=null"])
     cfg = to_recipe_config(composed)
     assert not cfg.checkpoint.async_save and cfg.checkpoint.writer.mode == "inline"
-    assert cfg.checkpoint.save_freq == 10 and cfg.checkpoint.staging.offload_aware
+    assert cfg.checkpoint.save_freq == 10 and not cfg.checkpoint.staging.offload_aware
+    # The default preset is `offload`: the recipe offloads its optimizer.
+    assert to_recipe_config(default).checkpoint.staging.offload_aware
 
 
 @pytest.mark.parametrize(

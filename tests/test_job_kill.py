@@ -1,0 +1,113 @@
+"""SIGKILL of the whole job in the middle of a save, then resume (invariants I1, I3).
+
+The job is the real recipe (driver, embedded Ray, Megatron ranks, finalizer) in a session of
+its own; the kill is a real SIGKILL of every process of that session. The documented fault
+hook only holds the critic's write open so that the kill lands mid-save.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.test_recipe import REPO_ROOT, finish, read_metrics, recipe_env
+from verl_ckpt import read_commit_record, read_tracker, step_dir
+from verl_ckpt.commit_record import is_committed
+from verl_ckpt.faults import ENV_VAR
+
+pytestmark = pytest.mark.slow
+
+
+def recipe(out_dir: Path, root: Path, *overrides: str, env: dict, new_session: bool = False):
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.ppo_toy",
+        f"hydra.run.dir={out_dir}",
+        f"trainer.metrics_path={out_dir / 'metrics.jsonl'}",
+        f"checkpoint.root_dir={root}",
+        "checkpoint.save_freq=2",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
+
+
+def kill_session(session_id: int) -> None:
+    """SIGKILL every process of that session (the job and the Ray it started), only those."""
+    victims = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == session_id:
+                victims.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    for proc in victims:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
+
+
+def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path):
+    root = tmp_path / "ckpt"
+    finish(recipe(tmp_path / "run1", root, "trainer.total_steps=2", env=recipe_env()))
+    assert read_tracker(root) == 2
+
+    # Run 2 resumes at step 2; its save of step 4 hangs in the critic's write: kill it all.
+    hung = recipe(
+        tmp_path / "run2",
+        root,
+        "trainer.total_steps=6",
+        env=recipe_env(**{ENV_VAR: "write:critic=hang"}),
+        new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        actor_files = step_dir(root, 4) / "actor"
+        while not list(actor_files.glob("*.distcp")) and time.monotonic() < deadline:
+            assert hung.poll() is None, hung.stdout.read()[-4000:]
+            time.sleep(0.2)
+        assert list(actor_files.glob("*.distcp")), "step 4 never started"
+    finally:
+        kill_session(hung.pid)
+        hung.communicate()
+    assert read_tracker(root) == 2
+    assert not is_committed(step_dir(root, 4))
+    stale = step_dir(root, 4) / "critic" / "__stale_from_the_killed_run.distcp"
+    stale.write_bytes(b"stale")
+
+    # Run 3 resumes from the tracker (step 2), ignores and reports the partial step 4, and
+    # saves step 4 again with none of the killed run's files mixed in.
+    keep_all = "checkpoint.max_ckpt_to_keep=null"
+    out = finish(
+        recipe(tmp_path / "run3", root, "trainer.total_steps=6", keep_all, env=recipe_env())
+    )
+    assert "global_step_2 (step 2)" in out
+    assert "uncommitted step directories [4]" in out or "uncommitted leftover" in out
+    assert read_tracker(root) == 6
+    assert sorted(read_metrics(tmp_path / "run3" / "metrics.jsonl")) == [3, 4, 5, 6]
+    record = read_commit_record(step_dir(root, 6))
+    assert record.step == 6
+    step4 = step_dir(root, 4)
+    if step4.exists():  # kept or not depending on max_ckpt_to_keep
+        assert not stale.exists()
+        on_disk = {str(p.relative_to(step4)) for p in step4.rglob("*") if p.is_file()} - {
+            "verl_ckpt_commit.json"
+        }
+        assert on_disk == {f.path for f in read_commit_record(step4).files}
