@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,27 +38,43 @@ class Row:
     first_peak: int | None
     steady_peak: int | None
     held: list[int]  # resident over the baseline after each save
+    # Paired ratios: each save against the floor (or reference) run in the same iteration of
+    # the same block, minutes apart at most seconds; median over the steady saves.
+    ratios: dict[str, float | None] = field(default_factory=dict)
 
     def ratio(self, which: str) -> float | None:
-        pairs = {
-            "blocking/copy": (self.blocking, self.copy_floor),
-            "durable/write": (self.durable, self.write_floor),
-            "blocking/ref": (self.blocking, self.ref_blocking),
-            "durable/ref": (self.durable, self.ref_durable),
-            "first blocking/copy": (self.first_blocking, self.copy_floor),
-            "first durable/write": (self.first_durable, self.write_floor),
-            "first blocking/ref": (self.first_blocking, self.ref_blocking),
-            "first durable/ref": (self.first_durable, self.ref_durable),
-        }
-        a, b = pairs[which]
-        return a / b if a is not None and b else None
+        return self.ratios.get(which)
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+# ratio name -> (own figure, partner op name, partner figure)
+_PAIRINGS = {
+    "blocking/copy": ("blocking_s", "copy floor", "blocking_s"),
+    "durable/write": ("durable_s", "write floor", "durable_s"),
+    "blocking/ref": ("blocking_s", REFERENCE, "blocking_s"),
+    "durable/ref": ("durable_s", REFERENCE, "durable_s"),
+}
+
+
+def _paired(own: list[Op], by_pair: dict[int, list[Op]]) -> dict[str, float | None]:
+    out = {}
+    for key, (mine, partner, theirs) in _PAIRINGS.items():
+        values = []
+        for op in own:
+            match = [p for p in by_pair.get(op.pair, []) if p.name == partner and p is not op]
+            if match and getattr(match[0], theirs):
+                values.append(getattr(op, mine) / getattr(match[0], theirs))
+        out[key] = _median(values)
+    return out
+
+
 def summarize(ops: list[Op], systems: list[str]) -> list[Row]:
+    by_pair: dict[int, list[Op]] = {}
+    for op in ops:
+        by_pair.setdefault(op.pair, []).append(op)
     rows = []
     for name in [REFERENCE] + [s for s in systems if s != REFERENCE]:
         if name == REFERENCE:
@@ -79,6 +95,12 @@ def summarize(ops: list[Op], systems: list[str]) -> list[Row]:
         write = [o.durable_s for o in in_block if o.name == "write floor"]
         mem_steady = [o.peak_extra for o in mem if o.iteration > 0 and o.peak_extra is not None]
         mem_first = [o.peak_extra for o in mem if o.iteration == 0]
+        ratios = _paired(steady, by_pair)
+        if name == REFERENCE:
+            ratios["blocking/ref"] = ratios["durable/ref"] = 1.0
+        ratios.update({f"first {k}": v for k, v in _paired(first, by_pair).items()})
+        if name == REFERENCE:
+            ratios["first blocking/ref"] = ratios["first durable/ref"] = None
         rows.append(
             Row(
                 system=name,
@@ -94,6 +116,7 @@ def summarize(ops: list[Op], systems: list[str]) -> list[Row]:
                 first_peak=mem_first[0] if mem_first else None,
                 steady_peak=int(_median(mem_steady)) if mem_steady else None,
                 held=[o.resident_after for o in mem if o.resident_after is not None],
+                ratios=ratios,
             )
         )
     return rows
