@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.test_recipe import REPO_ROOT, finish, read_metrics, recipe_env
+from tests.test_recipe import finish, read_metrics, recipe_env, start_recipe
 from verl_ckpt import read_commit_record, read_tracker, step_dir
 from verl_ckpt.commit_record import is_committed
 from verl_ckpt.faults import ENV_VAR
@@ -26,24 +24,13 @@ pytestmark = pytest.mark.slow
 
 
 def recipe(out_dir: Path, root: Path, *overrides: str, env: dict, new_session: bool = False):
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.ppo_toy",
-        f"hydra.run.dir={out_dir}",
-        f"trainer.metrics_path={out_dir / 'metrics.jsonl'}",
+    return start_recipe(
+        out_dir,
         f"checkpoint.root_dir={root}",
         "checkpoint.save_freq=2",
         *overrides,
-    ]
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
         env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=new_session,
+        new_session=new_session,
     )
 
 

@@ -43,8 +43,11 @@ def recipe_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_recipe(out_dir: Path, *overrides: str) -> subprocess.Popen:
-    """`python -m recipes.ppo_toy` with its Hydra output and metrics under `out_dir`."""
+def start_recipe(
+    out_dir: Path, *overrides: str, env: dict | None = None, new_session: bool = False
+) -> subprocess.Popen:
+    """`python -m recipes.ppo_toy` with its Hydra output and metrics under `out_dir`
+    (`new_session`: in a session of its own, so that all of it can be killed together)."""
     cmd = [
         sys.executable,
         "-m",
@@ -56,10 +59,11 @@ def start_recipe(out_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
         cmd,
         cwd=REPO_ROOT,
-        env=recipe_env(),
+        env=env or recipe_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=new_session,
     )
 
 

@@ -3,7 +3,10 @@ config validation. No Ray, no megatron: real files in tmp_path only."""
 
 from __future__ import annotations
 
+import errno
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -159,3 +162,29 @@ def test_I1_commit_record_with_wrong_field_types_is_malformed(tmp_path, field, v
     record_file.write_text(json.dumps(raw))
     with pytest.raises(CommitRecordError, match="malformed"):
         read_commit_record(path)
+
+
+_WRITE_PAST_FILE_SIZE_CAP = """
+import resource, signal, sys, torch
+from verl_ckpt.file_writer import write_checksummed
+# A real OS limit: writes past 64 KiB fail with EFBIG, as a full disk fails with ENOSPC.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+try:
+    write_checksummed(sys.argv[1], lambda stream: torch.save(torch.zeros(1 << 20), stream))
+except OSError as exc:
+    print("ERRNO", exc.errno, exc.filename)
+"""
+
+
+def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path):
+    """torch.save's C++ writer hides the OSError of a failed write behind a RuntimeError
+    ('unexpected pos ...'); the user must see EFBIG/ENOSPC and the path."""
+    target = tmp_path / "shard.distcp"
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_PAST_FILE_SIZE_CAP, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert f"ERRNO {errno.EFBIG} {target}" in done.stdout, done.stdout + done.stderr

@@ -18,8 +18,8 @@ from verl_ckpt.errors import (
     CheckpointError,
     CommitRecordError,
 )
+from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer import call_finalizer, check_shared_root, start_finalizer
-from verl_ckpt.fsio import ChecksummingWriter
 from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
 from verl_ckpt.reports import RankReport
 from verl_ckpt.resume import resolve_resume_dir
@@ -90,13 +90,9 @@ class CheckpointCoordinator:
         path = directory / DRIVER_STATE_FILENAME
         report = RankReport(step, DRIVER_ROLE, 0, 1, uuid.uuid4().hex)
         try:
-            with open(path, "wb") as raw:
-                stream = ChecksummingWriter(raw)
-                torch.save(state, stream)
-                raw.flush()
-                os.fsync(raw.fileno())
-            report.files.append(FileEntry(DRIVER_STATE_FILENAME, stream.size, stream.checksum))
-        except OSError as exc:
+            written = write_checksummed(path, lambda stream: torch.save(state, stream))
+            report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
+        except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
             report.error = f"writing {path}: {exc}"
         self._call("report", report)
         if report.error:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,14 @@ try:  # torch >= 2.5 takes the serialization format explicitly
 except ImportError:  # pragma: no cover - older torch
     _WRITE_ITEM_KWARGS = {}
 
-__all__ = ["COMMON_FILENAME", "WrittenFile", "serialize_common", "write_bucket", "write_common"]
+__all__ = [
+    "COMMON_FILENAME",
+    "WrittenFile",
+    "serialize_common",
+    "write_bucket",
+    "write_checksummed",
+    "write_common",
+]
 
 COMMON_FILENAME = "common.pt"
 
@@ -35,24 +43,41 @@ class WrittenFile:
     checksum: str
 
 
-def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
-    """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file.
+def write_checksummed(path: str | Path, write: Callable[[ChecksummingWriter], Any]) -> WrittenFile:
+    """Create `path`, let `write` fill it through a checksumming stream, fsync it.
 
-    The file is fsynced before this returns: a report of it to the finalizer must mean the
-    bytes are durable. The checksum covers exactly the bytes written.
+    The file is durable when this returns: a report of it to the finalizer must mean the
+    bytes are on disk. The checksum covers exactly the bytes written. A failure raises the
+    OSError the file gave (ENOSPC, EFBIG, EIO), naming the path, even where torch's C++
+    writer hid it behind a RuntimeError.
     """
-    path, storage_key, (bytes_data, tensor_data) = bucket
-    results = []
-    transform_args = (transforms,) if transforms is not None else ()
     with open(path, "wb") as raw:
         stream = ChecksummingWriter(raw)
+        try:
+            write(stream)
+            raw.flush()
+            os.fsync(raw.fileno())
+        except Exception as exc:
+            cause = stream.error if stream.error is not None else exc
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from exc
+            raise
+    return WrittenFile(os.path.basename(path), stream.size, stream.checksum)
+
+
+def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
+    """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file."""
+    path, storage_key, (bytes_data, tensor_data) = bucket
+    results: list = []
+    transform_args = (transforms,) if transforms is not None else ()
+
+    def write_items(stream: ChecksummingWriter) -> None:
         for item, data in list(bytes_data) + list(tensor_data):
             results.append(
                 _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
             )
-        raw.flush()
-        os.fsync(raw.fileno())
-    return results, WrittenFile(os.path.basename(path), stream.size, stream.checksum)
+
+    return results, write_checksummed(path, write_items)
 
 
 def serialize_common(common_state_dict: dict) -> bytes:
@@ -65,10 +90,4 @@ def serialize_common(common_state_dict: dict) -> bytes:
 def write_common(data: bytes, checkpoint_dir: Path) -> WrittenFile:
     """Write common.pt (the non-sharded part, as megatron-core's torch common strategy lays
     it out), fsynced, with its checksum."""
-    path = checkpoint_dir / COMMON_FILENAME
-    with open(path, "wb") as raw:
-        stream = ChecksummingWriter(raw)
-        stream.write(data)
-        raw.flush()
-        os.fsync(raw.fileno())
-    return WrittenFile(COMMON_FILENAME, stream.size, stream.checksum)
+    return write_checksummed(checkpoint_dir / COMMON_FILENAME, lambda stream: stream.write(data))

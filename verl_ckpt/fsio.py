@@ -73,9 +73,18 @@ class ChecksummingWriter:
         self._stream = stream
         self.crc = 0
         self.size = 0
+        # torch.save's C++ writer turns an OSError of `write` into a RuntimeError that no
+        # longer says why ("unexpected pos ..."); the first one is kept here so that the
+        # caller can raise the real cause (ENOSPC, EFBIG, EIO) naming the file.
+        self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
-        written = self._stream.write(data)
+        try:
+            written = self._stream.write(data)
+        except OSError as exc:
+            if self.error is None:
+                self.error = exc
+            raise
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
