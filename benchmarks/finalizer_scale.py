@@ -14,8 +14,9 @@ first N-1 are submitted at once and awaited, then the last one is timed alone.
 
 Figures per N (median over the timed steps):
 - commit latency: last report sent -> tracker names the step (the driver polls the tracker
-  file every ms); also when the last report's call returned (the finalizer now commits in
-  the background after answering it, so this is the report round trip alone);
+  file every ms); also when the last report's call returned (the finalizer commits in the
+  background after answering it) and when `wait_for_commit` (called right after) returned:
+  its event is set only once retention has deleted the dropped step;
 - report intake: time for the first N-1 reports, and per report;
 - begin_step: time for the N ranks' `begin_step` calls.
 Then the finalizer class itself (called directly inside a helper actor) runs one step of the
@@ -182,6 +183,8 @@ def _measure(world: int, root: Path) -> list[dict[str, float]]:
             sent = time.perf_counter()
             ray.get(finalizer.report.remote(reports[-1]))
             returned = time.perf_counter()
+            ray.get(finalizer.wait_for_commit.remote(step, 120.0))
+            waited = time.perf_counter()
             watch.join(60)
             if read_tracker(root) != step or watch.moved_at is None:
                 raise RuntimeError(f"N={world}: step {step} did not move the tracker")
@@ -191,6 +194,7 @@ def _measure(world: int, root: Path) -> list[dict[str, float]]:
                 {
                     "tracker_s": watch.moved_at - sent,
                     "returned_s": returned - sent,
+                    "waited_s": waited - sent,
                     "intake_s": intake_s,
                     "begin_s": begin_s,
                 }
@@ -358,12 +362,14 @@ def _markdown(
 ) -> str:
     lines = [
         "| ranks N | commit: last report -> tracker ms | last report call returned ms | "
-        "per rank us (commit / N) | intake of N-1 reports s | per report ms | begin_step x N s |",
-        "|---|---|---|---|---|---|---|",
+        "wait_for_commit returned ms | per rank us (commit / N) | intake of N-1 reports s | "
+        "per report ms | begin_step x N s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for world, r in rows:
         lines.append(
             f"| {world} | {r['tracker_s'] * 1e3:.1f} | {r['returned_s'] * 1e3:.1f} | "
+            f"{r['waited_s'] * 1e3:.1f} | "
             f"{r['tracker_s'] / world * 1e6:.0f} | {r['intake_s']:.2f} | "
             f"{r['intake_s'] / max(1, world - 1) * 1e3:.2f} | {r['begin_s']:.2f} |"
         )
@@ -383,5 +389,11 @@ def _markdown(
         + "\n\nGrowth: "
         + "; ".join(growth)
         + f"\n\nIn-process cProfile of one step with N={largest} (begin_step x N, N reports, the "
-        "commit; by own time):\n\n```\n" + profile + "\n```"
+        "commit; by own time, then cumulative):\n\n```\n"
+        + profile
+        + "\n```"
+        + f"\n\nA new step's first begin_step (called inside a rank's save(), so blocking) with S "
+        f"committed steps of N={largest} ranks kept on disk (max_ckpt_to_keep=None, the "
+        "default), median of 3:\n\n| committed steps kept S | begin_step ms |\n|---|---|\n"
+        + "\n".join(f"| {k} | {v * 1e3:.1f} |" for k, v in kept)
     )

@@ -42,6 +42,7 @@ class RankBench:
         self.write_floor = WriteFloor(self.state)
         self.write_path = WritePath(self.state)
         self.systems: dict[str, Any] = {}
+        self.profiler: cProfile.Profile | None = None
 
     def info(self) -> dict[str, Any]:
         return {
@@ -58,8 +59,15 @@ class RankBench:
         self.systems[name] = make_system(name, self.state, root)
 
     def save(self, name: str, step: int, directory: str, profile: bool = False) -> dict[str, Any]:
+        """One save; with `profile`, under a cProfile that counts this thread's CPU time
+        (waits in collectives and preemption by other work on the machine count nothing),
+        accumulated over every profiled save until `profile_text()`."""
         system = self.systems[name]
-        profiler = cProfile.Profile() if profile else None
+        profiler = None
+        if profile:
+            if self.profiler is None:
+                self.profiler = cProfile.Profile(time.thread_time)
+            profiler = self.profiler
         _align()
         t0 = time.time()
         start = time.perf_counter()
@@ -69,10 +77,12 @@ class RankBench:
         if profiler is not None:
             profiler.disable()
         blocking = time.perf_counter() - start
-        out = {"t0": t0, "blocking_s": blocking, "info": info}
-        if profiler is not None:
-            out["profile"] = _profile_text(profiler)
-        return out
+        return {"t0": t0, "blocking_s": blocking, "info": info}
+
+    def profile_text(self) -> str:
+        text = _profile_text(self.profiler) if self.profiler is not None else ""
+        self.profiler = None
+        return text
 
     def wait(self, name: str) -> dict[str, Any]:
         info = self.systems[name].wait()
@@ -81,6 +91,8 @@ class RankBench:
     def close_system(self, name: str) -> None:
         system = self.systems.pop(name)
         system.close()
+        del system
+        _release_memory()
 
     # ---- floors --------------------------------------------------------------------------
 
@@ -141,6 +153,20 @@ class RankBench:
                 pass
         shutdown_manager()
         megatron_cpu.destroy_distributed()
+
+
+def _release_memory() -> None:
+    """Free a closed system's memory now, not at some later collection: reference cycles
+    (managers, stagers, futures) can keep staging buffers alive, and glibc keeps freed heap
+    pages, either of which would shift the next system's memory baseline."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _align() -> None:

@@ -68,6 +68,14 @@ def _paired(own: list[Op], by_pair: dict[int, list[Op]]) -> dict[str, float | No
             if match and getattr(match[0], theirs):
                 values.append(getattr(op, mine) / getattr(match[0], theirs))
         out[key] = _median(values)
+    # verl_ckpt only: its own SaveStats.blocking_s (manager.save() alone, slowest rank).
+    values = []
+    for op in own:
+        mine = [i["blocking_s"] for i in op.rank_info if isinstance(i.get("blocking_s"), float)]
+        match = [p for p in by_pair.get(op.pair, []) if p.name == "copy floor"]
+        if mine and match:
+            values.append(max(mine) / match[0].blocking_s)
+    out["manager/copy"] = _median(values)
     return out
 
 
@@ -131,7 +139,9 @@ def _x(value: float | None) -> str:
 
 
 def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / MiB:.0f}"
+    # Below the baseline happens when memory freed before the system opened is returned to
+    # the OS only later (allocator noise): shown as 0.
+    return "-" if value is None else f"{max(0, value) / MiB:.0f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -140,53 +150,37 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _timing_table(rows: list[Row], first: bool) -> str:
+    """Steady-state (median of saves 2..n) or first-save timings with their paired ratios."""
+    prefix = "first " if first else ""
+    return _table(
+        [
+            "system",
+            "blocking s",
+            "durable s",
+            "blocking / copy floor",
+            "durable / write floor",
+            f"blocking / {REFERENCE}",
+            f"durable / {REFERENCE}",
+        ],
+        [
+            [
+                r.system,
+                _f(r.first_blocking if first else r.blocking),
+                _f(r.first_durable if first else r.durable),
+                _x(r.ratio(f"{prefix}blocking/copy")),
+                _x(r.ratio(f"{prefix}durable/write")),
+                _x(r.ratio(f"{prefix}blocking/ref")),
+                _x(r.ratio(f"{prefix}durable/ref")),
+            ]
+            for r in rows
+        ],
+    )
+
+
 def timing_tables(rows: list[Row]) -> str:
-    steady = _table(
-        [
-            "system",
-            "blocking s",
-            "durable s",
-            "blocking / copy floor",
-            "durable / write floor",
-            f"blocking / {REFERENCE}",
-            f"durable / {REFERENCE}",
-        ],
-        [
-            [
-                r.system,
-                _f(r.blocking),
-                _f(r.durable),
-                _x(r.ratio("blocking/copy")),
-                _x(r.ratio("durable/write")),
-                _x(r.ratio("blocking/ref")),
-                _x(r.ratio("durable/ref")),
-            ]
-            for r in rows
-        ],
-    )
-    first = _table(
-        [
-            "system",
-            "blocking s",
-            "durable s",
-            "blocking / copy floor",
-            "durable / write floor",
-            f"blocking / {REFERENCE}",
-            f"durable / {REFERENCE}",
-        ],
-        [
-            [
-                r.system,
-                _f(r.first_blocking),
-                _f(r.first_durable),
-                _x(r.ratio("first blocking/copy")),
-                _x(r.ratio("first durable/write")),
-                _x(r.ratio("first blocking/ref")),
-                _x(r.ratio("first durable/ref")),
-            ]
-            for r in rows
-        ],
-    )
+    steady = _timing_table(rows, first=False)
+    first = _timing_table(rows, first=True)
     floors = _table(
         ["block of", "copy floor s", "write floor s", f"{REFERENCE} blocking s", "durable s"],
         [
@@ -195,7 +189,9 @@ def timing_tables(rows: list[Row]) -> str:
         ],
     )
     return (
-        "### Steady state (median of saves 2..n)\n\n"
+        "### Steady state (median of saves 2..n)\n\nEach ratio is the median, over the saves, "
+        "of the save against the floor or reference save run in the same iteration of the same "
+        "block (paired, seconds apart), not a ratio of the medians shown.\n\n"
         + steady
         + "\n\n### First save\n\n"
         + first
@@ -248,6 +244,11 @@ def targets(rows: list[Row]) -> list[str]:
         + ("MET" if blocking is not None and blocking <= BLOCKING_TARGET else "MISSED")
         + f" ({_x(blocking)}: {_f(ref.blocking)} s vs {_f(ref.copy_floor)} s)"
     )
+    manager = ref.ratio("manager/copy")
+    if manager is not None:
+        lines[-1] += (
+            f"; manager.save() alone, without building the sharded state dicts: {_x(manager)}"
+        )
     lines.append(
         f"time to durable within {DURABLE_TARGET}x of the write floor: "
         + ("MET" if durable is not None and durable <= DURABLE_TARGET else "MISSED")
@@ -329,7 +330,7 @@ def plot(rows: list[Row], path: Path, title: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: no plot (pip install matplotlib)"
+        return "matplotlib is not installed: no plot (pip install -e '.[bench]')"
     names = [r.system for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.2), sharey=True)
     panels = (
@@ -376,24 +377,32 @@ def verl_breakdown(ops: list[Op]) -> str:
     """Where verl_ckpt's blocking time goes, from its own SaveStats (slowest rank)."""
     body = []
     names = sorted({o.name for o in ops if o.name.startswith("verl_ckpt")})
+
+    def slowest(op: Op, key: str) -> float:
+        return max((i.get(key) or 0) for i in op.rank_info)
+
     for name in names:
         steady = [o for o in ops if o.name == name and o.iteration > 0 and o.rank_info]
         if not steady:
             continue
-        plan = _median([max(i.get("plan_s", 0) for i in o.rank_info) for o in steady])
-        stage = _median([max(i.get("stage_s", 0) for i in o.rank_info) for o in steady])
         blocking = _median([o.blocking_s for o in steady])
-        write = _median([max(i.get("write_s") or 0 for i in o.rank_info) for o in steady])
+        build = _median([slowest(o, "build_s") for o in steady])
+        manager = _median([slowest(o, "blocking_s") for o in steady])
+        stage = _median([slowest(o, "stage_s") for o in steady])
+        plan = _median([slowest(o, "plan_s") for o in steady])
+        write = _median([slowest(o, "write_s") for o in steady])
         staged = _median([sum(i.get("bytes_staged", 0) for i in o.rank_info) for o in steady])
         zero = _median([sum(i.get("bytes_zero_copy", 0) for i in o.rank_info) for o in steady])
-        other = blocking - plan - stage if None not in (blocking, plan, stage) else None
+        rest = manager - plan - stage if None not in (manager, plan, stage) else None
         body.append(
             [
                 name,
                 _f(blocking),
+                _f(build),
+                _f(manager),
                 _f(stage),
                 _f(plan),
-                _f(other),
+                _f(rest),
                 _f(write),
                 f"{(staged or 0) / MiB:.0f} / {(zero or 0) / MiB:.0f}",
             ]
@@ -401,7 +410,9 @@ def verl_breakdown(ops: list[Op]) -> str:
     return _table(
         [
             "system",
-            "blocking s",
+            "blocking s (measured)",
+            "building the sharded dicts s",
+            "manager.save() s",
             "stage (copy) s",
             "plan s",
             "rest s",
@@ -462,21 +473,14 @@ AFTER_SAVE_NOTE = (
 )
 
 
-def write_path_table(found: dict[str, list[float]], durable: float | None) -> str:
+def write_path_table(found: dict[str, list[float]]) -> str:
     med = {k: _median(v) for k, v in found.items() if v}
     floor = med.get("write floor")
-    body = [
-        [k, _f(v), _x(v / floor if floor else None), str(len(found[k]))] for k, v in med.items()
-    ]
-    if durable is not None:
-        body.append(
-            [
-                "verl_ckpt thread save, time to durable (steady median above)",
-                _f(durable),
-                _x(durable / floor if floor else None),
-                "-",
-            ]
-        )
+    durable = med.get(REFERENCE)
+    body = []
+    for k, v in med.items():
+        label = f"{k} save, time to durable" if k == REFERENCE else k
+        body.append([label, _f(v), _x(v / floor if floor else None), str(len(found[k]))])
     table = _table(["variant (both ranks at once)", "median s", "vs write floor", "runs"], body)
 
     def diff(a: str, b: str) -> str:
@@ -501,7 +505,8 @@ def write_path_table(found: dict[str, list[float]], durable: float | None) -> st
     ]
     if durable is not None and "verl files x2" in med:
         parts.append(
-            "the rest of a verl_ckpt save (plan, staging copy, report, commit): save durable vs "
-            f"verl files x2 {durable - med['verl files x2']:+.3f} s"
+            "the rest of a verl_ckpt save (blocking part with the staging copy, writing from "
+            "the staging buffers, report, commit): save durable vs verl files x2 "
+            f"{durable - med['verl files x2']:+.3f} s"
         )
     return table + "\n\n" + "\n".join(f"- {p}" for p in parts)

@@ -161,7 +161,6 @@ def run_saves(
     from benchmarks.mcore_cpu import CPU_WORKAROUND
     from benchmarks.saves import SaveBench
     from benchmarks.state import describe, spec_for_size
-    from benchmarks.systems import REFERENCE
 
     spec = spec_for_size(int(args.size_gib * 2**30))
     meta["state"] = describe(spec)
@@ -203,8 +202,7 @@ def run_saves(
         )
     )
     if write_path:
-        ref = next((r for r in rows if r.system == REFERENCE), None)
-        text = report.write_path_table(write_path, ref.durable if ref else None)
+        text = report.write_path_table(write_path)
         log("\n### Where time to durable goes (write path)\n\n" + text)
         sections.append(("Where verl_ckpt's time to durable goes", text + "\n\n" + WRITE_PATH_NOTE))
     sections.append(
@@ -214,7 +212,8 @@ def run_saves(
             + "\n\n"
             + BREAKDOWN_NOTE
             + (
-                "\n\ncProfile of one more save of verl_ckpt thread mode (rank 0, cumulative):\n\n"
+                "\n\ncProfile of more saves of verl_ckpt thread mode (rank 0's training thread, "
+                "by CPU time, cumulative):\n\n"
                 "```\n" + report.profile_excerpt(bench.profile) + "\n```"
                 if bench.profile
                 else ""
@@ -258,15 +257,20 @@ MEMORY_NOTE = (
     "system keeps between saves (staging buffers, writer processes). Held after each save: "
     "the same total once the save is durable, minus the baseline. Shared memory is counted "
     "once (in the rank that touched it); a forked child's pages shared with its parent are "
-    "not counted again."
+    "not counted again. Figures within about 100 MiB of 0 are allocator noise (memory freed "
+    "earlier and returned to the OS late); below 0 is shown as 0."
 )
 
 BREAKDOWN_NOTE = (
-    "From verl_ckpt's own SaveStats, slowest rank, median of steady saves: stage = copying "
-    "into the staging pool; plan = structure hash, group agreement (monitored barrier + "
-    "all_gather_object), validation when re-planning, megatron-core planning with the cached "
-    "plan, common.pt; rest = back-pressure wait, composing the sharded dict, the `begin_step` "
-    "round trip to the finalizer actor, submitting the write."
+    "Slowest rank, median of steady saves. blocking (measured) is what the tables use: it "
+    "includes building the model's and optimizer's sharded state dicts, as a trainer's save "
+    "does (megatron-core systems build the same dicts; DCP builds DTensors). manager.save() "
+    "and the parts after it are verl_ckpt's own SaveStats: stage = copying into the staging "
+    "pool; plan = structure hash, group agreement (monitored barrier + all_gather_object), "
+    "validation when re-planning, and megatron-core planning even with the cached plan "
+    "(mcore_to_pyt_state_dict, save_state_dict_async_plan, prepare_write_data), common.pt; "
+    "rest = back-pressure wait, composing, the `begin_step` round trip to the finalizer "
+    "actor, submitting the write."
 )
 
 WRITE_PATH_NOTE = (
@@ -298,8 +302,8 @@ SYSTEM_NOTES = [
     "the save returns (the earliest a trainer polling every step could). On CPU its preload is "
     "no copy (`tensor.to('cpu')` returns the tensor), so its snapshot is the fork's "
     "copy-on-write: cheap to take, paid later as page faults when the trainer writes to its "
-    "tensors while the child still runs (not exercised here: the state is not modified). On "
-    "GPU it would copy device to host before forking. verl wraps the strategy in "
+    "tensors while the child still runs (see the next-step table). On GPU it would copy "
+    "device to host before forking. verl wraps the strategy in "
     "FullyParallelSaveStrategyWrapper; with DP=1 (2 ranks at TP=2) it has nothing to spread, "
     "so it is left out.",
     "DCP async thread / process: `torch.distributed.checkpoint.async_save` of DTensors "

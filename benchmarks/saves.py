@@ -94,8 +94,7 @@ class SaveBench:
                 self._block(name, saves, with_reference=True)
             finally:
                 self._close(name)
-        self._close(REFERENCE)
-        return self.ops
+        return self.ops  # the reference stays open for write_path(); close() closes it
 
     def _block(self, name: str, saves: int, with_reference: bool) -> None:
         self.log(
@@ -179,6 +178,7 @@ class SaveBench:
         i: int,
         profile: bool = False,
         update: bool | None = None,
+        record: bool = True,
     ) -> tuple[Op, list[dict]]:
         """One save of `name`, waited for until durable. update=None: measured as a save;
         otherwise the ranks run a training-step-like update right after save() returned
@@ -216,15 +216,25 @@ class SaveBench:
             resident_after=self.sampler.now() - self.baselines[name],
             rank_info=[{**s["info"], **w["info"]} for s, w in zip(saved, waited, strict=True)],
         )
-        if not profile and update is None:
+        if record and not profile and update is None:
             self.ops.append(op)
         shutil.rmtree(directory, ignore_errors=True)
         return op, saved
 
-    def _profiled_reference_save(self) -> str:
-        """One more save of the reference under cProfile on rank 0 (not counted)."""
-        _, saved = self._save(REFERENCE, REFERENCE, -1, profile=True)
-        return saved[0].get("profile", "")
+    def _profiled_reference_save(self, saves: int = 3) -> str:
+        """More saves of the reference under cProfile (thread CPU time, not counted)."""
+        walls = []
+        for _ in range(saves):
+            op, _ = self._save(REFERENCE, REFERENCE, -1, profile=True)
+            walls.append(op.blocking_s)
+        text = self._get([self.ranks[0].profile_text.remote()])[0]
+        self._get([r.profile_text.remote() for r in self.ranks[1:]])
+        return (
+            f"{saves} saves, blocking (wall, slowest rank) "
+            + ", ".join(f"{w:.3f} s" for w in walls)
+            + "; profile of rank 0's training thread, CPU time:\n"
+            + text
+        )
 
     def _after_save(self, name: str) -> None:
         """The next training step: an update of the whole state alone, then the same update
@@ -247,16 +257,24 @@ class SaveBench:
 
     def write_path(self, reps: int) -> dict[str, list[float]]:
         """Why time to durable exceeds the write floor: verl_ckpt's write path in pieces,
-        each variant `reps` times, rotated, both ranks at once; plus the write floor."""
+        each variant `reps` times, rotated, both ranks at once; with the write floor and
+        saves of the reference (its time to durable) in the same rotation."""
         from benchmarks.systems import WRITE_PATH_VARIANTS
 
-        self.log(f"[write path] {len(WRITE_PATH_VARIANTS)} variants x {reps}, with the write floor")
-        plan = ["write floor", *WRITE_PATH_VARIANTS]
+        self.log(
+            f"[write path] {len(WRITE_PATH_VARIANTS)} variants x {reps}, with the write floor "
+            f"and {REFERENCE}"
+        )
+        plan = ["write floor", *WRITE_PATH_VARIANTS, REFERENCE]
         found: dict[str, list[float]] = {v: [] for v in plan}
         directory = self.workdir / "write_path"
         for i in range(reps):
             shift = i % len(plan)
             for variant in plan[shift:] + plan[:shift]:
+                if variant == REFERENCE:
+                    op, _ = self._save(REFERENCE, REFERENCE, i + 1, record=False)
+                    found[variant].append(op.durable_s)
+                    continue
                 self._settle()
                 if variant == "write floor":
                     calls = [
@@ -289,10 +307,10 @@ class SaveBench:
         self.helper_pids.update(self.sampler.seen_children)
         for name in list(self.coordinators):
             try:
-                self._get([r.close_system.remote(name) for r in self.ranks])
-            except Exception:  # noqa: BLE001 - tearing down anyway
-                pass
-            self.coordinators.pop(name).close()
+                self._close(name)
+            except Exception as exc:  # noqa: BLE001 - tearing down anyway
+                self.log(f"[saves] closing {name} failed: {exc}")
+                self.coordinators.pop(name).close()
         try:
             self._get([r.shutdown.remote() for r in self.ranks])
         except Exception as exc:  # noqa: BLE001

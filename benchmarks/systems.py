@@ -59,12 +59,14 @@ class VerlSystem:
         self.manager = CheckpointManager(config, "bench", state.rank, state.spec.world_size)
 
     def save(self, step: int, directory: Path) -> dict[str, Any]:
-        stats = self.manager.save(
-            step,
-            model=self.state.model_sharded_state_dict(),
-            optimizer=self.state.optimizer_sharded_state_dict(),
-        )
-        return asdict(stats)
+        import time
+
+        start = time.perf_counter()
+        model = self.state.model_sharded_state_dict()
+        optimizer = self.state.optimizer_sharded_state_dict()
+        build_s = time.perf_counter() - start
+        stats = self.manager.save(step, model=model, optimizer=optimizer)
+        return {**asdict(stats), "build_s": build_s}
 
     def wait(self) -> dict[str, Any]:
         done = self.manager.wait()

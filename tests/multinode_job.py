@@ -25,7 +25,17 @@ def main(address: str, root: str) -> None:
     nodes = ray.get([r.node.remote() for r in ranks])
     outcome = {"nodes": nodes}
     try:
-        ray.get([r.open_manager.remote(cfg) for r in ranks])
+        # Each rank's own outcome, so that the test sees which rank failed and why.
+        opened = [r.open_manager.remote(cfg) for r in ranks]
+        errors = {}
+        for rank, ref in enumerate(opened):
+            try:
+                ray.get(ref, timeout=120)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors[rank] = str(exc).splitlines()[-1]
+        if errors:
+            outcome["open_errors"] = errors
+            raise RuntimeError(" | ".join(errors.values()))
         ray.get([r.save.remote(1) for r in ranks])
         coordinator.save_driver_state(1, {"step": 1})
         coordinator.wait_for_commit(1)

@@ -113,6 +113,9 @@ def test_root_not_shared_by_every_node_fails_clearly(two_nodes):
     address, root, env = two_nodes
     outcome = run_job(address, root, env)
     assert len(set(outcome["nodes"])) == 2, outcome
-    assert "actor rank 1 on node" in outcome["error"], outcome
-    assert "must be one filesystem shared by every node" in outcome["error"], outcome
+    # Only the rank on node_b (the node with its own disk at the root's path) fails.
+    failed = outcome.get("open_errors", {})
+    assert list(failed) == ["1"], outcome
+    assert "actor rank 1 on node" in failed["1"], outcome
+    assert "must be one filesystem shared by every node" in failed["1"], outcome
     assert not (root / "latest_checkpointed_iteration.txt").exists()

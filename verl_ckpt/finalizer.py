@@ -229,9 +229,9 @@ class CheckpointFinalizer:
         await self._wait_for_room(step, timeout_s)
         path = step_dir(self._root, step)
         state = self._steps.get(step)
-        if (state is not None and state.committed) or (
-            state is None and step in self.committed_steps()
-        ):
+        # Only this step's own record is read: listing every committed step here would make
+        # each save's first begin_step grow with the steps kept on disk.
+        if (state is not None and state.committed) or (state is None and is_committed(path)):
             raise CheckpointError(
                 f"step {step} is already committed at {path}; refusing to overwrite it"
             )
@@ -289,7 +289,9 @@ class CheckpointFinalizer:
             logger.error("step %d will not commit: %s", report.step, state.failures[-1])
             state.done.set()
             return
-        if self.missing(report.step):
+        # Reports are keyed by participant, each checked above: counting them is enough (a
+        # scan of the expected participants per report would be quadratic in the ranks).
+        if len(state.reports) < len(self._expected):
             return
         # The commit runs on its own: the last reporter (often the driver, in its training
         # loop) is not kept waiting for fsyncs it does not need to see.
