@@ -170,19 +170,27 @@ from verl_ckpt.file_writer import write_checksummed
 # A real OS limit: writes past 64 KiB fail with EFBIG, as a full disk fails with ENOSPC.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+writers = {
+    # inside torch.save, whose C++ writer turns the OSError into a RuntimeError
+    "torch.save": lambda stream: torch.save(torch.zeros(1 << 20), stream),
+    # at the final flush of the file's buffer (the last 6 KiB stay buffered until then)
+    "flush": lambda stream: (stream.write(bytes(60 * 1024)), stream.write(bytes(6 * 1024))),
+}
 try:
-    write_checksummed(sys.argv[1], lambda stream: torch.save(torch.zeros(1 << 20), stream))
+    write_checksummed(sys.argv[1], writers[sys.argv[2]])
 except OSError as exc:
     print("ERRNO", exc.errno, exc.filename)
 """
 
 
-def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path):
-    """torch.save's C++ writer hides the OSError of a failed write behind a RuntimeError
-    ('unexpected pos ...'); the user must see EFBIG/ENOSPC and the path."""
+@pytest.mark.parametrize("where", ["torch.save", "flush"])
+def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path, where):
+    """A failed write must say why (EFBIG/ENOSPC) and which file, wherever it surfaces:
+    torch.save's C++ writer hides the OSError behind 'unexpected pos ...', and a failed
+    final flush would raise again, without the path, when the file is closed."""
     target = tmp_path / "shard.distcp"
     done = subprocess.run(
-        [sys.executable, "-c", _WRITE_PAST_FILE_SIZE_CAP, str(target)],
+        [sys.executable, "-c", _WRITE_PAST_FILE_SIZE_CAP, str(target), where],
         capture_output=True,
         text=True,
         timeout=120,

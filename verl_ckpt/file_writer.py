@@ -5,6 +5,7 @@ Depends on torch only (not megatron-core), so that a spawned writer process star
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from collections.abc import Callable
@@ -58,6 +59,10 @@ def write_checksummed(path: str | Path, write: Callable[[ChecksummingWriter], An
             raw.flush()
             os.fsync(raw.fileno())
         except Exception as exc:
+            # Close here, quietly: the implicit close would flush the buffer to the same full
+            # disk and raise a second error without the path, in place of this one.
+            with contextlib.suppress(OSError):
+                raw.close()
             cause = stream.error if stream.error is not None else exc
             if isinstance(cause, OSError):
                 raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from exc
