@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.saves import Op
-from benchmarks.systems import REFERENCE
+from benchmarks.systems import RAW_CHECKSUMMED, REFERENCE
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM
 
 __all__ = ["Row", "machine_description", "summarize", "targets", "timing_tables"]
 
@@ -489,8 +490,9 @@ def write_path_table(found: dict[str, list[float]]) -> str:
         return "-"
 
     parts = [
-        "checksum (crc32 on the writing thread): raw + crc32 vs write floor "
-        f"{diff('raw + crc32', 'write floor')}",
+        f"checksum ({CHECKSUM_ALGORITHM} on the writing thread): {RAW_CHECKSUMMED} vs write "
+        f"floor {diff(RAW_CHECKSUMMED, 'write floor')} (crc32, used before: "
+        f"{diff('raw + crc32', 'write floor')})",
         "serialisation (torch.save per tensor, DCP `_write_item`) without checksum: "
         f"plain files x1 vs write floor {diff('plain files x1', 'write floor')}",
         "verl_ckpt's checksumming stream: verl files x1 vs plain files x1 "

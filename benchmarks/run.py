@@ -275,10 +275,11 @@ BREAKDOWN_NOTE = (
 
 WRITE_PATH_NOTE = (
     "Each variant writes the rank's 504 MiB (at the default size) on both ranks at once, "
-    "like the systems, fsync included: `raw + crc32` is the write floor with zlib.crc32 over "
-    "the bytes on the writing thread; `plain files xN` is DCP's `_write_item` (a "
-    "`torch.save` per tensor) into N files by N threads; `verl files xN` is verl_ckpt's own "
-    "`file_writer.write_bucket` (the same plus its crc32 checksumming stream) as its writer "
+    "like the systems, fsync included: `raw + xxh3_64` (verl_ckpt's checksum) and `raw + "
+    "crc32` (zlib's, used before) are the write floor with that checksum over the bytes on "
+    "the writing thread; `plain files xN` is DCP's `_write_item` (a `torch.save` per tensor) "
+    "into N files by N threads; `verl files xN` is verl_ckpt's own "
+    "`file_writer.write_bucket` (the same plus its checksumming stream) as its writer "
     "runs it; `copy, then write floor` is the copy floor followed by the write floor, the "
     "least a design that snapshots by copying and then writes can take."
 )

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks.state import RankState
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM, new_hasher
 
 __all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
 
@@ -291,8 +292,9 @@ class WritePath:
     `verl files` runs verl_ckpt's own `file_writer.write_bucket` (DCP `_write_item`, i.e.
     `torch.save` of each tensor, through the checksumming stream, then fsync) on the rank's
     tensors split into `files` files written by as many threads, as its thread writer does;
-    `plain files` is the same without the checksumming stream; `raw + crc32` is the write
-    floor plus zlib.crc32 over the bytes, on the writing thread.
+    `plain files` is the same without the checksumming stream; `raw + <algorithm>` is the
+    write floor plus that checksum over the bytes, on the writing thread (verl_ckpt's
+    current algorithm and crc32, which it used before).
     """
 
     def __init__(self, state: RankState) -> None:
@@ -301,11 +303,12 @@ class WritePath:
 
     def run(self, variant: str, directory: Path, copy_floor: CopyFloor) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        if variant == "raw + crc32":
-            _raw_write(directory / "raw.bin", [t for _, t in self.sources], checksum=True)
+        tensors = [t for _, t in self.sources]
+        if variant.startswith("raw + "):
+            _raw_write(directory / "raw.bin", tensors, checksum=variant.removeprefix("raw + "))
         elif variant == "copy, then write floor":
             copy_floor.run()
-            _raw_write(directory / "raw.bin", [t for _, t in self.sources], checksum=False)
+            _raw_write(directory / "raw.bin", tensors, checksum=None)
         elif variant.startswith(("verl files", "plain files")):
             files = int(variant.split(",")[0].split("x")[-1])
             checksum = variant.startswith("verl")
@@ -339,7 +342,9 @@ class WritePath:
 
 
 ZIP_CRC_OFF = "torch.save zip crc32 off"
+RAW_CHECKSUMMED = f"raw + {CHECKSUM_ALGORITHM}"
 WRITE_PATH_VARIANTS = (
+    RAW_CHECKSUMMED,
     "raw + crc32",
     "plain files x1",
     "verl files x1",
@@ -349,16 +354,14 @@ WRITE_PATH_VARIANTS = (
 )
 
 
-def _raw_write(path: Path, tensors: list[torch.Tensor], checksum: bool) -> None:
-    import zlib
-
-    crc = 0
+def _raw_write(path: Path, tensors: list[torch.Tensor], checksum: str | None) -> None:
+    hasher = new_hasher(checksum) if checksum else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for tensor in tensors:
             view = memoryview(tensor.numpy()).cast("B")
-            if checksum:
-                crc = zlib.crc32(view, crc)
+            if hasher is not None:
+                hasher.update(view)
             while view:
                 view = view[os.write(fd, view) :]
         os.fsync(fd)

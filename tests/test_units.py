@@ -19,7 +19,7 @@ from verl_ckpt.commit_record import (
 )
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
-from verl_ckpt.fsio import file_checksum
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.layout import list_step_dirs, step_dir
 from verl_ckpt.retention import delete_step_dir, purge_deleted_steps, steps_to_delete
 from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
@@ -51,21 +51,26 @@ def test_I2_tracker_that_is_a_directory(tmp_path):
         read_tracker(tmp_path)
 
 
-def _record(tmp_path, step=3):
+def _record(tmp_path, step=3, algorithm=CHECKSUM_ALGORITHM):
     path = step_dir(tmp_path, step)
     (path / "actor").mkdir(parents=True)
     shard = path / "actor" / "__0_0.distcp"
     shard.write_bytes(b"x" * 1000)
-    size, checksum = file_checksum(shard)
-    record = CommitRecord(step, {"actor": 1}, [FileEntry("actor/__0_0.distcp", size, checksum)])
-    write_commit_record(path, record)
+    size, checksum = file_checksum(shard, algorithm)
+    entries = [FileEntry("actor/__0_0.distcp", size, checksum)]
+    write_commit_record(
+        path, CommitRecord(step, {"actor": 1}, entries, checksum_algorithm=algorithm)
+    )
     return path, shard
 
 
-def test_I1_commit_record_round_trip_and_checksums(tmp_path):
-    path, shard = _record(tmp_path)
+# crc32 is what the first records were written with: they must keep verifying.
+@pytest.mark.parametrize("algorithm", SUPPORTED_CHECKSUMS)
+def test_I1_commit_record_round_trip_and_checksums(tmp_path, algorithm):
+    path, shard = _record(tmp_path, algorithm=algorithm)
     record = read_commit_record(path)
     assert record.step == 3 and record.participants == {"actor": 1}
+    assert record.checksum_algorithm == algorithm
     assert verify_files(path, record) == []
     # A bit flip keeps the size and changes the checksum.
     data = bytearray(shard.read_bytes())
@@ -89,6 +94,16 @@ def test_I1_commit_record_unknown_version_and_corruption(tmp_path):
         read_commit_record(path)
     record_file.unlink()
     with pytest.raises(CommitRecordError, match="not a committed step"):
+        read_commit_record(path)
+
+
+def test_I1_commit_record_with_unknown_checksum_is_refused_naming_it(tmp_path):
+    path, _ = _record(tmp_path)
+    record_file = path / "verl_ckpt_commit.json"
+    raw = json.loads(record_file.read_text())
+    raw["checksum_algorithm"] = "md5"
+    record_file.write_text(json.dumps(raw))
+    with pytest.raises(CommitRecordError, match=r"verl_ckpt_commit.json.*'md5'"):
         read_commit_record(path)
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from verl_ckpt.commit_record import CommitRecord, read_commit_record, verify_files
 from verl_ckpt.errors import CheckpointError, TrackerError
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM
 from verl_ckpt.inspection import TensorEntry, read_role_entries, scan_steps
 from verl_ckpt.layout import (
     COMMIT_RECORD_FILENAME,
@@ -167,12 +166,6 @@ def _cmd_ls(root: Path, args: argparse.Namespace) -> int:
 def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
     step, path = _pick_step(root, args.step)
     record = read_commit_record(path)  # CommitRecordError: not committed, corrupt, version
-    if record.checksum_algorithm != CHECKSUM_ALGORITHM:
-        raise _CliError(
-            f"{path / COMMIT_RECORD_FILENAME} uses checksum {record.checksum_algorithm!r}; "
-            f"this verl_ckpt verifies {CHECKSUM_ALGORITHM!r} only",
-            EXIT_BAD_CHECKPOINT,
-        )
     problems = verify_files(path, record)
     if record.step != step:
         problems.insert(0, f"{path / COMMIT_RECORD_FILENAME}: names step {record.step}, not {step}")

@@ -12,7 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from verl_ckpt.errors import CommitRecordError
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
+from verl_ckpt.fsio import (
+    CHECKSUM_ALGORITHM,
+    SUPPORTED_CHECKSUMS,
+    atomic_write_bytes,
+    file_checksum,
+)
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME
 
 __all__ = [
@@ -102,7 +107,7 @@ def _type_problem(record: CommitRecord) -> str | None:
         isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in participants.items()
     ):
         return f"participants {participants!r} is not a mapping of role to world size"
-    if record.checksum_algorithm != CHECKSUM_ALGORITHM:
+    if record.checksum_algorithm not in SUPPORTED_CHECKSUMS:
         return f"unknown checksum algorithm {record.checksum_algorithm!r}"
     if not isinstance(record.committed_at, (int, float)):
         return f"committed_at {record.committed_at!r} is not a timestamp"
@@ -133,7 +138,7 @@ def verify_files(step_path: Path, record: CommitRecord, prefix: str = "") -> lis
             continue
         path = step_path / entry.path
         try:
-            size, checksum = file_checksum(path)
+            size, checksum = file_checksum(path, record.checksum_algorithm)
         except FileNotFoundError:
             problems.append(f"{path}: missing")
             continue
