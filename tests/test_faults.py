@@ -138,6 +138,8 @@ def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
         while read_tracker(root) != 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert read_tracker(root) == 2 and is_committed(step_dir(root, 2))
+        # The fault recreates the marker as it fires: the finalizer did die at that point.
+        assert marker.exists(), "the finalizer never reached the tracker's rename"
     assert not list(root.glob(".latest_checkpointed_iteration.txt.tmp.*"))
     for w in every_rank(ranks):
         try:
@@ -162,9 +164,13 @@ def test_I3_finalizer_killed_mid_deletion_leaves_nothing_loadable_and_resumes(ra
     marker.unlink()  # arm: the finalizer dies while deleting step 1 after step 2 committed
     save_everyone(ranks, coordinator, 2)
     root = Path(cfg["root_dir"])
+    # The fault recreates the marker as it fires, after the rename out of the step namespace
+    # and before the recursive delete: waiting for it (not for the tracker, which moves
+    # before retention starts) proves the finalizer really died mid-deletion.
     deadline = time.monotonic() + 30
-    while read_tracker(root) != 2 and time.monotonic() < deadline:
+    while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert marker.exists(), "the finalizer never reached the deletion of step 1"
     assert read_tracker(root) == 2
     # Step 1 is gone from the step namespace at once, and the restarted finalizer finishes
     # the deletion of the .deleting_ leftover.
