@@ -135,13 +135,8 @@ def _f(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _x_exact(value: float | None) -> str:
-    # Three digits where a verdict is given: 1.2504x must not read "1.25x: MISSED".
-    return "-" if value is None else f"{value:.3f}x"
+def _x(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
 
 
 def _mib(value: int | None) -> str:
@@ -243,12 +238,13 @@ def targets(rows: list[Row]) -> list[str]:
     if ref is None:
         return ["reference not measured"]
     lines = []
+    # Three digits where a verdict is given: 1.2504x must not read "1.25x: MISSED".
     blocking = ref.ratio("blocking/copy")
     durable = ref.ratio("durable/write")
     lines.append(
         f"blocking within {BLOCKING_TARGET}x of the copy floor: "
         + ("MET" if blocking is not None and blocking <= BLOCKING_TARGET else "MISSED")
-        + f" ({_x_exact(blocking)}: {_f(ref.blocking)} s vs {_f(ref.copy_floor)} s)"
+        + f" ({_x(blocking, 3)}: {_f(ref.blocking)} s vs {_f(ref.copy_floor)} s)"
     )
     manager = ref.ratio("manager/copy")
     if manager is not None:
@@ -258,7 +254,7 @@ def targets(rows: list[Row]) -> list[str]:
     lines.append(
         f"time to durable within {DURABLE_TARGET}x of the write floor: "
         + ("MET" if durable is not None and durable <= DURABLE_TARGET else "MISSED")
-        + f" ({_x_exact(durable)}: {_f(ref.durable)} s vs {_f(ref.write_floor)} s)"
+        + f" ({_x(durable, 3)}: {_f(ref.durable)} s vs {_f(ref.write_floor)} s)"
     )
     peers = [r for r in rows if not r.system.startswith("verl_ckpt") and r.blocking is not None]
     closest = min(peers, key=lambda r: r.ratio("blocking/ref") or 1e9).system if peers else None

@@ -242,6 +242,9 @@ def _writer_main(requests: Any, results: Any, threads: int) -> None:
     pool = ThreadPoolExecutor(threads)
     slots: dict[int, list[torch.Tensor]] = {}
     while True:
+        # An idle server's wait, deliberately without a deadline: the rank bounds every
+        # write it waits for (WriteTimeout), and this process ends with a "stop" message or,
+        # through _exit_with_parent, when the rank dies.
         message = requests.get()
         kind = message[0]
         if kind == "stop":
