@@ -12,6 +12,8 @@ __all__ = [
     "CheckpointWriteError",
     "CommitRecordError",
     "CommitTimeoutError",
+    "ResumeConflictError",
+    "RootLockedError",
     "StepNotCommittedError",
     "TrackerError",
 ]
@@ -43,3 +45,12 @@ class CommitTimeoutError(CheckpointError, TimeoutError):
 
 class StepNotCommittedError(CheckpointError):
     """A step will never commit (a participant failed, or its reports were lost)."""
+
+
+class RootLockedError(CheckpointError):
+    """Another job (or `verl-ckpt` command) holds the checkpoint root; names the holder."""
+
+
+class ResumeConflictError(CheckpointError):
+    """The resume step is older than a committed step of the same root: the run's saves would
+    collide with committed steps. The message names them and the two ways out."""

@@ -1,0 +1,111 @@
+"""The save protocol of verl_ckpt, on one page. Every other docstring points here.
+
+Participants: every rank of every role (a `CheckpointManager` each), the driver (its own
+state, through `CheckpointCoordinator`), and the finalizer (one Ray actor per root).
+Each numbered step says who runs it, where, its deadline, its fault phase
+(`VERL_CKPT_FAULT`, see faults.py), what is durable once it is done, and how a crash there
+is recovered, after an actor restart (Ray restarts the finalizer; ranks keep going) and
+after a whole-job restart (everything killed, the job started again).
+
+ 0. start             driver, before Ray starts (`startup.prepare_start`).
+                      Validates the config, locks the root (one job per root; the lock dies
+                      with its holder), recovers it (finishes an interrupted rollback, rolls
+                      the tracker forward to the newest committed step), resolves the resume
+                      step and refuses one older than the newest committed step. Writes
+                      nothing but the lock and the recovery; deletes nothing, ever.
+    start finalizer   driver (`finalizer_client.start_finalizer`); the actor recovers the
+                      root the same way and writes the root marker that ranks read back.
+
+ 1. plan              rank, training thread. Deadline: timeout_s.
+                      Agree with the save group (monitored barrier, one all-gather), then
+                      `begin_step` on the finalizer: it waits while max_in_flight steps are
+                      uncommitted, removes an uncommitted leftover of the step, creates the
+                      directory. Then validate sharding and build the DCP plan (cached while
+                      the structure hash holds). Durable: an empty step directory.
+                      Crash: the directory is an uncommitted leftover, removed when the step
+                      is saved again.
+ 2. stage             rank, training thread (the only other blocking part).
+                      Copy every tensor into reused host buffers (or reference host tensors
+                      that are provably not changed in place until the write ends).
+                      `save()` returns here. Durable: nothing.
+ 3. write             rank, writer threads or the writer process. Deadline: timeout_s from
+                      save(). Fault phase `write`. Each file is written, checksummed as the
+                      bytes pass, fsynced. Durable: the rank's files of the step.
+                      Crash: the step never commits (see 5); leftovers as in 1.
+ 4. report            rank, its save thread. Fault phase `report`. Deadline: timeout_s.
+                      A `RankReport` (files with sizes and checksums, DCP write results, or
+                      a typed `Failure`) to the finalizer. The finalizer learns completion
+                      from reports only, never from collectives (I6).
+                      Actor restart: the reports of steps in flight are lost; the restarted
+                      finalizer refuses them and those steps never commit.
+ 5. commit record     finalizer, its commit thread, once every expected report succeeded.
+                      Fault phase `commit` (before the record). Completes each role's
+                      torch_dist directory (.metadata, metadata.json), fsyncs, then writes
+                      the commit record atomically. THE COMMIT POINT: from here the step is
+                      committed, whatever happens next.
+                      Crash before: the step is lost (uncommitted leftover).
+                      Crash after: both restarts roll the tracker forward to it (step 0).
+ 6. tracker           finalizer, commit thread. Fault phase `tracker` (before the rename).
+                      Atomic replace of latest_checkpointed_iteration.txt, never backwards.
+                      An error before the rename withdraws the record (the step failed, and
+                      disk says so); nothing un-commits a step after the rename.
+                      Crash: rolled forward at the next start (actor or job).
+ 7. retention         finalizer, commit thread, after the tracker moved. Fault `delete`.
+                      Committed steps beyond max_ckpt_to_keep leave the step namespace by
+                      one atomic rename, lose their record, then their files. Never the
+                      tracker's target, never a step in flight, never at start-up.
+                      A failure is logged and retried after the next commit; the step
+                      stays committed. Crash: the `.deleting_*` leftover is removed by the
+                      next retention.
+
+The finalizer's bookkeeping (which reports arrived, which step is committing) is
+`ledger.StepLedger`; steps 5-7 and the recovery of step 0 are plain functions on a
+directory in `commit.py` and `recovery.py`; the actor (`finalizer.py`) only connects them.
+"""
+
+from __future__ import annotations
+
+import errno as errno_codes
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Failure", "Phase", "describe_failures"]
+
+
+class Phase(str, Enum):
+    """Where in the protocol something failed (also the fault-injection phases)."""
+
+    PLAN = "plan"
+    STAGE = "stage"
+    WRITE = "write"
+    REPORT = "report"
+    COMMIT = "commit"
+    TRACKER = "tracker"
+    RETENTION = "delete"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong for one participant of one step: carried from the rank (or the
+    finalizer) to whoever waits for the step, and shown aggregated by rank."""
+
+    role: str
+    rank: int
+    phase: Phase
+    message: str
+    errno: int | None = None
+
+    @classmethod
+    def from_exception(cls, role: str, rank: int, phase: Phase, exc: BaseException) -> Failure:
+        code = exc.errno if isinstance(exc, OSError) else None
+        return cls(role, rank, phase, f"{type(exc).__name__}: {exc}", code)
+
+    def describe(self) -> str:
+        code = f" {errno_codes.errorcode.get(self.errno, self.errno)}" if self.errno else ""
+        return f"{self.role} rank {self.rank} [{self.phase.value}{code}] {self.message}"
+
+
+def describe_failures(failures: list[Failure]) -> str:
+    """Failures in role and rank order, one clause each: what a user reads first."""
+    ordered = sorted(failures, key=lambda f: (f.role, f.rank))
+    return "; ".join(failure.describe() for failure in ordered)
