@@ -158,11 +158,12 @@ def mean_loss(results: list[dict[str, Any]]) -> float:
 
 
 class PPOToyTrainer:
-    def __init__(self, cfg: PPOToyConfig) -> None:
+    def __init__(self, cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> None:
         self.cfg = cfg
         self.roles = {name: cfg.role(name).world_size for name in ROLES}
         # The coordinator starts the finalizer; the ranks' managers look it up in setup().
-        self.coordinator = verl_ckpt.CheckpointCoordinator(cfg.checkpoint, self.roles)
+        # `start` was decided before Ray started (root checked and locked, resume step).
+        self.coordinator = verl_ckpt.CheckpointCoordinator(cfg.checkpoint, self.roles, start=start)
         self.groups = {name: RoleGroup(name, cfg) for name in ROLES}
         self.prompt_generator = torch.Generator().manual_seed(
             derive_seed(cfg.trainer.seed, "prompts")
@@ -406,12 +407,14 @@ def connect_ray(cfg: PPOToyConfig) -> bool:
     return True
 
 
-def run(cfg: PPOToyConfig) -> None:
-    started_ray = connect_ray(cfg)
+def run(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> None:
+    """Train with the root `start` locked and recovered; release everything at the end."""
+    started_ray = False
     trainer = None
     begin = time.perf_counter()
     try:
-        trainer = PPOToyTrainer(cfg)
+        started_ray = connect_ray(cfg)
+        trainer = PPOToyTrainer(cfg, start)
         trainer.start_workers()
         trainer.fit()
         log.info("done in %.1f s", time.perf_counter() - begin)
@@ -420,6 +423,7 @@ def run(cfg: PPOToyConfig) -> None:
             trainer.shutdown()
         if started_ray:
             ray.shutdown()
+        start.release()
 
 
 verl_ckpt.register_configs()
@@ -433,8 +437,15 @@ def main(dict_cfg: DictConfig) -> None:
     except (RecipeConfigError, verl_ckpt.CheckpointConfigError) as exc:
         print(f"ppo_toy: invalid config: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # Before Ray starts: a bad root, tracker or resume step, or another job on this root, is
+    # one line and exit status 2, with nothing written or deleted.
+    try:
+        start = verl_ckpt.prepare_start(cfg.checkpoint, purpose="python -m recipes.ppo_toy")
+    except verl_ckpt.CheckpointError as exc:
+        print(f"ppo_toy: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     torch.set_num_threads(1)
-    run(cfg)
+    run(cfg, start)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from verl_ckpt import (
     read_tracker,
     step_dir,
 )
+from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 
 
@@ -97,7 +98,9 @@ def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks
     ray.get(critic.limit_file_size.remote(16 * 1024))
     try:
         save_everyone(ranks, coordinator, 2)
-        with pytest.raises(StepNotCommittedError, match=r"critic rank 0: OSError.*File too large"):
+        with pytest.raises(
+            StepNotCommittedError, match=r"critic rank 0 \[write EFBIG\] OSError.*File too large"
+        ):
             coordinator.wait_for_commit(2)
     finally:
         ray.get(critic.limit_file_size.remote(None))
@@ -171,7 +174,8 @@ def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, t
         record = read_commit_record(step_dir(cfg["root_dir"], 1))
         names[name] = sorted(f.path for f in record.files)
         # A late duplicate report changes nothing; re-saving a committed step is refused.
-        duplicate = RankReport(1, "driver", 0, 1, "duplicate", error="late and wrong")
+        late = Failure("driver", 0, Phase.WRITE, "late and wrong")
+        duplicate = RankReport(1, "driver", 0, 1, "duplicate", failure=late)
         ray.get(coordinator.finalizer.report.remote(duplicate))
         assert coordinator.wait_for_commit(1)["tracker"] == 1
         with pytest.raises(CheckpointError, match="step 1 .*already committed"):

@@ -36,7 +36,8 @@ from verl_ckpt import (
 )
 from verl_ckpt.commit_record import is_committed, read_commit_record, verify_files
 from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
-from verl_ckpt.finalizer import FINALIZER_NAMESPACE, CheckpointFinalizer, finalizer_name
+from verl_ckpt.finalizer import CheckpointFinalizer
+from verl_ckpt.finalizer_client import actor_options
 from verl_ckpt.layout import list_step_dirs
 
 
@@ -49,12 +50,7 @@ def faulty_coordinator(cfg, roles, fault, disarmed_marker):
     participants = {**roles, "driver": 1}
     env = {ENV_VAR: fault, ONCE_ENV_VAR: str(disarmed_marker), "PYTHONPATH": str(REPO_ROOT)}
     finalizer = ray.remote(CheckpointFinalizer).options(
-        name=finalizer_name(root),
-        namespace=FINALIZER_NAMESPACE,
-        max_restarts=-1,
-        max_task_retries=3,
-        num_cpus=0,
-        runtime_env={"env_vars": env},
+        **actor_options(root), runtime_env={"env_vars": env}
     )
     handle = finalizer.remote(str(root), participants, cfg.get("max_ckpt_to_keep"), 1)
     # Wait until it runs: only then is its name registered for the coordinator to find.
@@ -172,11 +168,18 @@ def test_I3_finalizer_killed_mid_deletion_leaves_nothing_loadable_and_resumes(ra
         time.sleep(0.1)
     assert marker.exists(), "the finalizer never reached the deletion of step 1"
     assert read_tracker(root) == 2
-    # Step 1 is gone from the step namespace at once, and the restarted finalizer finishes
-    # the deletion of the .deleting_ leftover.
+    # Step 1 left the step namespace at once. The restarted finalizer deletes nothing at
+    # start; the retention after the next commit finishes the .deleting_ leftover.
     assert 1 not in list_step_dirs(root)
     coordinator.status()  # the restarted finalizer is up
+    assert [p.name for p in root.glob(".deleting_*")] == [".deleting_global_step_1"]
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    deadline = time.monotonic() + 30
+    while list(root.glob(".deleting_*")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # retention runs right after the commit is announced
     assert not list(root.glob(".deleting_*"))
+    assert sorted(list_step_dirs(root)) == [3]
     close_all(ranks, coordinator)
 
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from verl_ckpt.commit import apply_retention
 from verl_ckpt.commit_record import (
     CommitRecord,
     FileEntry,
@@ -21,7 +22,7 @@ from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.layout import list_step_dirs, step_dir
-from verl_ckpt.retention import delete_step_dir, purge_deleted_steps, steps_to_delete
+from verl_ckpt.retention import delete_step_dir, steps_to_delete
 from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
 
 
@@ -36,13 +37,31 @@ def test_I2_tracker_round_trip_and_no_temp_left(tmp_path):
 
 @pytest.mark.parametrize(
     "content",
-    [b"", b"   \n", b"abc\n", b"-3\n", b"4\n5\n", b"\xef\xbb\xbf4\n", b"4.0\n", b" 4\n"],
-    ids=["empty", "whitespace", "non-numeric", "negative", "multi-line", "bom", "float", "space"],
+    [b"", b"   \n", b"abc\n", b"-3\n", b"4\n5\n", b"\xef\xbb\xbf4\n", b"4.0\n", b"4 2\n", b"+4"],
+    ids=[
+        "empty",
+        "whitespace",
+        "non-numeric",
+        "negative",
+        "multi-line",
+        "bom",
+        "float",
+        "two-numbers",
+        "plus",
+    ],
 )
 def test_I2_bad_tracker_is_an_error_naming_the_path(tmp_path, content):
     tracker_path(tmp_path).write_bytes(content)
     with pytest.raises(TrackerError, match="latest_checkpointed_iteration.txt"):
         read_tracker(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"4", b"4\n", b" 4\n", b"\t4 \r\n", b"\n\n4\n\n", b"04\n"])
+def test_I2_tracker_reader_accepts_surrounding_ascii_whitespace(tmp_path, content):
+    """Megatron-LM and verl strip the tracker's text: a tracker they (or a person) wrote
+    with extra whitespace names the same step here."""
+    tracker_path(tmp_path).write_bytes(content)
+    assert read_tracker(tmp_path) == 4
 
 
 def test_I2_tracker_that_is_a_directory(tmp_path):
@@ -122,17 +141,18 @@ def test_I3_retention_policy(committed, keep, protected, expected):
     assert steps_to_delete(committed, keep, protected) == expected
 
 
-def test_I3_delete_removes_commit_record_first_and_purge_finishes(tmp_path):
+def test_I3_delete_removes_commit_record_first_and_next_retention_finishes(tmp_path):
     path, _ = _record(tmp_path, step=1)
     delete_step_dir(path)
     assert list_step_dirs(tmp_path) == {}
     # A deletion interrupted after the rename: only a .deleting_ directory is left, which is
-    # no step directory at all, and the next start purges it.
+    # no step directory at all, and the next retention (after a commit) removes it.
     path, _ = _record(tmp_path, step=2)
     (path / "verl_ckpt_commit.json").unlink()
     path.rename(tmp_path / ".deleting_global_step_2")
     assert list_step_dirs(tmp_path) == {}
-    assert [p.name for p in purge_deleted_steps(tmp_path)] == [".deleting_global_step_2"]
+    assert apply_retention(tmp_path, keep=1).purged == [".deleting_global_step_2"]
+    assert not (tmp_path / ".deleting_global_step_2").exists()
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """verl_ckpt: asynchronous, committed checkpoints for Megatron ranks in Ray actors.
 
 Users import from here only:
-- driver: `CheckpointCoordinator` (starts the finalizer, saves the driver's state, waits for
-  commits, resolves the resume step);
+- driver: `prepare_start` (before Ray starts: checks the config and root, locks the root,
+  recovers it, decides the resume step), `CheckpointCoordinator` (starts the finalizer, saves
+  the driver's state, waits for commits);
 - each rank: `CheckpointManager` (save / wait / load / close);
 - config: `CheckpointConfig` and friends, `register_configs()` for Hydra.
+The order of a save, step by step, is on one page: verl_ckpt/protocol.py.
 """
 
 import importlib
@@ -26,6 +28,8 @@ _EXPORTS = {
     "CheckpointWriteError": "verl_ckpt.errors",
     "CommitRecordError": "verl_ckpt.errors",
     "CommitTimeoutError": "verl_ckpt.errors",
+    "ResumeConflictError": "verl_ckpt.errors",
+    "RootLockedError": "verl_ckpt.errors",
     "StepNotCommittedError": "verl_ckpt.errors",
     "TrackerError": "verl_ckpt.errors",
     "TRACKER_FILENAME": "verl_ckpt.layout",
@@ -33,6 +37,8 @@ _EXPORTS = {
     "CheckpointManager": "verl_ckpt.manager",
     "SaveStats": "verl_ckpt.manager",
     "resolve_resume_dir": "verl_ckpt.resume",
+    "StartPlan": "verl_ckpt.startup",
+    "prepare_start": "verl_ckpt.startup",
     "read_tracker": "verl_ckpt.tracker",
 }
 
@@ -47,12 +53,16 @@ __all__ = [
     "CommitRecord",
     "CommitRecordError",
     "CommitTimeoutError",
+    "ResumeConflictError",
+    "RootLockedError",
     "SaveStats",
     "StagingConfig",
+    "StartPlan",
     "StepNotCommittedError",
     "TrackerError",
     "WriterConfig",
     "read_commit_record",
+    "prepare_start",
     "read_tracker",
     "register_configs",
     "resolve_resume_dir",

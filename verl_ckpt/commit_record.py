@@ -18,12 +18,13 @@ from verl_ckpt.fsio import (
     atomic_write_bytes,
     file_checksum,
 )
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
     "CommitRecord",
     "FileEntry",
+    "committed_steps",
     "is_committed",
     "read_commit_record",
     "verify_files",
@@ -128,6 +129,12 @@ def is_committed(step_path: str | Path) -> bool:
     except CommitRecordError:
         return False
     return True
+
+
+def committed_steps(root: str | Path) -> list[int]:
+    """Steps under `root` whose commit record is readable, oldest first. A corrupt record
+    does not count: such a step is never resumed from, nor counted toward "keep N"."""
+    return sorted(step for step, path in list_step_dirs(root).items() if is_committed(path))
 
 
 def verify_files(step_path: Path, record: CommitRecord, prefix: str = "") -> list[str]:

@@ -1,8 +1,12 @@
-"""The driver's side: start the finalizer, save the trainer's own state, wait for commits."""
+"""The driver's side: start the finalizer, save the trainer's own state, wait for commits.
+
+The order of a whole job is protocol.py's; the driver owns step 0 (start-up, through
+startup.prepare_start) and takes part in every step as one more participant.
+"""
 
 from __future__ import annotations
 
-import os
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -19,26 +23,18 @@ from verl_ckpt.errors import (
     CommitRecordError,
 )
 from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.finalizer import call_finalizer, check_shared_root, start_finalizer
+from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, start_finalizer
 from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
+from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
-from verl_ckpt.resume import resolve_resume_dir
+from verl_ckpt.startup import StartPlan, prepare_start
 
 __all__ = ["CheckpointCoordinator"]
 
+logger = logging.getLogger(__name__)
 
-def check_root_dir(root: Path) -> None:
-    """Fail early, naming the path, when the checkpoint root cannot hold checkpoints."""
-    if root.exists() and not root.is_dir():
-        raise CheckpointConfigError(f"checkpoint.root_dir {root} exists and is not a directory")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointConfigError(
-            f"checkpoint.root_dir {root} cannot be created: {exc}"
-        ) from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise CheckpointConfigError(f"checkpoint.root_dir {root} is not writable")
+# Slack added to the deadline of a call whose callee applies the caller's own timeout.
+_RPC_SLACK_S = 30.0
 
 
 class CheckpointCoordinator:
@@ -46,6 +42,9 @@ class CheckpointCoordinator:
 
     `roles` maps each role to its number of saving ranks, e.g. {"actor": 2, "critic": 1};
     with `save_driver_state` the driver's own state is one more participant of every step.
+    `start` is what `prepare_start(config)` returned before Ray started (recipes call it
+    first, so that a bad root or resume step fails before anything starts); without it the
+    coordinator runs the same checks, lock and recovery itself.
     """
 
     def __init__(
@@ -53,29 +52,35 @@ class CheckpointCoordinator:
         config: CheckpointConfig | Any,
         roles: dict[str, int],
         save_driver_state: bool = True,
+        start: StartPlan | None = None,
     ) -> None:
         self.config = to_checkpoint_config(config)
         if DRIVER_ROLE in roles:
             raise CheckpointConfigError(f"role name {DRIVER_ROLE!r} is reserved for the driver")
-        self.root = Path(self.config.root_dir).resolve()
-        check_root_dir(self.root)
+        self.start = start if start is not None else prepare_start(self.config)
+        self.root = self.start.root
         self.participants = dict(roles)
         if save_driver_state:
             self.participants[DRIVER_ROLE] = 1
-        # Starting an actor is a process start: give it a minute even when saves have a
-        # short deadline.
-        self.finalizer = start_finalizer(
-            self.root,
-            self.participants,
-            self.config.max_ckpt_to_keep,
-            max(60.0, self.config.timeout_s),
-            self.config.max_in_flight,
-        )
-        check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
+        self._closed = False
+        try:
+            # Starting an actor is a process start: give it a minute even when saves have a
+            # short deadline.
+            self.finalizer = start_finalizer(
+                self.root,
+                self.participants,
+                self.config.max_ckpt_to_keep,
+                max(60.0, self.config.timeout_s),
+                self.config.max_in_flight,
+            )
+            check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
+        except BaseException:
+            self.start.release()
+            raise
 
     def resume_dir(self) -> Path | None:
-        """The committed step to resume from per `resume_mode`, or None for a fresh start."""
-        return resolve_resume_dir(self.config)
+        """The committed step to resume from (decided at start-up), or None: a fresh start."""
+        return self.start.resume_dir
 
     def should_save(self, step: int, last_step: int | None = None) -> bool:
         """verl's rule: every `save_freq` steps, and at the last step when saving is on."""
@@ -93,10 +98,12 @@ class CheckpointCoordinator:
             written = write_checksummed(path, lambda stream: torch.save(state, stream))
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
         except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
-            report.error = f"writing {path}: {exc}"
+            report.failure = Failure.from_exception(DRIVER_ROLE, 0, Phase.WRITE, exc)
         self._call("report", report)
-        if report.error:
-            raise CheckpointError(f"driver state of step {step} not saved: {report.error}")
+        if report.failure is not None:
+            raise CheckpointError(
+                f"driver state of step {step} not saved ({path}): {report.failure.message}"
+            )
 
     def load_driver_state(self, step_path: str | Path) -> dict[str, Any]:
         path = Path(step_path)
@@ -111,18 +118,37 @@ class CheckpointCoordinator:
         """Block until `step` committed; raise naming missing participants or failures."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         return self._call(
-            "wait_for_commit", step, timeout, deadline=time.monotonic() + timeout + 30
+            "wait_for_commit", step, timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
         )
 
     def status(self) -> dict[str, Any]:
         return self._call("status")
 
-    def close(self) -> None:
-        """Stop the finalizer (after the steps you care about were waited for)."""
-        ray.kill(self.finalizer, no_restart=True)
+    def close(self, timeout_s: float | None = None) -> None:
+        """Let commits already under way finish (within `timeout_s`), stop the finalizer and
+        release the root. Killing the finalizer mid-commit would leave the tracker behind
+        the commit record (recovered at the next start, but a surprise for whoever reads
+        the root meanwhile). Steps still waiting for reports will not commit."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        try:
+            uncommitted = self._call(
+                "drain", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
+            )
+            if uncommitted:
+                logger.warning(
+                    "closing %s with steps %s still waiting for reports: they will not commit",
+                    self.root,
+                    uncommitted,
+                )
+        finally:
+            ray.kill(self.finalizer, no_restart=True)
+            self.start.release()
 
     def _call(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or time.monotonic() + self.config.timeout_s + 30
+        deadline = deadline or time.monotonic() + self.config.timeout_s + _RPC_SLACK_S
         return call_finalizer(
             self.finalizer, method, *args, deadline=deadline, who=f"the driver of {self.root}"
         )

@@ -18,6 +18,7 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "SUPPORTED_CHECKSUMS",
     "ChecksummingWriter",
+    "RenameNotDurable",
     "atomic_write_bytes",
     "file_checksum",
     "fsync_dir",
@@ -75,6 +76,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+class RenameNotDurable(OSError):
+    """The new content replaced the old (readers see it now), but the directory fsync after
+    the rename failed, so a power loss might bring the old content back. Distinct from a
+    failure before the rename, after which readers still see the old content."""
+
+
 def atomic_write_bytes(
     path: str | os.PathLike, data: bytes, before_replace: Callable[[], None] | None = None
 ) -> None:
@@ -84,6 +91,8 @@ def atomic_write_bytes(
     the new name pointing at an empty file), and the directory is fsynced after the rename
     (else the rename itself may be lost and the old content come back). A temporary file
     left by a crash is named `.<name>.tmp.<pid>`: `remove_stale_temporaries` clears them.
+    An error after the rename is raised as RenameNotDurable: callers whose protocol hinges
+    on the rename (the tracker: nothing un-commits a step after it) tell the two apart.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -98,7 +107,10 @@ def atomic_write_bytes(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    try:
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise RenameNotDurable(exc.errno, exc.strerror or str(exc), str(path.parent)) from exc
 
 
 class ChecksummingWriter:

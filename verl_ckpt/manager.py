@@ -1,16 +1,8 @@
 """CheckpointManager: the per-rank half of verl_ckpt, living inside each Megatron worker.
 
-Call order of one `save(step, ...)` on a rank (the training thread blocks for 1-4 only):
-  1. back-pressure: wait (with a deadline) until fewer than `max_in_flight` writes are
-     running, and raise a failure of an earlier write, once;
-  2. agree with the other ranks of the save group (a monitored barrier and one small
-     all-gather on that group) on the step, the root and whether the structure changed;
-  3. `begin_step` on the finalizer, which waits while `max_in_flight` steps are uncommitted
-     and creates the step directory; then plan, re-planning only if the structure changed;
-  4. stage: copy every tensor into host buffers reused across saves (invariant I4);
-  5. write (background thread pool, or inline): one file per DCP bucket, fsynced and
-     checksummed as the bytes pass; then report to the finalizer, then free the buffers.
-Completion is never polled with collectives (I6): the finalizer learns it from the report.
+`save()` runs protocol steps 1 (plan) and 2 (stage) in the training thread and returns;
+steps 3 (write) and 4 (report) run on the rank's save thread (protocol.py). Completion is
+never polled with collectives (I6): the finalizer learns it from the report.
 """
 
 from __future__ import annotations
@@ -18,9 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,11 +30,14 @@ from verl_ckpt.errors import (
     CommitTimeoutError,
 )
 from verl_ckpt.file_writer import serialize_common, write_common
-from verl_ckpt.finalizer import call_finalizer, check_shared_root, get_finalizer
+from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, get_finalizer
+from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.staging import StagingPool, StagingSlot, copy_into
 from verl_ckpt.structure import structure_hash
+from verl_ckpt.threads import DaemonPool
 from verl_ckpt.writers import WriteTimeout, make_writer
 
 __all__ = ["CheckpointManager", "SaveStats"]
@@ -52,6 +45,8 @@ __all__ = ["CheckpointManager", "SaveStats"]
 logger = logging.getLogger(__name__)
 
 EXTRA_STATE_KEY = "verl_ckpt.extra_state"
+# Slack added to the deadline of a call whose callee applies the caller's own timeout.
+_RPC_SLACK_S = 30.0
 
 
 @dataclass
@@ -84,7 +79,34 @@ class _LiveTensor:
 
 
 @dataclass
+class _Plan:
+    """Step 1's outcome: where to write, and what the save group agreed."""
+
+    step: int
+    sharded: dict
+    common: dict
+    items: list
+    digest: str
+    reuse_plan: bool
+    directory: Path
+    distribution: Any
+    seconds: float
+
+
+@dataclass
+class _Snapshot:
+    """Step 2's outcome: the staged copies (and live host tensors) the write reads."""
+
+    slot: StagingSlot
+    live: list[_LiveTensor]
+    bytes_staged: int
+    seconds: float
+
+
+@dataclass
 class _SaveJob:
+    """Everything steps 3 and 4 need, handed to the save thread."""
+
     step: int
     save_id: str
     slot: StagingSlot
@@ -130,6 +152,7 @@ class CheckpointManager:
         self._group = process_group
         self._root = Path(self.config.root_dir).resolve()
         self._timeout_s = float(self.config.timeout_s)
+        self._who = f"{role} rank {rank} of {self._root}"
         self._finalizer = get_finalizer(self._root, self._timeout_s)
         check_shared_root(self._root, self._finalizer, self._timeout_s, f"{role} rank {rank}")
         mode = self.config.writer.mode if self.config.async_save else "inline"
@@ -140,16 +163,14 @@ class CheckpointManager:
             shared_memory=self._writer.shares_memory,
         )
         self._plan_cache: megatron_compat.SavePlanCache | None = None
-        self._in_flight: deque[tuple[_SaveJob, Future]] = deque()
-        self._pending_error: BaseException | None = None
-        self._completed: list[SaveStats] = []
+        self._in_flight = InFlightSaves(
+            self.config.max_in_flight, f"{role} rank {rank}", self._timeout_s
+        )
         self._closed = False
-        # Writes run on one background thread per rank (which hands files to the writer);
+        # Steps 3-4 run on one background thread per rank, which hands files to the writer;
         # inline mode runs them inside save().
-        self._job_runner = (
-            ThreadPoolExecutor(1, thread_name_prefix=f"verl_ckpt_{role}{rank}_save")
-            if mode != "inline"
-            else None
+        self._save_thread = (
+            DaemonPool(1, f"verl_ckpt_{role}{rank}_save") if mode != "inline" else None
         )
 
     # ---- public API ----------------------------------------------------------------------
@@ -169,95 +190,22 @@ class CheckpointManager:
         Every rank of the save group must call save() for the same step.
         """
         self._check_open()
-        start = time.perf_counter()
-        self._collect_finished()
-        self._raise_pending_error()
-        self._wait_for_capacity()
-        sharded = self._compose(model=model, optimizer=optimizer, extra=extra)
-
-        plan_start = time.perf_counter()
-        sharded_part, common = megatron_compat.split_common_state(sharded)
-        items = megatron_compat.sharded_items(sharded_part)
-        digest = structure_hash(items)
-        # Agreement comes before begin_step: ranks that disagree on the step or the root fail
-        # together before any directory or file exists.
-        reuse = self._agree_with_group(step, digest)
-        waited = time.perf_counter()
-        directory = Path(
-            self._call_finalizer(
-                "begin_step", step, self.role, self.rank, self.world_size, self._timeout_s
-            )
-        )
-        # Time spent waiting for an earlier step to commit is back-pressure, not planning.
-        plan_start += time.perf_counter() - waited
-        cache = self._plan_cache if reuse else None
-        distribution = None
-        if self.config.fully_parallel_save:
-            distribution = megatron_compat.spread_main_replicas(
-                sharded_part, self._group, cache.replica_distribution if cache else None
-            )
-        if not reuse:
-            megatron_compat.validate_sharding(items, self._group)
-        plan_s = time.perf_counter() - plan_start
-
-        stage_start = time.perf_counter()
-        tensors = [item for item in items if isinstance(item, ShardedTensor)]
-        live, staged_items = self._split_live(tensors, sharded_part.get("optimizer"))
-        slot, dropped = self._pool.acquire(f"{digest}:{len(live)}", [t.data for t in staged_items])
-        for old in dropped:
-            self._writer.forget_slot(old)
+        started = time.perf_counter()
+        # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
+        self._in_flight.wait_for_room()
+        state = self._compose(model=model, optimizer=optimizer, extra=extra)
+        plan = self._plan(step, state)  # step 1
         try:
-            staged = copy_into(slot, [t.data for t in staged_items])
-            # From here on the save references the snapshot, never the live device tensors.
-            for item, buffer in zip(staged_items, slot.buffers, strict=True):
-                item.data = buffer
-            stage_s = time.perf_counter() - stage_start
-            plan_start = time.perf_counter()
-            prepared = megatron_compat.plan_save(
-                sharded_part,
-                directory,
-                self._group,
-                self.config.writer.threads,
-                digest,
-                cache,
-                distribution,
-            )
-            # Rank 0 writes the non-sharded part, as megatron-core does; serialised now (the
-            # snapshot), written with the shards (so that its failure is reported the same way).
-            common_bytes = serialize_common(common) if self.rank == 0 and common else None
-        except BaseException:
-            self._pool.release(slot)
+            snapshot = self._stage(plan)  # step 2: from here on the live tensors are free
+            job = self._prepare_job(plan, snapshot)
+        except Exception as exc:
+            # The step directory exists: tell the finalizer, so that the step fails now
+            # instead of waiting for this rank's report until the deadline.
+            self._report_failure(step, Phase.STAGE, exc)
             raise
-        self._plan_cache = prepared.plan_cache if self.config.assume_constant_structure else None
-        plan_s += time.perf_counter() - plan_start
-
-        stats = SaveStats(
-            step=step,
-            blocking_s=0.0,
-            plan_s=plan_s,
-            stage_s=stage_s,
-            plan_reused=reuse,
-            bytes_staged=staged,
-            bytes_zero_copy=sum(_nbytes(t.tensor) for t in live),
-        )
-        job = _SaveJob(
-            step=step,
-            save_id=uuid.uuid4().hex,
-            slot=slot,
-            prepared=prepared,
-            common_bytes=common_bytes,
-            directory=directory,
-            live_tensors=live,
-            stats=stats,
-            deadline=time.monotonic() + self._timeout_s,
-        )
-        if self._job_runner is None:
-            self._run_job(job)
-            self._completed.append(stats)
-        else:
-            self._in_flight.append((job, self._job_runner.submit(self._run_job, job)))
-        stats.blocking_s = time.perf_counter() - start
-        return stats
+        self._launch(job)  # steps 3-4, in the background unless inline
+        job.stats.blocking_s = time.perf_counter() - started
+        return job.stats
 
     def wait(self, timeout_s: float | None = None) -> list[SaveStats]:
         """Block until this rank's writes finished (not the commit); return their figures.
@@ -266,22 +214,9 @@ class CheckpointManager:
         steps still being written when the deadline passes.
         """
         deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
-        while self._in_flight:
-            job, future = self._in_flight[0]
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                steps = [j.step for j, _ in self._in_flight]
-                raise CommitTimeoutError(
-                    f"{self.role} rank {self.rank}: writes of steps {steps} under {self._root} "
-                    f"not finished within the deadline"
-                ) from None
-            except BaseException:  # noqa: BLE001 - stored, raised below once
-                pass
-            self._collect_finished()
-        self._raise_pending_error()
-        done, self._completed = self._completed, []
-        return done
+        self._in_flight.drain(deadline)
+        self._in_flight.raise_pending()
+        return self._in_flight.take_completed()
 
     def load(
         self,
@@ -329,77 +264,71 @@ class CheckpointManager:
         return {key: value for key, value in loaded.items() if key in template}
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Finish the writes in flight (with a deadline) and stop every helper thread and
-        process; nothing of this manager is left running afterwards."""
+        """Finish the writes in flight and stop every helper thread and process, all within
+        one deadline (`timeout_s`, default checkpoint.timeout_s). Raises CommitTimeoutError
+        naming what did not stop; the manager is closed either way."""
         if self._closed:
             return
+        deadline = time.monotonic() + (self._timeout_s if timeout_s is None else timeout_s)
+        self._closed = True
         try:
-            self.wait(timeout_s)
+            self._in_flight.drain(deadline)
+            self._in_flight.raise_pending()
         finally:
-            self._closed = True
-            if self._job_runner is not None:
-                self._job_runner.shutdown(wait=not self._in_flight, cancel_futures=True)
-            self._writer.close(self._timeout_s)
-            self._pool.clear()
+            try:
+                if self._save_thread is not None:
+                    self._save_thread.close(max(0.0, deadline - time.monotonic()))
+                self._writer.close(max(0.0, deadline - time.monotonic()))
+            finally:
+                self._pool.clear()
 
     @property
     def writer_pid(self) -> int | None:
         """The pid of this rank's writer process (writer.mode=process), while it runs."""
-        return getattr(self._writer, "pid", None)
+        return self._writer.pid
 
     @property
     def staged_bytes(self) -> int:
         """Host memory held by the staging pool."""
         return self._pool.nbytes
 
-    # ---- save internals ------------------------------------------------------------------
+    # ---- step 1: plan --------------------------------------------------------------------
 
-    def _compose(self, model: dict | None, optimizer: dict | None, extra: Any) -> dict:
-        given = {"model": model, "optimizer": optimizer}
-        sharded: dict[str, Any] = {}
-        for content in self.config.save_contents:
-            if content == "extra":
-                sharded["extra"] = self._extra_sharded(extra)
-            elif given[content] is None:
-                raise CheckpointError(
-                    f"checkpoint.save_contents includes {content!r} but save() got no {content} "
-                    "sharded state dict"
-                )
-            else:
-                sharded[content] = given[content]
-        return sharded
-
-    def _extra_sharded(self, extra: Any) -> ShardedObject:
-        # One object per rank: its global "shape" is the role's world size.
-        return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
-
-    def _split_live(
-        self, tensors: list[ShardedTensor], optimizer_part: dict | None
-    ) -> tuple[list[_LiveTensor], list[ShardedTensor]]:
-        """Offload-aware staging: which optimizer tensors are written live, which are copied.
-
-        Only optimizer state qualifies: an offloading trainer replaces its storage between
-        updates, while parameters are updated in place by every step. A tensor is written
-        live only if it is a whole host tensor (not a view, which megatron-core would clone
-        anyway) and the writer reads this process's memory.
-        """
-        if (
-            not self.config.staging.offload_aware
-            or self._writer.shares_memory
-            or not optimizer_part
-        ):
-            return [], tensors
-        candidates = {id(item) for item in megatron_compat.sharded_items(optimizer_part)}
-        live, staged = [], []
-        for item in tensors:
-            data = item.data
-            whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == _nbytes(data)
-            host = data.device.type == "cpu" and data.is_contiguous() and whole
-            if id(item) in candidates and host:
-                live.append(_LiveTensor(item.key, data, data._version))
-            else:
-                staged.append(item)
-        return live, staged
+    def _plan(self, step: int, state: dict) -> _Plan:
+        started = time.perf_counter()
+        sharded, common = megatron_compat.split_common_state(state)
+        items = megatron_compat.sharded_items(sharded)
+        digest = structure_hash(items)
+        # Agreement comes before begin_step: ranks that disagree on the step or the root fail
+        # together before any directory or file exists.
+        reuse = self._agree_with_group(step, digest)
+        waited = time.perf_counter()
+        directory = Path(
+            self._call_finalizer(
+                "begin_step", step, self.role, self.rank, self.world_size, self._timeout_s
+            )
+        )
+        # Time spent waiting for an earlier step to commit is back-pressure, not planning.
+        started += time.perf_counter() - waited
+        cache = self._plan_cache if reuse else None
+        distribution = None
+        if self.config.fully_parallel_save:
+            distribution = megatron_compat.spread_main_replicas(
+                sharded, self._group, cache.replica_distribution if cache else None
+            )
+        if not reuse:
+            megatron_compat.validate_sharding(items, self._group)
+        return _Plan(
+            step,
+            sharded,
+            common,
+            items,
+            digest,
+            reuse,
+            directory,
+            distribution,
+            time.perf_counter() - started,
+        )
 
     def _agree_with_group(self, step: int, digest: str) -> bool:
         """Check that every rank saves the same step under the same root; decide plan reuse.
@@ -429,9 +358,141 @@ class CheckpointManager:
             raise CheckpointError(f"ranks of role {self.role} disagree on what to save: {listing}")
         return self.config.assume_constant_structure and all(c for _, _, c in everyone)
 
-    def _run_job(self, job: _SaveJob) -> None:
-        start = time.perf_counter()
+    # ---- step 2: stage -------------------------------------------------------------------
+
+    def _stage(self, plan: _Plan) -> _Snapshot:
+        started = time.perf_counter()
+        tensors = [item for item in plan.items if isinstance(item, ShardedTensor)]
+        live, staged_items = self._split_live(tensors, plan.sharded.get("optimizer"))
+        slot, dropped = self._pool.acquire(
+            [item.key for item in staged_items], [item.data for item in staged_items]
+        )
+        for old in dropped:
+            self._writer.forget_slot(old)
+        try:
+            copied = copy_into(slot, [item.data for item in staged_items])
+        except BaseException:
+            self._pool.release(slot)
+            raise
+        # From here on the save references the snapshot, never the live device tensors.
+        for item, buffer in zip(staged_items, slot.buffers, strict=True):
+            item.data = buffer
+        return _Snapshot(slot, live, copied, time.perf_counter() - started)
+
+    def _split_live(
+        self, tensors: list[ShardedTensor], optimizer_part: dict | None
+    ) -> tuple[list[_LiveTensor], list[ShardedTensor]]:
+        """Offload-aware staging: which optimizer tensors are written live, which are copied.
+
+        Only optimizer state qualifies: an offloading trainer replaces its storage between
+        updates, while parameters are updated in place by every step. A tensor is written
+        live only if it is a whole host tensor (not a view, which megatron-core would clone
+        anyway) and the writer reads this process's memory.
+        """
+        if (
+            not self.config.staging.offload_aware
+            or self._writer.shares_memory
+            or not optimizer_part
+        ):
+            return [], tensors
+        candidates = {id(item) for item in megatron_compat.sharded_items(optimizer_part)}
+        live, staged = [], []
+        for item in tensors:
+            data = item.data
+            whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == _nbytes(data)
+            host = data.device.type == "cpu" and data.is_contiguous() and whole
+            if id(item) in candidates and host:
+                live.append(_LiveTensor(item.key, data, data._version))
+            else:
+                staged.append(item)
+        return live, staged
+
+    # ---- steps 3-4: write and report (background) ----------------------------------------
+
+    def _prepare_job(self, plan: _Plan, snapshot: _Snapshot) -> _SaveJob:
+        """Plan the DCP writes over the snapshot (part of step 1, cached with the plan)."""
+        started = time.perf_counter()
+        try:
+            prepared = megatron_compat.plan_save(
+                plan.sharded,
+                plan.directory,
+                self._group,
+                self.config.writer.threads,
+                plan.digest,
+                self._plan_cache if plan.reuse_plan else None,
+                plan.distribution,
+            )
+            # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
+            # requires common.pt even when it holds nothing): serialised now, the snapshot.
+            common_bytes = serialize_common(plan.common) if self.rank == 0 else None
+        except BaseException:
+            self._pool.release(snapshot.slot)
+            raise
+        self._plan_cache = prepared.plan_cache if self.config.assume_constant_structure else None
+        stats = SaveStats(
+            step=plan.step,
+            blocking_s=0.0,
+            plan_s=plan.seconds + time.perf_counter() - started,
+            stage_s=snapshot.seconds,
+            plan_reused=plan.reuse_plan,
+            bytes_staged=snapshot.bytes_staged,
+            bytes_zero_copy=sum(_nbytes(t.tensor) for t in snapshot.live),
+        )
+        return _SaveJob(
+            step=plan.step,
+            save_id=uuid.uuid4().hex,
+            slot=snapshot.slot,
+            prepared=prepared,
+            common_bytes=common_bytes,
+            directory=plan.directory,
+            live_tensors=snapshot.live,
+            stats=stats,
+            deadline=time.monotonic() + self._timeout_s,
+        )
+
+    def _launch(self, job: _SaveJob) -> None:
+        if self._save_thread is None:
+            self._write_and_report(job)
+            self._in_flight.add(job.step, job.deadline, _done_future(), job.stats)
+            self._in_flight.collect()
+            return
+        future = self._save_thread.submit(
+            self._write_and_report, job, label=f"save of step {job.step}"
+        )
+        self._in_flight.add(job.step, job.deadline, future, job.stats)
+
+    def _write_and_report(self, job: _SaveJob) -> None:
+        started = time.perf_counter()
         report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
+        report.failure = self._write(job, report)
+        job.stats.write_s = time.perf_counter() - started
+        job.stats.bytes_written = sum(f.size for f in report.files)
+        job.stats.files_written = len(report.files)
+        try:
+            faults.inject("report", self.role, self.rank)
+            self._call_finalizer("report", report, deadline=job.deadline + _RPC_SLACK_S)
+        except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
+            if report.failure is None:
+                report.failure = Failure.from_exception(self.role, self.rank, Phase.REPORT, exc)
+        if report.failure is not None:
+            job.stats.error = report.failure.describe()
+            raise CheckpointWriteError(
+                f"{self.role} rank {self.rank} failed to save step {job.step} under "
+                f"{self._root}: {report.failure.describe()}"
+            )
+
+    def _report_failure(self, step: int, phase: Phase, exc: BaseException) -> None:
+        report = RankReport(step, self.role, self.rank, self.world_size, uuid.uuid4().hex)
+        report.failure = Failure.from_exception(self.role, self.rank, phase, exc)
+        try:
+            self._call_finalizer("report", report)
+        except Exception as error:  # noqa: BLE001 - the original failure is what matters
+            logger.warning(
+                "%s: could not report the failure of step %d: %s", self._who, step, error
+            )
+
+    def _write(self, job: _SaveJob, report: RankReport) -> Failure | None:
+        """Step 3: write every file (fsynced, checksummed) into the report."""
         buffers_free = True
         try:
             outcomes = self._writer.write(
@@ -450,11 +511,12 @@ class CheckpointManager:
             report.files = [FileEntry(f"{self.role}/{f.name}", f.size, f.checksum) for f in files]
             if self.rank == 0:
                 report.global_metadata = job.prepared.global_metadata
+            return None
         except WriteTimeout as exc:
             buffers_free = not exc.buffers_in_use
-            report.error = f"{type(exc).__name__}: {exc}"
+            return Failure.from_exception(self.role, self.rank, Phase.WRITE, exc)
         except Exception as exc:  # noqa: BLE001 - reported to the finalizer and the caller
-            report.error = f"{type(exc).__name__}: {exc}"
+            return Failure.from_exception(self.role, self.rank, Phase.WRITE, exc)
         finally:
             # The buffers go back to the pool only when no writer can still read them.
             if buffers_free:
@@ -463,56 +525,31 @@ class CheckpointManager:
                 self._pool.forget(job.slot)
                 self._writer.forget_slot(job.slot)
             job.live_tensors = []
-        job.stats.write_s = time.perf_counter() - start
-        job.stats.error = report.error
-        job.stats.bytes_written = sum(f.size for f in report.files)
-        job.stats.files_written = len(report.files)
-        try:
-            faults.inject("report", self.role, self.rank)
-            self._call_finalizer("report", report, deadline=job.deadline)
-        except Exception as exc:  # noqa: BLE001
-            if report.error is None:
-                report.error = f"could not report to the finalizer: {exc}"
-        if report.error is not None:
-            job.stats.error = report.error
-            raise CheckpointWriteError(
-                f"{self.role} rank {self.rank} failed to save step {job.step} under "
-                f"{self._root}: {report.error}"
-            )
-        if self._job_runner is not None:
-            self._completed.append(job.stats)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _compose(self, model: dict | None, optimizer: dict | None, extra: Any) -> dict:
+        given = {"model": model, "optimizer": optimizer}
+        sharded: dict[str, Any] = {}
+        for content in self.config.save_contents:
+            if content == "extra":
+                sharded["extra"] = self._extra_sharded(extra)
+            elif given[content] is None:
+                raise CheckpointError(
+                    f"checkpoint.save_contents includes {content!r} but save() got no {content} "
+                    "sharded state dict"
+                )
+            else:
+                sharded[content] = given[content]
+        return sharded
+
+    def _extra_sharded(self, extra: Any) -> ShardedObject:
+        # One object per rank: its global "shape" is the role's world size.
+        return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
 
     def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or time.monotonic() + self._timeout_s + 30
-        who = f"{self.role} rank {self.rank} of {self._root}"
-        return call_finalizer(self._finalizer, method, *args, deadline=deadline, who=who)
-
-    def _wait_for_capacity(self) -> None:
-        while len(self._in_flight) >= self.config.max_in_flight:
-            job, future = self._in_flight[0]
-            try:
-                future.result(timeout=max(0.0, job.deadline - time.monotonic()))
-            except FutureTimeout:
-                raise CommitTimeoutError(
-                    f"{self.role} rank {self.rank}: the write of step {job.step} is still running "
-                    f"after checkpoint.timeout_s={self._timeout_s:g}s; not starting another save"
-                ) from None
-            except BaseException:  # noqa: BLE001 - stored by _collect_finished
-                pass
-            self._collect_finished()
-            self._raise_pending_error()
-
-    def _collect_finished(self) -> None:
-        while self._in_flight and self._in_flight[0][1].done():
-            _, future = self._in_flight.popleft()
-            error = future.exception()
-            if error is not None and self._pending_error is None:
-                self._pending_error = error
-
-    def _raise_pending_error(self) -> None:
-        error, self._pending_error = self._pending_error, None
-        if error is not None:
-            raise error
+        deadline = deadline or time.monotonic() + self._timeout_s + _RPC_SLACK_S
+        return call_finalizer(self._finalizer, method, *args, deadline=deadline, who=self._who)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -528,6 +565,12 @@ class CheckpointManager:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _done_future() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
 
 
 def _check_unchanged(live: list[_LiveTensor]) -> None:

@@ -67,12 +67,12 @@ from __future__ import annotations
 
 import errno as errno_codes
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 __all__ = ["Failure", "Phase", "describe_failures"]
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     """Where in the protocol something failed (also the fault-injection phases)."""
 
     PLAN = "plan"
@@ -90,22 +90,25 @@ class Failure:
     finalizer) to whoever waits for the step, and shown aggregated by rank."""
 
     role: str
-    rank: int
+    rank: int | None  # None for the finalizer itself
     phase: Phase
     message: str
     errno: int | None = None
 
     @classmethod
-    def from_exception(cls, role: str, rank: int, phase: Phase, exc: BaseException) -> Failure:
+    def from_exception(
+        cls, role: str, rank: int | None, phase: Phase, exc: BaseException
+    ) -> Failure:
         code = exc.errno if isinstance(exc, OSError) else None
         return cls(role, rank, phase, f"{type(exc).__name__}: {exc}", code)
 
     def describe(self) -> str:
         code = f" {errno_codes.errorcode.get(self.errno, self.errno)}" if self.errno else ""
-        return f"{self.role} rank {self.rank} [{self.phase.value}{code}] {self.message}"
+        who = self.role if self.rank is None else f"{self.role} rank {self.rank}"
+        return f"{who} [{self.phase.value}{code}] {self.message}"
 
 
 def describe_failures(failures: list[Failure]) -> str:
     """Failures in role and rank order, one clause each: what a user reads first."""
-    ordered = sorted(failures, key=lambda f: (f.role, f.rank))
+    ordered = sorted(failures, key=lambda f: (f.role, -1 if f.rank is None else f.rank))
     return "; ".join(failure.describe() for failure in ordered)

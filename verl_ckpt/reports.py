@@ -1,4 +1,4 @@
-"""What a participant tells the finalizer once its write for a step ended."""
+"""What a participant tells the finalizer once its write for a step ended (protocol step 4)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_ckpt.commit_record import FileEntry
+from verl_ckpt.protocol import Failure
 
-__all__ = ["RankReport"]
+__all__ = ["Participant", "RankReport"]
+
+# (role, rank): who takes part in a step. The driver is role "driver", rank 0.
+Participant = tuple[str, int]
 
 
 @dataclass
@@ -16,8 +20,8 @@ class RankReport:
 
     `files` are relative to the step directory. `write_results` are DCP WriteResults and
     `global_metadata` the DCP Metadata (coordinator rank only) that the finalizer turns into
-    the role's `.metadata`. `error` set means this participant failed and the step will not
-    commit.
+    the role's `.metadata`. `failure` set means this participant failed and the step will
+    not commit.
     """
 
     step: int
@@ -28,8 +32,8 @@ class RankReport:
     files: list[FileEntry] = field(default_factory=list)
     write_results: list[Any] = field(default_factory=list)
     global_metadata: Any = None
-    error: str | None = None
+    failure: Failure | None = None
 
     @property
-    def participant(self) -> tuple[str, int]:
+    def participant(self) -> Participant:
         return (self.role, self.rank)

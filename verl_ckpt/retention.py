@@ -11,9 +11,10 @@ from verl_ckpt import faults
 from verl_ckpt.fsio import fsync_dir
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME
 
-__all__ = ["delete_step_dir", "purge_deleted_steps", "steps_to_delete"]
+__all__ = ["DELETING_PREFIX", "delete_step_dir", "steps_to_delete"]
 
-_DELETING_PREFIX = ".deleting_"
+# A step being deleted is renamed to this prefix first: out of the step namespace at once.
+DELETING_PREFIX = ".deleting_"
 
 
 def steps_to_delete(
@@ -38,11 +39,12 @@ def delete_step_dir(path: Path) -> None:
     """Delete a step directory so that no crash can leave a loadable half-deleted step.
 
     The directory first leaves the `global_step_<N>` namespace by one atomic rename,
-    made durable: from then on no loader finds it. A crash during the slow recursive delete
-    leaves only a `.deleting_*` directory, which `purge_deleted_steps` finishes at the next
-    start. Its commit record goes first within it, so even a copy of it is not loadable.
+    made durable: from then on no loader finds it. A crash or an error during the slow
+    recursive delete leaves only a `.deleting_*` directory, which the next retention removes
+    (commit.apply_retention). Its commit record goes first within it, so even a copy of it is
+    not loadable.
     """
-    doomed = path.with_name(f"{_DELETING_PREFIX}{path.name}")
+    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
     if doomed.exists():
         shutil.rmtree(doomed)
     os.replace(path, doomed)
@@ -50,14 +52,3 @@ def delete_step_dir(path: Path) -> None:
     faults.inject("delete")
     (doomed / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
     shutil.rmtree(doomed)
-
-
-def purge_deleted_steps(root: Path) -> list[Path]:
-    """Finish deletions that a crash interrupted; return what was removed."""
-    removed = []
-    if root.is_dir():
-        for entry in root.iterdir():
-            if entry.name.startswith(_DELETING_PREFIX) and entry.is_dir():
-                shutil.rmtree(entry)
-                removed.append(entry)
-    return removed

@@ -8,21 +8,34 @@ bug of Megatron-LM #2288 was reuse while a writer still read it).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StagingPool", "StagingSlot"]
+__all__ = ["StagingPool", "StagingSlot", "staging_signature"]
 
 
 _slot_ids = itertools.count()
 
 
+def staging_signature(keys: list[str], tensors: list[torch.Tensor]) -> str:
+    """What a slot's buffers hold: each staged tensor's key, shape, dtype and device type, in
+    order. Two saves may reuse one slot only if this is equal: the set of tensors copied can
+    change while the saved structure does not (offload-aware staging references host
+    tensors instead of copying them), so neither the structure hash nor a count will do."""
+    digest = hashlib.sha256()
+    for key, tensor in zip(keys, tensors, strict=True):
+        entry = (key, tuple(tensor.shape), str(tensor.dtype), tensor.device.type)
+        digest.update(repr(entry).encode())
+    return digest.hexdigest()
+
+
 @dataclass
 class StagingSlot:
-    structure_hash: str
+    signature: str
     buffers: list[torch.Tensor]
     in_use: bool = False
     nbytes: int = field(init=False)
@@ -55,23 +68,22 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def acquire(
-        self, structure_hash: str, tensors: list[torch.Tensor]
+        self, keys: list[str], tensors: list[torch.Tensor]
     ) -> tuple[StagingSlot, list[StagingSlot]]:
-        """A free slot matching the structure, allocating one if needed.
+        """A free slot whose buffers fit exactly these tensors, allocating one if needed.
 
         The caller guarantees (by waiting for earlier writes) that fewer than `slots` saves
         are in flight, so a slot is always available here. Also returns the slots dropped
-        because the structure changed (a writer process may hold references to forget).
+        because what is staged changed (a writer process may hold references to forget).
         """
+        signature = staging_signature(keys, tensors)
         with self._lock:
-            # A structure change makes the other free slots useless: free them first so that
-            # host memory never holds two structures' worth of idle buffers.
-            dropped = [
-                s for s in self._slots if not s.in_use and s.structure_hash != structure_hash
-            ]
+            # A change makes the other free slots useless: free them first so that host
+            # memory never holds two layouts' worth of idle buffers.
+            dropped = [s for s in self._slots if not s.in_use and s.signature != signature]
             self._slots = [s for s in self._slots if s not in dropped]
             for slot in self._slots:
-                if not slot.in_use and slot.structure_hash == structure_hash:
+                if not slot.in_use and slot.signature == signature:
                     slot.in_use = True
                     return slot, dropped
             if len(self._slots) >= self._slots_max:
@@ -80,7 +92,7 @@ class StagingPool:
                     "(a save was started before an earlier write finished)"
                 )
             slot = StagingSlot(
-                structure_hash,
+                signature,
                 [_allocate_like(t, self._pin_memory, self._shared) for t in tensors],
             )
             slot.in_use = True
@@ -118,6 +130,12 @@ def copy_into(slot: StagingSlot, tensors: list[torch.Tensor]) -> int:
     devices = set()
     for buffer, tensor in zip(slot.buffers, tensors, strict=True):
         source = tensor.detach()
+        if buffer.shape != source.shape or buffer.dtype != source.dtype:
+            # copy_ would broadcast or convert silently: a wrong snapshot, not an error.
+            raise ValueError(
+                f"staging buffer {tuple(buffer.shape)} {buffer.dtype} does not fit tensor "
+                f"{tuple(source.shape)} {source.dtype}"
+            )
         buffer.copy_(source, non_blocking=source.is_cuda and buffer.is_pinned())
         if source.is_cuda:
             devices.add(source.device)

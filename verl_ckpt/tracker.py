@@ -16,6 +16,9 @@ from verl_ckpt.layout import TRACKER_FILENAME
 __all__ = ["read_tracker", "tracker_path", "write_tracker"]
 
 
+_ASCII_WHITESPACE = " \t\n\r\v\f"
+
+
 def tracker_path(root: str | Path) -> Path:
     return Path(root) / TRACKER_FILENAME
 
@@ -23,8 +26,9 @@ def tracker_path(root: str | Path) -> Path:
 def read_tracker(root: str | Path) -> int | None:
     """The step the tracker names, or None when there is no tracker file.
 
-    Anything but one non-negative integer (optionally followed by a newline) is an error
-    naming the file: a tracker we cannot read must never be taken as "start from scratch".
+    One non-negative integer, with surrounding ASCII whitespace allowed (Megatron-LM and
+    verl strip it: a tracker written by hand or by them reads the same). Anything else is an
+    error naming the file: a tracker we cannot read is never taken as "start from scratch".
     """
     path = tracker_path(root)
     try:
@@ -33,13 +37,15 @@ def read_tracker(root: str | Path) -> int | None:
         return None
     except IsADirectoryError:
         raise TrackerError(f"tracker {path} is a directory, not a file holding a step") from None
+    except OSError as exc:
+        raise TrackerError(f"tracker {path} cannot be read: {exc.strerror or exc}") from None
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
         raise TrackerError(
             f"tracker {path} is not plain ASCII (a byte-order mark or binary data?): {raw[:20]!r}"
         ) from None
-    body = text[:-1] if text.endswith("\n") else text
+    body = text.strip(_ASCII_WHITESPACE)
     if not body.isdigit():
         raise TrackerError(
             f"tracker {path} must hold one non-negative integer step, found {text[:40]!r}"

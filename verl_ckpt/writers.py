@@ -1,4 +1,5 @@
-"""Who writes a rank's files (`checkpoint.writer.mode`): threads, a spawned process, or inline.
+"""Who writes a rank's files (`checkpoint.writer.mode`): threads, a spawned process, or inline
+(protocol.py, step 3).
 
 All three take the same DCP write buckets over the staged buffers and return, per file, the
 DCP write results and the file's size and checksum. Never `fork`: a forked Ray/CUDA process
@@ -13,8 +14,8 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from concurrent.futures import wait as wait_for_futures
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -23,10 +24,45 @@ from verl_ckpt import faults
 from verl_ckpt.errors import CheckpointWriteError, CommitTimeoutError
 from verl_ckpt.file_writer import WrittenFile, write_bucket
 from verl_ckpt.staging import StagingSlot
+from verl_ckpt.threads import DaemonPool
 
-__all__ = ["InlineWriter", "ProcessWriter", "ThreadWriter", "WriteTimeout", "make_writer"]
+__all__ = [
+    "InlineWriter",
+    "ProcessWriter",
+    "ThreadWriter",
+    "WriteTimeout",
+    "Writer",
+    "make_writer",
+]
 
 Outcome = tuple[list, WrittenFile]
+
+
+class Writer(Protocol):
+    """What the manager needs of a writer."""
+
+    # Whether staged buffers must live in shared memory (another process reads them).
+    shares_memory: bool
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process while it runs; None for writers inside the rank."""
+
+    def write(
+        self,
+        buckets: list,
+        transforms: Any,
+        slot: StagingSlot,
+        deadline: float,
+        fault_scope: tuple[str, int],
+    ) -> list[Outcome]:
+        """Write every bucket to its file (fsynced, checksummed) by `deadline` (monotonic)."""
+
+    def forget_slot(self, slot: StagingSlot) -> None:
+        """The slot's buffers are gone: drop any reference to them."""
+
+    def close(self, timeout_s: float) -> None:
+        """Stop, within `timeout_s`; raise CommitTimeoutError naming what is still running."""
 
 
 class WriteTimeout(CommitTimeoutError):
@@ -42,6 +78,10 @@ class InlineWriter:
     """The calling thread writes the files itself, one after the other."""
 
     shares_memory = False
+
+    @property
+    def pid(self) -> int | None:
+        return None
 
     def write(
         self,
@@ -65,7 +105,7 @@ class ThreadWriter(InlineWriter):
     """A pool of threads in the rank writes one file each (file I/O releases the GIL)."""
 
     def __init__(self, threads: int, name: str) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._pool = DaemonPool(threads, name)
 
     def write(
         self,
@@ -76,18 +116,24 @@ class ThreadWriter(InlineWriter):
         fault_scope: tuple[str, int],
     ) -> list[Outcome]:
         faults.inject("write", *fault_scope)
-        futures = [self._pool.submit(write_bucket, bucket, transforms) for bucket in buckets]
-        outcomes = []
-        for future, bucket in zip(futures, buckets, strict=True):
-            try:
-                outcomes.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
-            except FutureTimeout:
-                # The thread cannot be stopped and may still read the buffers.
-                raise WriteTimeout(f"writing {bucket[0]} did not finish in time", True) from None
-        return outcomes
+        futures = [
+            self._pool.submit(write_bucket, bucket, transforms, label=f"write {bucket[0]}")
+            for bucket in buckets
+        ]
+        _, unfinished = wait_for_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
+        if unfinished:
+            late = next(b for f, b in zip(futures, buckets, strict=True) if f in unfinished)
+            # The thread cannot be stopped and may still read the buffers.
+            raise WriteTimeout(f"writing {late[0]} did not finish in time", True)
+        return [future.result() for future in futures]
 
     def close(self, timeout_s: float) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        stuck = self._pool.close(timeout_s)
+        if stuck:
+            raise CommitTimeoutError(
+                f"writer threads still running after {timeout_s:g}s: {', '.join(stuck)}; "
+                "left behind as daemon threads (they hold up nothing else)"
+            )
 
 
 class ProcessWriter:
@@ -265,7 +311,7 @@ def _writer_main(requests: Any, results: Any, threads: int) -> None:
     pool.shutdown()
 
 
-def make_writer(mode: str, threads: int, name: str) -> InlineWriter | ThreadWriter | ProcessWriter:
+def make_writer(mode: str, threads: int, name: str) -> Writer:
     if mode == "process":
         return ProcessWriter(threads, name)
     if mode == "thread":

@@ -1,0 +1,132 @@
+"""Protocol steps 5-7 (verl_ckpt/commit.py) as plain functions on a temporary root: the
+commit record, the tracker, retention. No Ray; the driver is the only participant, so no
+megatron-core directory needs completing."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from verl_ckpt import fsio
+from verl_ckpt.commit import CommitPhaseError, advance_tracker, apply_retention, commit_step
+from verl_ckpt.commit_record import CommitRecord, FileEntry, is_committed, write_commit_record
+from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.file_writer import write_checksummed
+from verl_ckpt.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.protocol import Phase
+from verl_ckpt.reports import RankReport
+from verl_ckpt.tracker import read_tracker, write_tracker
+
+DRIVER_ONLY = {"driver": 1}
+
+
+def driver_report(root: Path, step: int) -> RankReport:
+    path = step_dir(root, step)
+    path.mkdir(parents=True)
+    written = write_checksummed(path / DRIVER_STATE_FILENAME, lambda s: s.write(b"state"))
+    entry = FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum)
+    return RankReport(step, "driver", 0, 1, "save", files=[entry])
+
+
+def committed(root: Path, step: int) -> None:
+    path = step_dir(root, step)
+    path.mkdir(parents=True)
+    write_commit_record(path, CommitRecord(step, DRIVER_ONLY, []))
+
+
+def test_I1_commit_writes_the_record_then_moves_the_tracker(tmp_path):
+    summary = commit_step(tmp_path, 3, DRIVER_ONLY, [driver_report(tmp_path, 3)])
+    assert is_committed(step_dir(tmp_path, 3)) and read_tracker(tmp_path) == 3
+    assert (summary.step, summary.files, summary.bytes, summary.tracker) == (3, 1, 5, 3)
+
+
+def test_I1_a_reported_file_of_the_wrong_size_fails_before_the_record(tmp_path):
+    report = driver_report(tmp_path, 1)
+    (step_dir(tmp_path, 1) / DRIVER_STATE_FILENAME).write_bytes(b"torn")
+    with pytest.raises(CommitPhaseError, match="reported by driver rank 0 with 5 bytes, found 4"):
+        commit_step(tmp_path, 1, DRIVER_ONLY, [report])
+    assert not is_committed(step_dir(tmp_path, 1)) and read_tracker(tmp_path) is None
+
+
+def test_I2_the_tracker_never_moves_backwards(tmp_path):
+    commit_step(tmp_path, 5, DRIVER_ONLY, [driver_report(tmp_path, 5)])
+    summary = commit_step(tmp_path, 4, DRIVER_ONLY, [driver_report(tmp_path, 4)])
+    assert summary.tracker == 5 and read_tracker(tmp_path) == 5
+    assert is_committed(step_dir(tmp_path, 4))
+
+
+def test_I1_I2_a_tracker_write_failing_before_its_rename_withdraws_the_record(
+    tmp_path, monkeypatch
+):
+    """ENOSPC exactly while the tracker's temporary file is written (the documented fault
+    hook places it there; no real disk fills at that instant): the tracker is unchanged, and
+    the step must not stay committed on disk either, since the commit is reported failed."""
+    commit_step(tmp_path, 1, DRIVER_ONLY, [driver_report(tmp_path, 1)])
+    monkeypatch.setenv(ENV_VAR, "tracker=enospc")
+    with pytest.raises(CommitPhaseError) as failure:
+        commit_step(tmp_path, 2, DRIVER_ONLY, [driver_report(tmp_path, 2)])
+    assert failure.value.phase is Phase.TRACKER and failure.value.errno == errno.ENOSPC
+    assert read_tracker(tmp_path) == 1
+    assert not is_committed(step_dir(tmp_path, 2))
+
+
+def test_I2_nothing_uncommits_a_step_once_the_tracker_was_renamed(tmp_path, monkeypatch):
+    """Issue "Trust": an error from the directory fsync after the tracker's rename used to
+    reach the un-commit path, leaving the tracker naming a step without a record. A failing
+    directory fsync cannot be produced for real here (it needs a failing device), so this
+    test injects it: the fsync of the root after the rename raises EIO."""
+    real_fsync_dir = fsio.fsync_dir
+    tracker_renamed = []
+
+    def fsync_dir_failing_after_rename(path):
+        if Path(path) == tmp_path and (tmp_path / "latest_checkpointed_iteration.txt").exists():
+            tracker_renamed.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(fsio, "fsync_dir", fsync_dir_failing_after_rename)
+    summary = commit_step(tmp_path, 1, DRIVER_ONLY, [driver_report(tmp_path, 1)])
+    assert tracker_renamed, "the injected fault never fired"
+    assert summary.tracker == 1 and read_tracker(tmp_path) == 1
+    assert is_committed(step_dir(tmp_path, 1))
+
+
+def test_I2_advance_tracker_replaces_an_unreadable_tracker(tmp_path):
+    committed(tmp_path, 2)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    assert advance_tracker(tmp_path, 2) == 2 and read_tracker(tmp_path) == 2
+
+
+def test_I3_retention_keeps_the_newest_and_the_tracker_target_and_protected(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        committed(tmp_path, step)
+    step_dir(tmp_path, 6).mkdir()  # uncommitted: never counted, never deleted
+    write_tracker(tmp_path, 2)  # a tracker behind (a rollback in progress, say)
+    outcome = apply_retention(tmp_path, keep=2, protected=[3])
+    assert outcome.deleted == [1] and outcome.errors == []
+    assert sorted(list_step_dirs(tmp_path)) == [2, 3, 4, 5, 6]
+
+
+def test_I3_retention_failure_is_collected_not_raised_and_the_next_retention_finishes(tmp_path):
+    """A real failure: an immutable file (chattr +i) cannot be removed even by root."""
+    committed(tmp_path, 1)
+    committed(tmp_path, 2)
+    write_tracker(tmp_path, 2)
+    pinned = step_dir(tmp_path, 1) / "pinned"
+    pinned.write_bytes(b"x")
+    subprocess.run(["chattr", "+i", str(pinned)], check=True)
+    try:
+        outcome = apply_retention(tmp_path, keep=1)
+        assert outcome.deleted == [] and len(outcome.errors) == 1
+        assert "Operation not permitted" in outcome.errors[0]
+        # Out of the step namespace (never loadable), its record gone, its files left over.
+        assert sorted(list_step_dirs(tmp_path)) == [2]
+        leftover = tmp_path / ".deleting_global_step_1"
+        assert leftover.is_dir() and not (leftover / "verl_ckpt_commit.json").exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / ".deleting_global_step_1" / "pinned")])
+    outcome = apply_retention(tmp_path, keep=1)
+    assert outcome.purged == [".deleting_global_step_1"] and outcome.errors == []

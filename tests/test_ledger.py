@@ -1,0 +1,127 @@
+"""The finalizer's step ledger (verl_ckpt/ledger.py): pure state, no Ray, no files.
+
+I1: a step commits only once every expected participant reported success, exactly once;
+duplicate and late reports change nothing. I5: failures are kept for whoever waits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_ckpt.ledger import Recorded, StepLedger, StepStatus
+from verl_ckpt.protocol import Failure, Phase, describe_failures
+from verl_ckpt.reports import RankReport
+
+PARTICIPANTS = {"actor": 2, "driver": 1}
+
+
+def report(step, role, rank, failure=None, save_id="s"):
+    return RankReport(step, role, rank, PARTICIPANTS[role], save_id, failure=failure)
+
+
+def all_succeed(ledger, step):
+    outcomes = [ledger.record(report(step, role, rank)) for role, rank in ledger.expected]
+    return outcomes
+
+
+def test_I1_step_is_ready_only_when_every_participant_reported():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    ledger.open(5)
+    assert ledger.missing(5) == [("actor", 0), ("actor", 1), ("driver", 0)]
+    assert all_succeed(ledger, 5) == [Recorded.COUNTED, Recorded.COUNTED, Recorded.READY]
+    assert ledger.status(5) is StepStatus.COLLECTING
+    ledger.begin_commit(5)
+    assert ledger.status(5) is StepStatus.COMMITTING
+    ledger.finish_commit(5)
+    assert ledger.status(5) is StepStatus.COMMITTED and ledger.in_flight() == []
+    ledger.retire(5)
+    # Retired steps are forgotten: the commit record on disk answers from here on.
+    assert ledger.status(5) is None and len(ledger) == 0
+
+
+def test_I1_duplicate_and_late_reports_during_a_commit_change_nothing():
+    """Issue "Trust": a duplicate report arriving while the step commits used to start a
+    second commit (a success) or fail the committing step (an error)."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    all_succeed(ledger, 7)
+    ledger.begin_commit(7)
+    late_error = Failure("driver", 0, Phase.WRITE, "late and wrong")
+    assert ledger.record(report(7, "driver", 0, failure=late_error)) is Recorded.IGNORED
+    assert ledger.record(report(7, "actor", 1, save_id="retry")) is Recorded.IGNORED
+    assert ledger.status(7) is StepStatus.COMMITTING and ledger.failures(7) == []
+    ledger.finish_commit(7)
+    assert ledger.record(report(7, "driver", 0)) is Recorded.IGNORED
+    assert ledger.status(7) is StepStatus.COMMITTED
+
+
+def test_I1_a_duplicate_while_collecting_is_ignored_and_counts_once():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    assert ledger.record(report(1, "actor", 0)) is Recorded.COUNTED
+    assert ledger.record(report(1, "actor", 0, save_id="again")) is Recorded.IGNORED
+    assert ledger.missing(1) == [("actor", 1), ("driver", 0)]
+
+
+def test_I5_a_failed_report_fails_the_step_and_is_kept_for_waiters():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    ledger.record(report(3, "actor", 0))
+    failure = Failure("actor", 1, Phase.WRITE, "OSError: disk full", errno=28)
+    assert ledger.record(report(3, "actor", 1, failure=failure)) is Recorded.FAILED
+    assert ledger.status(3) is StepStatus.FAILED
+    assert ledger.record(report(3, "driver", 0)) is Recorded.IGNORED
+    assert describe_failures(ledger.failures(3)) == "actor rank 1 [write ENOSPC] OSError: disk full"
+    assert ledger.in_flight() == []  # a failed step does not hold back the next one
+
+
+def test_I5_a_failed_commit_is_a_failed_step():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    all_succeed(ledger, 4)
+    ledger.begin_commit(4)
+    ledger.finish_commit(4, Failure("finalizer", None, Phase.TRACKER, "OSError: no space", 28))
+    assert ledger.status(4) is StepStatus.FAILED
+    assert "finalizer [tracker ENOSPC]" in describe_failures(ledger.failures(4))
+
+
+def test_I1_lost_steps_refuse_reports():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1, lost=[9])
+    assert ledger.record(report(9, "actor", 0)) is Recorded.REFUSED_LOST
+    assert ledger.status(9) is StepStatus.LOST
+
+
+def test_back_pressure_counts_only_steps_in_flight():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    ledger.open(1)
+    assert ledger.has_room_for(1) and not ledger.has_room_for(2)
+    all_succeed(ledger, 1)
+    ledger.begin_commit(1)
+    assert not ledger.has_room_for(2)  # committing is still in flight
+    ledger.finish_commit(1)
+    # Committed, but retention has not yet deleted the step it replaces: still no room.
+    assert not ledger.has_room_for(2)
+    ledger.retire(1)
+    assert ledger.has_room_for(2)
+
+
+def test_begin_and_finish_commit_refuse_wrong_states():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=2)
+    ledger.record(report(1, "actor", 0))
+    with pytest.raises(ValueError, match="not ready"):
+        ledger.begin_commit(1)
+    with pytest.raises(ValueError, match="not committing"):
+        ledger.finish_commit(1)
+    with pytest.raises(ValueError, match="unexpected participant"):
+        ledger.record(RankReport(1, "critic", 0, 1, "s"))
+
+
+def test_I5_memory_is_flat_over_many_commits_and_failures():
+    """Only steps in flight are held; failures are remembered up to a bound."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1, remembered_outcomes=16)
+    for step in range(1, 10_001):
+        all_succeed(ledger, step)
+        ledger.begin_commit(step)
+        if step % 10 == 0:
+            ledger.finish_commit(step, Failure("finalizer", None, Phase.COMMIT, "x"))
+        else:
+            ledger.finish_commit(step)
+            ledger.retire(step)
+    assert len(ledger) == 16 and ledger.in_flight() == []
+    assert ledger.status(10_000) is StepStatus.FAILED and ledger.status(10) is None

@@ -1,0 +1,222 @@
+"""Protocol steps 5 (commit record), 6 (tracker) and 7 (retention) as plain functions on a
+checkpoint root: no Ray, no bookkeeping, so each is tested on a temporary directory. The
+finalizer actor calls them in this order, one step at a time (protocol.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verl_ckpt import faults
+from verl_ckpt.commit_record import (
+    CommitRecord,
+    FileEntry,
+    committed_steps,
+    read_commit_record,
+    write_commit_record,
+)
+from verl_ckpt.errors import CheckpointError
+from verl_ckpt.fsio import RenameNotDurable, file_checksum, fsync_dir
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
+from verl_ckpt.protocol import Phase
+from verl_ckpt.reports import RankReport
+from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, steps_to_delete
+from verl_ckpt.tracker import read_tracker, write_tracker
+
+__all__ = [
+    "CommitPhaseError",
+    "CommitSummary",
+    "RetentionOutcome",
+    "advance_tracker",
+    "apply_retention",
+    "commit_step",
+    "step_summary",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class CommitPhaseError(CheckpointError):
+    """The commit of a step failed in `phase` (commit record or tracker); not committed."""
+
+    def __init__(self, phase: Phase, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.phase = phase
+        self.errno = cause.errno if isinstance(cause, OSError) else None
+
+
+@dataclass(frozen=True)
+class CommitSummary:
+    step: int
+    files: int
+    bytes: int
+    # What the tracker names once the commit returned (a newer step, if one committed first).
+    tracker: int | None
+
+
+def commit_step(
+    root: Path, step: int, participants: dict[str, int], reports: Iterable[RankReport]
+) -> CommitSummary:
+    """Steps 5 and 6: complete every role's directory, write the commit record, move the
+    tracker. Raises CommitPhaseError when the step did not commit; once the record is
+    durable it stays committed, whatever the tracker does."""
+    path = step_dir(root, step)
+    reports = list(reports)
+    try:
+        files = _reported_files(path, reports)
+        # Each role's torch_dist directory is completed before the commit record exists: a
+        # record naming an incomplete directory would make the step committed but unloadable.
+        for role in sorted(participants):
+            if role != DRIVER_ROLE:
+                files.extend(_complete_role(path, role, step, reports))
+        fsync_dir(path)
+        faults.inject("commit")
+        record = CommitRecord(step=step, participants=dict(participants), files=files)
+        write_commit_record(path, record)
+    except Exception as exc:
+        raise CommitPhaseError(Phase.COMMIT, exc) from exc
+    # The tracker moves only after the record is durable (I1): the other order would name
+    # a step that a crash could leave uncommitted.
+    tracker = advance_tracker(root, step)
+    logger.info("committed step %d under %s", step, root)
+    return CommitSummary(step, len(files), sum(f.size for f in files), tracker)
+
+
+def advance_tracker(root: Path, step: int) -> int | None:
+    """Step 6: point the tracker at the committed `step` unless it names a newer one (it
+    never moves backwards: a late commit of an older step leaves it). Returns what the
+    tracker names afterwards.
+
+    A failure before the tracker's rename withdraws the commit record, so that disk and the
+    reported failure agree (unlinking needs no free space). After the rename nothing
+    un-commits the step: a failed directory fsync there is only logged.
+    """
+    current = _tracker_or_none(root)
+    if current is not None and current >= step:
+        return current
+    try:
+        write_tracker(root, step)
+    except RenameNotDurable as exc:
+        logger.warning("tracker of %s moved to step %d, but not made durable: %s", root, step, exc)
+    except Exception as exc:
+        if _withdraw_record(step_dir(root, step)):
+            raise CommitPhaseError(Phase.TRACKER, exc) from exc
+        logger.error(
+            "the tracker of %s could not move to step %d (%s), and its commit record could not "
+            "be withdrawn: the step stays committed and the tracker is rolled forward to it at "
+            "the next start",
+            root,
+            step,
+            exc,
+        )
+        return current
+    return step
+
+
+@dataclass
+class RetentionOutcome:
+    deleted: list[int] = field(default_factory=list)
+    # Half-deleted leftovers (`.deleting_*`) of an earlier failed or interrupted retention.
+    purged: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def apply_retention(
+    root: Path, keep: int | None, protected: Iterable[int] = ()
+) -> RetentionOutcome:
+    """Step 7, after a commit only: finish earlier half-done deletions, then delete committed
+    steps beyond the newest `keep`. Never the tracker's target nor a `protected` step (in
+    flight). Failures are collected, not raised: retention failing never un-commits the step
+    that triggered it, and the next commit retries."""
+    outcome = RetentionOutcome()
+    for leftover in sorted(root.glob(f"{DELETING_PREFIX}*")):
+        try:
+            shutil.rmtree(leftover)
+            outcome.purged.append(leftover.name)
+        except OSError as exc:
+            outcome.errors.append(f"{leftover}: {exc.strerror or exc}")
+    protected = set(protected)
+    tracker = _tracker_or_none(root)
+    if tracker is not None:
+        protected.add(tracker)
+    for step in steps_to_delete(committed_steps(root), keep, protected):
+        path = step_dir(root, step)
+        try:
+            logger.info("retention: deleting committed step %d (%s)", step, path)
+            delete_step_dir(path)
+            outcome.deleted.append(step)
+        except Exception as exc:  # noqa: BLE001 - any failure is retried after the next commit
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            where = exc.filename if isinstance(exc, OSError) and exc.filename else path
+            outcome.errors.append(f"{where}: {detail}")
+    return outcome
+
+
+def step_summary(root: Path, step: int) -> CommitSummary:
+    """The summary of a step already committed, read back from its record."""
+    record = read_commit_record(step_dir(root, step))
+    size = sum(f.size for f in record.files)
+    return CommitSummary(step, len(record.files), size, _tracker_or_none(root))
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _reported_files(path: Path, reports: list[RankReport]) -> list[FileEntry]:
+    """Every reported file, checked to exist with the reported size."""
+    files = []
+    for report in reports:
+        for entry in report.files:
+            actual = path / entry.path
+            size = actual.stat().st_size if actual.exists() else None
+            if size != entry.size:
+                found = size if size is not None else "no file"
+                raise CheckpointError(
+                    f"{actual}: reported by {report.role} rank {report.rank} with "
+                    f"{entry.size} bytes, found {found}"
+                )
+            files.append(entry)
+    return files
+
+
+def _complete_role(path: Path, role: str, step: int, reports: list[RankReport]) -> list[FileEntry]:
+    from verl_ckpt import megatron_compat
+
+    mine = sorted((r for r in reports if r.role == role), key=lambda r: r.rank)
+    metadata = [r.global_metadata for r in mine if r.global_metadata is not None]
+    if len(metadata) != 1:
+        raise CheckpointError(
+            f"step {step} role {role}: expected the DCP metadata from exactly one rank (rank 0 "
+            f"of the save group), got {len(metadata)}"
+        )
+    directory = path / role
+    megatron_compat.complete_role_dir(directory, metadata[0], [r.write_results for r in mine])
+    entries = []
+    for name in megatron_compat.METADATA_FILENAMES:
+        size, checksum = file_checksum(directory / name)
+        entries.append(FileEntry(f"{role}/{name}", size, checksum))
+    return entries
+
+
+def _withdraw_record(path: Path) -> bool:
+    """Remove a step's commit record again; True when it is gone for good."""
+    try:
+        (path / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
+        fsync_dir(path)
+    except OSError:
+        return False
+    return True
+
+
+def _tracker_or_none(root: Path) -> int | None:
+    try:
+        return read_tracker(root)
+    except CheckpointError as exc:
+        # Start-up refuses an unreadable tracker; one damaged while a job runs is replaced by
+        # the next commit rather than blocking every commit after it.
+        logger.warning("unreadable tracker (the next commit replaces it): %s", exc)
+        return None

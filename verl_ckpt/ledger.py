@@ -1,0 +1,184 @@
+"""The finalizer's bookkeeping of steps in flight: pure state, no Ray, no files.
+
+Each step the finalizer hears of moves through explicit states:
+
+    collecting --(every expected report succeeded)--> committing --> committed
+         |                                                 |
+         +--(a participant reported a failure)--> failed <-+ (the commit itself failed)
+    lost: the step was in flight when the finalizer restarted; its reports are gone.
+
+Only open steps are held in full: collecting, committing, and committed until the
+retention after its commit ran (`retire`), since until then the step it deletes still
+occupies a directory and back-pressure must count it. A retired step is forgotten (its
+commit record on disk is the truth from then on), and failed or lost steps are remembered
+by number and failures only, the oldest dropped beyond a bound, so that the ledger's size
+does not grow with the number of commits (protocol.py, steps 4-7).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from verl_ckpt.protocol import Failure
+from verl_ckpt.reports import Participant, RankReport
+
+__all__ = ["Recorded", "StepEntry", "StepLedger", "StepStatus"]
+
+
+class StepStatus(StrEnum):
+    COLLECTING = "collecting"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    LOST = "lost"
+
+
+IN_FLIGHT = (StepStatus.COLLECTING, StepStatus.COMMITTING)
+
+
+class Recorded(StrEnum):
+    """What a report did to its step."""
+
+    COUNTED = "counted"  # one more success; others still missing
+    READY = "ready"  # the last expected success: the caller starts the commit
+    FAILED = "failed"  # this report failed the step
+    IGNORED = "ignored"  # a duplicate, or late: the step is committing or already decided
+    REFUSED_LOST = "refused_lost"  # the step's other reports were lost in a restart
+
+
+@dataclass
+class StepEntry:
+    step: int
+    status: StepStatus = StepStatus.COLLECTING
+    reports: dict[Participant, RankReport] = field(default_factory=dict)
+    failures: list[Failure] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class StepLedger:
+    """Which participants reported for which step, and what the step's state is."""
+
+    def __init__(
+        self,
+        participants: dict[str, int],
+        max_in_flight: int,
+        lost: Iterable[int] = (),
+        remembered_outcomes: int = 256,
+    ) -> None:
+        self.expected: tuple[Participant, ...] = tuple(
+            (role, rank) for role, size in sorted(participants.items()) for rank in range(size)
+        )
+        self._expected_set = frozenset(self.expected)
+        self.max_in_flight = max_in_flight
+        # Collecting, committing, or committed and not yet retired.
+        self._open: dict[int, StepEntry] = {}
+        # Failed and lost steps: kept so that waiters and late reporters get the real answer,
+        # bounded so that a long run's failures do not accumulate.
+        self._decided: OrderedDict[int, StepEntry] = OrderedDict()
+        self._remembered = remembered_outcomes
+        for step in lost:
+            self._decided[step] = StepEntry(step, StepStatus.LOST)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def status(self, step: int) -> StepStatus | None:
+        """The step's state, or None when the ledger does not know it (never heard of it, or
+        committed and retired: ask the disk)."""
+        entry = self.entry(step)
+        return entry.status if entry is not None else None
+
+    def entry(self, step: int) -> StepEntry | None:
+        return self._open.get(step) or self._decided.get(step)
+
+    def in_flight(self) -> list[int]:
+        """Steps collecting reports or committing: what retention must never delete."""
+        return sorted(step for step, e in self._open.items() if e.status in IN_FLIGHT)
+
+    def has_room_for(self, step: int) -> bool:
+        """Whether `step` may start: it already has, or fewer than max_in_flight steps are
+        open (back-pressure: at most keep + max_in_flight step directories exist, counting
+        a committed step whose retention has not yet deleted the step it replaces)."""
+        return step in self._open or len(self._open) < self.max_in_flight
+
+    def missing(self, step: int) -> list[Participant]:
+        entry = self._open.get(step)
+        reported = entry.reports if entry is not None else {}
+        return [p for p in self.expected if p not in reported]
+
+    def failures(self, step: int) -> list[Failure]:
+        entry = self.entry(step)
+        return list(entry.failures) if entry is not None else []
+
+    def __len__(self) -> int:
+        return len(self._open) + len(self._decided)
+
+    # ---- transitions ---------------------------------------------------------------------
+
+    def open(self, step: int) -> StepEntry:
+        """Start collecting `step` (idempotent: every participant's begin_step calls it)."""
+        entry = self.entry(step)
+        if entry is None:
+            entry = self._open[step] = StepEntry(step)
+        return entry
+
+    def record(self, report: RankReport) -> Recorded:
+        """Take one participant's report; the caller checked that it is an expected one."""
+        if report.participant not in self._expected_set:
+            raise ValueError(f"unexpected participant {report.participant}")
+        entry = self.entry(report.step)
+        if entry is not None and entry.status is StepStatus.LOST:
+            return Recorded.REFUSED_LOST
+        if entry is None:
+            entry = self.open(report.step)
+        # Committing means every participant already reported success: anything more is a
+        # duplicate (Ray retried a call) and must neither start a second commit nor fail
+        # the step that is committing.
+        if entry.status is not StepStatus.COLLECTING or report.participant in entry.reports:
+            return Recorded.IGNORED
+        entry.reports[report.participant] = report
+        if report.failure is not None:
+            self._decide(entry, StepStatus.FAILED, report.failure)
+            return Recorded.FAILED
+        # Reports are keyed by expected participants: counting them is enough.
+        if len(entry.reports) == len(self.expected):
+            return Recorded.READY
+        return Recorded.COUNTED
+
+    def begin_commit(self, step: int) -> StepEntry:
+        entry = self._open[step]
+        if entry.status is not StepStatus.COLLECTING or len(entry.reports) != len(self.expected):
+            raise ValueError(f"step {step} is {entry.status.value}, not ready to commit")
+        entry.status = StepStatus.COMMITTING
+        return entry
+
+    def finish_commit(self, step: int, failure: Failure | None = None) -> None:
+        """The commit of `step` ended: committed (retire it once retention ran) or failed."""
+        entry = self._open[step]
+        if entry.status is not StepStatus.COMMITTING:
+            raise ValueError(f"step {step} is {entry.status.value}, not committing")
+        if failure is None:
+            entry.status = StepStatus.COMMITTED
+            entry.reports.clear()  # DCP metadata can be large and is on disk now
+        else:
+            self._decide(entry, StepStatus.FAILED, failure)
+
+    def retire(self, step: int) -> None:
+        """The retention after `step`'s commit ran: forget the step, free its slot."""
+        entry = self._open.get(step)
+        if entry is None or entry.status is not StepStatus.COMMITTED:
+            raise ValueError(f"step {step} is not committed: nothing to retire")
+        del self._open[step]
+
+    def _decide(self, entry: StepEntry, status: StepStatus, failure: Failure) -> None:
+        entry.status = status
+        entry.failures.append(failure)
+        entry.reports.clear()  # DCP metadata can be large; the failure is what is kept
+        self._open.pop(entry.step, None)
+        self._decided[entry.step] = entry
+        self._decided.move_to_end(entry.step)
+        while len(self._decided) > self._remembered:
+            self._decided.popitem(last=False)

@@ -1,0 +1,196 @@
+"""Protocol step 0: everything decided about a checkpoint root before a job starts its work.
+
+A recipe calls `prepare_start(config)` before Ray starts, so that every mistake it can see
+(a root that is a file or not writable, a path component too long, an unreadable tracker, a
+resume path that is missing or not committed, a resume step older than the root's newest
+committed step, another job on the same root) is one line naming the key or path, and the
+run has written and deleted nothing. `CheckpointCoordinator` calls it itself when it is not
+handed a plan.
+
+Order: read-only checks first (a failure leaves the disk as it was), then the root lock
+(another job on this root is refused), then recovery (recovery.py: roll-forward) and the
+same resume decision once more under the lock, where nobody else can change the root.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verl_ckpt.commit_record import read_commit_record
+from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
+from verl_ckpt.errors import (
+    CheckpointConfigError,
+    CommitRecordError,
+    ResumeConflictError,
+    TrackerError,
+)
+from verl_ckpt.layout import step_dir, step_of_dir
+from verl_ckpt.recovery import RootState, read_root_state, recover_root
+from verl_ckpt.root_lock import RootLock
+from verl_ckpt.tracker import tracker_path
+
+__all__ = ["StartPlan", "check_root_dir", "choose_resume_dir", "prepare_start"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StartPlan:
+    """What `prepare_start` decided: hand it to `CheckpointCoordinator(..., start=plan)`."""
+
+    config: CheckpointConfig
+    root: Path
+    # The committed step directory to resume from; None: a fresh start.
+    resume_dir: Path | None
+    # The root as recovery left it.
+    state: RootState
+    # Held until the coordinator closes (or `release()`): one job per root.
+    lock: RootLock
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) -> StartPlan:
+    """Check, lock and recover the root; decide the resume step (see the module docstring).
+
+    Raises a CheckpointError subclass naming the key or path: CheckpointConfigError,
+    TrackerError, CommitRecordError, ResumeConflictError or RootLockedError.
+    """
+    config = to_checkpoint_config(config)
+    root = Path(config.root_dir).resolve()
+    check_root_dir(root)
+    choose_resume_dir(config, read_root_state(root))
+    lock = RootLock.acquire(root, purpose or _this_job())
+    try:
+        state = recover_root(root)
+        resume = choose_resume_dir(config, state)
+    except BaseException:
+        lock.release()
+        raise
+    return StartPlan(config, root, resume, state, lock)
+
+
+def check_root_dir(root: Path, key: str = "checkpoint.root_dir") -> None:
+    """Fail, naming the key and path, unless `root` can hold checkpoints (read-only check)."""
+    name_max = _name_max(root)
+    for part in root.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise CheckpointConfigError(
+                f"{key}={str(root)!r} is invalid: path component {part[:40]!r}... is "
+                f"{len(os.fsencode(part))} bytes, longer than this filesystem's {name_max}"
+            )
+    if step_of_dir(root) is not None:
+        raise CheckpointConfigError(
+            f"{key}={str(root)!r} is a step directory; give the root that holds it "
+            f"({root.parent}), or use it as checkpoint.resume_from_path"
+        )
+    existing = _nearest_existing(root)
+    if not existing.is_dir():
+        what = (
+            "exists and is not a directory" if existing == root else f"is under {existing}, a file"
+        )
+        raise CheckpointConfigError(f"{key}={str(root)!r} {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == root else f" ({existing} is where it would be created)"
+        raise CheckpointConfigError(f"{key}={str(root)!r} is not writable{where}")
+
+
+def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None:
+    """The committed step to resume from per `resume_mode`, against the root's state.
+
+    auto: the tracker's step after roll-forward, i.e. the newest committed step; nothing
+    committed is a fresh start (uncommitted leftovers are logged: the run re-saves over
+    them). resume_path: a committed step directory, from this root or another. disable: a
+    fresh start, allowed only in a root without committed steps. A resume step older than a
+    committed step of this root is refused: the run's saves would collide with them.
+    """
+    if config.resume_mode == "resume_path":
+        path = _checked_resume_path(config.resume_from_path)
+        step = step_of_dir(path)
+        _refuse_newer_steps(state, step, f"checkpoint.resume_from_path resumes from step {step}")
+        return path
+    if config.resume_mode == "disable":
+        _refuse_newer_steps(state, None, "checkpoint.resume_mode=disable starts from step 0")
+        return None
+    step = state.effective_tracker
+    if step is None:
+        if state.uncommitted:
+            logger.warning(
+                "%s holds no committed step, only uncommitted leftovers %s: starting fresh",
+                state.root,
+                list(state.uncommitted),
+            )
+        return None
+    path = step_dir(state.root, step)
+    if not path.is_dir():
+        raise TrackerError(
+            f"{tracker_path(state.root)} names step {step}, but {path} does not exist"
+        )
+    try:
+        read_commit_record(path)
+    except CommitRecordError as exc:
+        raise TrackerError(
+            f"{tracker_path(state.root)} names step {step}, which is unusable: {exc}"
+        ) from None
+    return path
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _checked_resume_path(value: str | None) -> Path:
+    key = "checkpoint.resume_from_path"
+    path = Path(value).resolve()
+    if not path.exists():
+        raise CheckpointConfigError(f"{key}={value!r} does not exist")
+    if step_of_dir(path) is None or not path.is_dir():
+        raise CheckpointConfigError(f"{key}={value!r} is not a global_step_<N> directory")
+    try:
+        read_commit_record(path)
+    except CommitRecordError as exc:
+        raise CommitRecordError(f"{key}: {exc}") from None
+    return path
+
+
+def _refuse_newer_steps(state: RootState, step: int | None, what: str) -> None:
+    """Fail when the root holds committed steps newer than `step` (None: a fresh start)."""
+    newer = [s for s in state.committed_after_recovery if step is None or s > step]
+    if not newer:
+        return
+    if step is None:
+        way_out = "or checkpoint.resume_mode=auto to continue from the newest"
+    else:
+        way_out = f"or move them out of the way first: verl-ckpt rollback {state.root} --to {step}"
+    raise ResumeConflictError(
+        f"{what}, but checkpoint.root_dir {state.root} holds newer committed steps {newer}: "
+        f"this run's saves would collide with them. Use a new checkpoint.root_dir, {way_out}"
+    )
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (stat errors count as missing)."""
+    while path != path.parent:
+        try:
+            path.stat()
+            return path
+        except OSError:
+            path = path.parent
+    return path
+
+
+def _name_max(path: Path) -> int:
+    try:
+        return os.pathconf(_nearest_existing(path), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _this_job() -> str:
+    argv = " ".join(sys.argv[:3]) or sys.executable
+    return f"job `{argv}`"

@@ -1,0 +1,81 @@
+"""A small pool of daemon threads whose shutdown honours a deadline.
+
+`concurrent.futures.ThreadPoolExecutor` cannot: `shutdown(wait=True)` waits for a hung task
+forever, and its threads are joined at interpreter exit, so a write stuck on a dead disk
+would also keep the process from exiting. Here a hung task is named at the deadline and
+left to a daemon thread that does not hold the process up.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["DaemonPool"]
+
+_STOP = None
+
+
+class DaemonPool:
+    """`threads` daemon threads running submitted calls in order of submission."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: dict[int, str] = {}  # thread ident -> what it runs, for close()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> Future:
+        """Run `fn(*args)` on a pool thread; `label` names it if it is still running at
+        close()."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DaemonPool is closed")
+            future: Future = Future()
+            self._tasks.put((future, fn, args, label or getattr(fn, "__name__", "task")))
+        return future
+
+    def close(self, timeout_s: float) -> list[str]:
+        """Stop the threads, waiting up to `timeout_s` for running tasks; calls not started
+        yet are cancelled. Returns the labels of tasks still running at the deadline."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    self._tasks.put(_STOP)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            return [self._running[t.ident] for t in self._threads if t.ident in self._running]
+
+    def _work(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is _STOP:
+                return
+            future, fn, args, label = item
+            if self._closed:
+                future.cancel()
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._lock:
+                self._running[threading.get_ident()] = label
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._running.pop(threading.get_ident(), None)
