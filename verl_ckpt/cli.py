@@ -1,8 +1,10 @@
-"""`verl-ckpt`: list, verify, inspect and prune a checkpoint root from the command line.
+"""`verl-ckpt`: list, verify, inspect, prune and roll back a checkpoint root.
 
 Exit status: 0 success; 1 the checkpoint is bad (not committed, corrupt record, unreadable
 tracker, files failing verification); 2 a usage error (ROOT missing or not a directory, a bad
-option value, no directory for the --step asked for). Errors are one line on stderr.
+option value, no directory for the step asked for, ROOT in use by a running job). Errors are
+one line on stderr. Commands that change the root (prune, rollback) hold its lock
+(`RootLock`) throughout, so they never run beside a job or beside each other.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 from verl_ckpt.commit_record import CommitRecord, read_commit_record, verify_files
-from verl_ckpt.errors import CheckpointError, TrackerError
+from verl_ckpt.errors import CheckpointError, RootLockedError, TrackerError
 from verl_ckpt.inspection import TensorEntry, read_role_entries, scan_steps
 from verl_ckpt.layout import (
     COMMIT_RECORD_FILENAME,
@@ -27,7 +30,15 @@ from verl_ckpt.layout import (
     step_dir,
     step_of_dir,
 )
-from verl_ckpt.retention import delete_step_dir, steps_to_delete
+from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, steps_to_delete
+from verl_ckpt.rollback import (
+    ARCHIVE_PREFIX,
+    execute_rollback,
+    intent_path,
+    plan_rollback,
+    read_rollback_intent,
+)
+from verl_ckpt.root_lock import RootLock, is_locked, read_holder
 from verl_ckpt.tracker import read_tracker, tracker_path
 
 __all__ = ["main"]
@@ -121,6 +132,17 @@ def _pick_step(root: Path, asked: int | None) -> tuple[int, Path]:
     return step, path
 
 
+@contextmanager
+def _locked(root: Path, purpose: str) -> Iterator[None]:
+    """Hold the root's lock for a command that changes the root; refused if a job holds it."""
+    try:
+        lock = RootLock.acquire(root, purpose=purpose)
+    except RootLockedError as exc:
+        raise _CliError(str(exc), EXIT_USAGE) from None
+    with lock:
+        yield
+
+
 # ---- commands ------------------------------------------------------------------------------
 
 
@@ -142,25 +164,58 @@ def _cmd_ls(root: Path, args: argparse.Namespace) -> int:
         note = f"unreadable: {exc}"
     print(f"root: {root}")
     print(f"tracker: {note}")
-    if not steps:
-        print("no global_step_<N> directories")
-        return 0
-    rows = [("", "STEP", "SIZE", "AGE", "ROLES", "STATUS")]
-    for info in steps:
-        rows.append(
-            (
-                "*" if info.step == target else "",
-                str(info.step),
-                _human_bytes(info.size),
-                _human_age(info.age_s),
-                ",".join(info.roles) or "-",
-                info.problem or "committed",
+    if is_locked(root):
+        holder = read_holder(root)
+        print(f"in use by: {holder.describe() if holder else 'a process that left no name'}")
+    if steps:
+        rows = [("", "STEP", "SIZE", "AGE", "ROLES", "STATUS")]
+        for info in steps:
+            rows.append(
+                (
+                    "*" if info.step == target else "",
+                    str(info.step),
+                    _human_bytes(info.size),
+                    _human_age(info.age_s),
+                    ",".join(info.roles) or "-",
+                    info.problem or "committed",
+                )
             )
-        )
-    _print_table(rows, right=frozenset({1, 2, 3}))
-    if target in by_step:
-        print("(* = the tracker's target)")
+        _print_table(rows, right=frozenset({1, 2, 3}))
+        if target in by_step:
+            print("(* = the tracker's target)")
+    else:
+        print("no global_step_<N> directories")
+    _print_leftovers(root)
     return 0
+
+
+def _print_leftovers(root: Path) -> None:
+    """What `ls`'s table does not show: a pending rollback, archives, half-deleted steps."""
+    try:
+        intent = read_rollback_intent(root)
+    except CheckpointError as exc:
+        print(f"pending rollback: unreadable: {exc}")
+    else:
+        if intent is not None:
+            print(
+                f"pending rollback: to step {intent.to}, moving steps {list(intent.steps)} "
+                f"({intent_path(root)}): interrupted; the next job start or `verl-ckpt "
+                f"rollback {root} --to {intent.to}` completes it"
+            )
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        if entry.name.startswith(ARCHIVE_PREFIX):
+            moved = sorted(list_step_dirs(entry))
+            print(
+                f"archive {entry}: steps {moved} (moved out by verl-ckpt rollback; "
+                "delete it when no longer needed)"
+            )
+        elif entry.name.startswith(DELETING_PREFIX):  # retention's name for a doomed step
+            print(
+                f"leftover {entry}: a deletion by retention was interrupted or failed; "
+                "removed after the next commit"
+            )
 
 
 def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
@@ -246,6 +301,11 @@ def _cmd_inspect(root: Path, args: argparse.Namespace) -> int:
 
 
 def _cmd_prune(root: Path, args: argparse.Namespace) -> int:
+    with _locked(root, "verl-ckpt prune"):
+        return _prune(root, args)
+
+
+def _prune(root: Path, args: argparse.Namespace) -> int:
     try:
         target = read_tracker(root)
     except TrackerError as exc:
@@ -264,6 +324,36 @@ def _cmd_prune(root: Path, args: argparse.Namespace) -> int:
             print(f"left alone step {info.step}: {info.problem} (prune deletes committed steps)")
     kept = sorted(set(committed) - doomed)
     print(f"kept committed steps: {kept or 'none'}; tracker's target: {target}")
+    return 0
+
+
+def _cmd_rollback(root: Path, args: argparse.Namespace) -> int:
+    with _locked(root, "verl-ckpt rollback"):
+        _pick_step(root, args.to)  # a step the user typed and that is not there: exit 2
+        pending = read_rollback_intent(root)
+        intent = plan_rollback(root, args.to, delete=args.delete)
+        if pending is not None:
+            logger.warning(
+                "completing the interrupted rollback to step %d (%s)", intent.to, intent_path(root)
+            )
+        try:
+            tracker = read_tracker(root)
+            before = "none" if tracker is None else str(tracker)
+        except TrackerError:  # only when completing a pending rollback, which rewrites it
+            before = "unreadable"
+        if not args.dry_run:
+            execute_rollback(root, intent)
+    for step in intent.steps:
+        if intent.delete:
+            verb = "would delete" if args.dry_run else "deleted"
+            print(f"{verb} step {step}: {step_dir(root, step)}")
+        else:
+            verb = "would move" if args.dry_run else "moved"
+            print(f"{verb} step {step} to {root / intent.archive / step_dir(root, step).name}")
+    if not intent.steps:
+        print(f"no step newer than {intent.to}")
+    suffix = " (dry run: nothing changed)" if args.dry_run else ""
+    print(f"tracker: {before} -> {intent.to}{suffix}")
     return 0
 
 
@@ -286,14 +376,15 @@ def _keep_count(text: str) -> int:
 
 _EPILOG = (
     "exit status: 0 ok; 1 the checkpoint is bad (not committed, corrupt, failed "
-    "verification); 2 usage error (ROOT missing or not a directory, bad option, no such step)"
+    "verification); 2 usage error (ROOT missing or not a directory, bad option, no such step, "
+    "ROOT in use by a running job)"
 )
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="verl-ckpt",
-        description="List, verify, inspect and prune a verl_ckpt checkpoint root.",
+        description="List, verify, inspect, prune and roll back a verl_ckpt checkpoint root.",
         epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
@@ -332,6 +423,26 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     prune.add_argument("--keep", type=_keep_count, required=True, help="committed steps to keep")
     prune.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    rollback = command(
+        "rollback",
+        _cmd_rollback,
+        "Resume from an older committed step: move every newer step out of the way.",
+        "Moves every global_step_<M> with M > --to (committed or not) into "
+        "ROOT/rolled_back_<time>/, or deletes them with --delete, then points the tracker at "
+        "--to. Journaled: an interrupted rollback is completed by the next job start or by "
+        "running the same command again. Refused while a job holds the root.",
+    )
+    rollback.add_argument(
+        "--to",
+        type=_step_number,
+        required=True,
+        metavar="N",
+        help="the committed step to resume from",
+    )
+    rollback.add_argument(
+        "--delete", action="store_true", help="delete the newer steps instead of keeping them"
+    )
+    rollback.add_argument("--dry-run", action="store_true", help="only list what would be done")
     return parser
 
 

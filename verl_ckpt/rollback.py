@@ -1,25 +1,256 @@
-"""Placeholder until the rollback branch lands (interface only)."""
+"""`verl-ckpt rollback`: move the steps newer than an older committed step out of the way.
+
+Resuming from a step older than the newest committed step of a root is refused: the run's
+later saves would collide with committed steps. Rolling back to committed step N moves every
+`global_step_M` with M > N (committed or not) out of the step namespace, into
+`<root>/rolled_back_<time>/` (deleted at the end with `delete`), then points the tracker at N.
+
+Start-up recovery rolls the tracker FORWARD to the newest committed step (a commit record
+newer than the tracker is a commit interrupted before the tracker moved). A rollback
+interrupted half-way must neither be undone by that nor leave the tracker naming a moved
+step, so it is journaled. One run, by the holder of the root lock (`RootLock`):
+
+  1. write the intent `<root>/.verl_ckpt_rollback.json` atomically. Before any rename: from
+     the first rename on, whoever finds the root must learn that a rollback is under way.
+  2. rename each newer step into the archive, newest first, then fsync the archive and the
+     root. Newest first: the tracker's target leaves before any older step, so code that
+     knows nothing of the intent soon fails loudly (the tracker names a missing step) rather
+     than resuming from a step being rolled back.
+  3. write the tracker (atomic). After every rename is durable: from the moment the tracker
+     names N, no newer committed step is left in the namespace for a roll-forward to find.
+  4. with `delete`, remove the archive.
+  5. remove the intent. Last: the intent outlives everything it describes.
+
+`complete_interrupted_rollback` finishes 2-5 from the intent, skipping what is done. Start-up
+recovery calls it FIRST, before rolling the tracker forward; a check that must not write
+uses `read_rollback_intent` and takes `intent.to` as the tracker's value.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import shutil
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+
+from verl_ckpt import faults
+from verl_ckpt.commit_record import is_committed, read_commit_record
+from verl_ckpt.errors import CheckpointError, CommitRecordError, TrackerError
+from verl_ckpt.fsio import atomic_write_bytes, fsync_dir, remove_stale_temporaries
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.tracker import read_tracker, write_tracker
+
+__all__ = [
+    "ARCHIVE_PREFIX",
+    "INTENT_FILENAME",
+    "ROLLBACK_FORMAT_VERSION",
+    "RollbackError",
+    "RollbackIntent",
+    "complete_interrupted_rollback",
+    "execute_rollback",
+    "intent_path",
+    "plan_rollback",
+    "read_rollback_intent",
+]
+
+logger = logging.getLogger(__name__)
 
 INTENT_FILENAME = ".verl_ckpt_rollback.json"
 ARCHIVE_PREFIX = "rolled_back_"
+ROLLBACK_FORMAT_VERSION = 1
+# The archive is removed recursively with `delete`: a damaged intent must never name
+# anything but a plain directory of the root that a rollback created.
+_ARCHIVE_NAME = re.compile(rf"^{ARCHIVE_PREFIX}[0-9A-Za-z_]+$")
+
+
+class RollbackError(CheckpointError):
+    """A rollback is refused or cannot finish; the message names the path and the way out."""
 
 
 @dataclass(frozen=True)
 class RollbackIntent:
-    to: int
-    archive: str
-    steps: tuple[int, ...]
-    delete: bool
+    """What a rollback does, as journaled in the intent file before it starts."""
+
+    to: int  # the committed step the tracker will name
+    archive: str  # directory under the root receiving the moved steps
+    steps: tuple[int, ...]  # every step moved out, ascending
+    delete: bool  # remove the archive once the tracker moved
 
 
-def read_rollback_intent(root: str | Path) -> RollbackIntent | None:
-    return None
+def intent_path(root: str | os.PathLike) -> Path:
+    return Path(root) / INTENT_FILENAME
 
 
-def complete_interrupted_rollback(root: str | Path) -> RollbackIntent | None:
-    return None
+def read_rollback_intent(root: str | os.PathLike) -> RollbackIntent | None:
+    """The pending rollback of `root`, None when there is none. Reads only."""
+    path = intent_path(root)
+    try:
+        raw = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise RollbackError(f"rollback intent {path} is corrupt: {exc}") from None
+    version = raw.get("format_version") if isinstance(raw, dict) else None
+    if version != ROLLBACK_FORMAT_VERSION:
+        raise RollbackError(
+            f"rollback intent {path} has format_version {version!r}; this verl_ckpt reads "
+            f"version {ROLLBACK_FORMAT_VERSION} only"
+        )
+    steps = raw.get("steps")
+    intent = RollbackIntent(
+        raw.get("to"),
+        raw.get("archive"),
+        tuple(steps) if isinstance(steps, list) else (),
+        raw.get("delete"),
+    )
+    if not isinstance(steps, list) or not _is_valid(intent):
+        raise RollbackError(f"rollback intent {path} is malformed: {raw!r}")
+    return intent
+
+
+def _is_valid(intent: RollbackIntent) -> bool:
+    # `type(x) is int`: JSON's true and false are ints to isinstance.
+    return (
+        type(intent.to) is int
+        and intent.to >= 0
+        and isinstance(intent.archive, str)
+        and _ARCHIVE_NAME.match(intent.archive) is not None
+        and all(type(s) is int and s > intent.to for s in intent.steps)
+        and list(intent.steps) == sorted(set(intent.steps))
+        and isinstance(intent.delete, bool)
+    )
+
+
+def plan_rollback(root: str | os.PathLike, to_step: int, delete: bool = False) -> RollbackIntent:
+    """What rolling `root` back to `to_step` would do; changes nothing.
+
+    Refused (naming the path) when `to_step` is not a committed step, when the tracker is
+    unreadable, or when a rollback to another step is pending. A pending rollback to the
+    same step is returned as it was journaled (with its own `delete`): executing it
+    completes it.
+    """
+    root = Path(root)
+    pending = read_rollback_intent(root)
+    if pending is not None:
+        if pending.to != to_step:
+            raise RollbackError(
+                f"a rollback of {root} to step {pending.to} was interrupted ({intent_path(root)}); "
+                f"complete it first: verl-ckpt rollback {root} --to {pending.to}"
+            )
+        return pending
+    path = step_dir(root, to_step)
+    try:
+        record = read_commit_record(path)
+    except CommitRecordError as exc:
+        raise CommitRecordError(f"cannot roll back to step {to_step}: {exc}") from None
+    if record.step != to_step:
+        raise CommitRecordError(
+            f"cannot roll back to step {to_step}: the commit record of {path} names step "
+            f"{record.step}"
+        )
+    try:
+        read_tracker(root)
+    except TrackerError as exc:
+        # Without the tracker we cannot tell what a resume would load now.
+        raise TrackerError(f"{exc}; refusing to roll back") from None
+    newer = tuple(sorted(step for step in list_step_dirs(root) if step > to_step))
+    return RollbackIntent(to_step, _new_archive_name(root), newer, delete)
+
+
+def execute_rollback(root: str | os.PathLike, intent: RollbackIntent) -> None:
+    """Run `intent` (from `plan_rollback`) on `root`; the caller holds the root's lock."""
+    root = Path(root)
+    if not _is_valid(intent):
+        raise ValueError(f"not a rollback plan: {intent!r}")
+    pending = read_rollback_intent(root)
+    if pending is not None and pending != intent:
+        raise RollbackError(
+            f"another rollback of {root} is pending ({intent_path(root)}: to step "
+            f"{pending.to}); complete it first"
+        )
+    if pending is None:
+        _check_target(root, intent, journaled=False)
+        payload = {
+            "format_version": ROLLBACK_FORMAT_VERSION,
+            "to": intent.to,
+            "archive": intent.archive,
+            "steps": list(intent.steps),
+            "delete": intent.delete,
+            "started_at": datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+        atomic_write_bytes(intent_path(root), json.dumps(payload, indent=1).encode())
+    _finish(root, intent)
+
+
+def complete_interrupted_rollback(root: str | os.PathLike) -> RollbackIntent | None:
+    """Finish a rollback that a crash interrupted; return it, or None when none was pending.
+
+    For start-up recovery, before it rolls the tracker forward; the caller holds the lock.
+    """
+    root = Path(root)
+    # A crash while writing the intent leaves only its temporary: nothing had moved yet.
+    remove_stale_temporaries(root, INTENT_FILENAME)
+    intent = read_rollback_intent(root)
+    if intent is None:
+        return None
+    logger.warning(
+        "completing the interrupted rollback of %s to step %d (%s)",
+        root,
+        intent.to,
+        intent_path(root),
+    )
+    _finish(root, intent)
+    return intent
+
+
+def _new_archive_name(root: Path) -> str:
+    name = f"{ARCHIVE_PREFIX}{time.strftime('%Y%m%dT%H%M%S')}"
+    candidate, n = name, 1
+    while (root / candidate).exists():
+        n += 1
+        candidate = f"{name}_{n}"
+    return candidate
+
+
+def _check_target(root: Path, intent: RollbackIntent, journaled: bool) -> None:
+    # The tracker only ever names a committed step (I1).
+    if not is_committed(step_dir(root, intent.to)):
+        stuck = f"; the rollback in {intent_path(root)} cannot finish" if journaled else ""
+        raise RollbackError(
+            f"cannot roll back {root} to step {intent.to}: {step_dir(root, intent.to)} is not "
+            f"a committed step (any more){stuck}"
+        )
+
+
+def _finish(root: Path, intent: RollbackIntent) -> None:
+    """Steps 2-5 of the module docstring; each is skipped where a previous run did it."""
+    archive = root / intent.archive
+    archive.mkdir(exist_ok=True)
+    for step in sorted(intent.steps, reverse=True):
+        source = step_dir(root, step)
+        target = archive / source.name
+        if not source.exists():
+            continue  # moved by the interrupted run
+        if target.exists():
+            raise RollbackError(f"cannot move {source} into {archive}: {target} exists")
+        os.rename(source, target)
+        faults.inject("rollback")
+    # Both directories: the rename's new entry and its removed old one must be durable
+    # before the tracker is, or a power loss could bring back a moved step.
+    fsync_dir(archive)
+    fsync_dir(root)
+    _check_target(root, intent, journaled=True)
+    write_tracker(root, intent.to)
+    if intent.delete:
+        # Records first, as retention does: a half-deleted step is never loadable (I3).
+        for step in intent.steps:
+            (archive / step_dir(root, step).name / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
+        shutil.rmtree(archive)
+        fsync_dir(root)
+    intent_path(root).unlink()
+    fsync_dir(root)

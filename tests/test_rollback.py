@@ -1,0 +1,301 @@
+"""`verl-ckpt rollback` (verl_ckpt/rollback.py) over hand-made roots, and `ls`'s leftovers.
+
+Committed steps are made by hand (a real commit record, no Ray): steps 10, 20, 30 committed
+with the tracker at 30, and step 40 an uncommitted leftover. The interrupted rollback is a
+real crash: a process killed by the documented fault hook right after its first rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.lock_holder import REPO_ROOT, HolderProcesses
+from verl_ckpt.cli import main
+from verl_ckpt.commit_record import CommitRecord, is_committed, write_commit_record
+from verl_ckpt.errors import CommitRecordError, TrackerError
+from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.layout import list_step_dirs, step_dir
+from verl_ckpt.rollback import (
+    ARCHIVE_PREFIX,
+    INTENT_FILENAME,
+    RollbackError,
+    RollbackIntent,
+    complete_interrupted_rollback,
+    execute_rollback,
+    plan_rollback,
+    read_rollback_intent,
+)
+from verl_ckpt.root_lock import LOCK_FILENAME, is_locked
+from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
+
+COMMITTED = (10, 20, 30)
+LEFTOVER = 40
+
+
+def committed(root, step):
+    path = step_dir(root, step)
+    (path / "actor").mkdir(parents=True)
+    (path / "actor" / "__0_0.distcp").write_bytes(b"x" * 64)
+    write_commit_record(path, CommitRecord(step, {"actor": 1}, []))
+    return path
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "ckpt"
+    for step in COMMITTED:
+        committed(root, step)
+    (step_dir(root, LEFTOVER) / "actor").mkdir(parents=True)  # a save that never committed
+    write_tracker(root, 30)
+    return root
+
+
+@pytest.fixture
+def holders():
+    started = HolderProcesses()
+    yield started
+    started.close()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def archives(root) -> dict[str, list[int]]:
+    """Each rolled_back_* directory under `root` with the steps inside."""
+    return {
+        p.name: sorted(list_step_dirs(p))
+        for p in root.iterdir()
+        if p.name.startswith(ARCHIVE_PREFIX)
+    }
+
+
+def tree(root) -> list[tuple[str, bytes | None]]:
+    """Every path under `root` with its content, but the lock file that any command creates."""
+    return sorted(
+        (str(p.relative_to(root)), p.read_bytes() if p.is_file() else None)
+        for p in root.rglob("*")
+        if p.name != LOCK_FILENAME
+    )
+
+
+def crash_during_rollback(root, to_step: int, delete: bool = False) -> None:
+    """Run a rollback in a real process that dies (os._exit) right after its first rename."""
+    code = (
+        "import sys\n"
+        "from verl_ckpt.rollback import execute_rollback, plan_rollback\n"
+        "execute_rollback(sys.argv[1], plan_rollback(sys.argv[1], int(sys.argv[2]), "
+        "delete=sys.argv[3] == 'delete'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root), str(to_step), "delete" if delete else "keep"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), ENV_VAR: "rollback=exit"},
+    )
+    assert done.returncode == 17, f"the fault did not fire: {done.returncode} {done.stderr}"
+
+
+def test_rollback_moves_newer_steps_committed_or_not_to_an_archive_then_tracker(root, capsys):
+    """Every global_step_M with M > N, committed or not, leaves the step namespace into one
+    dated archive, intact; then the tracker names N (I1: a committed step)."""
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 10)
+    assert (code, err) == (0, "")
+    ((archive, moved),) = archives(root).items()
+    assert moved == [20, 30, LEFTOVER]
+    assert out.splitlines() == [
+        *(f"moved step {s} to {root / archive / f'global_step_{s}'}" for s in moved),
+        "tracker: 30 -> 10",
+    ]
+    assert sorted(list_step_dirs(root)) == [10] and read_tracker(root) == 10
+    assert is_committed(root / archive / "global_step_30")  # kept as it was
+    assert not (root / INTENT_FILENAME).exists() and not is_locked(root)
+
+
+def test_rollback_delete_removes_the_newer_steps(root, capsys):
+    """With --delete the moved steps are removed at the end: no archive is left."""
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 20, "--delete")
+    assert (code, err) == (0, "")
+    assert out.splitlines() == [
+        f"deleted step 30: {step_dir(root, 30)}",
+        f"deleted step {LEFTOVER}: {step_dir(root, LEFTOVER)}",
+        "tracker: 30 -> 20",
+    ]
+    assert sorted(list_step_dirs(root)) == [10, 20] and read_tracker(root) == 20
+    assert archives(root) == {} and not (root / INTENT_FILENAME).exists()
+
+
+@pytest.mark.parametrize("delete", [False, True], ids=["archive", "delete"])
+def test_rollback_dry_run_changes_nothing(root, capsys, delete):
+    """--dry-run lists what it would do and leaves every file as it was."""
+    before = tree(root)
+    argv = ["rollback", root, "--to", 10, "--dry-run", *(["--delete"] if delete else [])]
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, err) == (0, "")
+    verb = "would delete" if delete else "would move"
+    assert [line.split(" to ")[0].split(":")[0] for line in out.splitlines()[:-1]] == [
+        f"{verb} step {s}" for s in (20, 30, LEFTOVER)
+    ]
+    assert out.splitlines()[-1] == "tracker: 30 -> 10 (dry run: nothing changed)"
+    assert tree(root) == before
+
+
+def test_rollback_refuses_a_target_that_is_not_committed(root, capsys):
+    """The tracker only ever names a committed step (I1): an uncommitted target is refused
+    naming its directory (exit 1), a missing one is a usage error (exit 2)."""
+    before = tree(root)
+    code, out, err = run_cli(capsys, "rollback", root, "--to", LEFTOVER)
+    assert (code, out) == (1, "") and err.count("\n") == 1
+    assert f"cannot roll back to step {LEFTOVER}: {step_dir(root, LEFTOVER)} is not a " in err
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 25)
+    assert (code, out) == (2, "") and f"{step_dir(root, 25)} does not exist" in err
+    with pytest.raises(CommitRecordError, match="not a committed step"):
+        plan_rollback(root, LEFTOVER)
+    assert tree(root) == before
+
+
+def test_rollback_refuses_an_unreadable_tracker(root, capsys):
+    """A tracker that cannot be read is never overwritten blindly: we could not tell what a
+    resume loads now."""
+    tracker_path(root).write_text("thirty\n")
+    before = tree(root)
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 10)
+    assert (code, out) == (1, "") and err.count("\n") == 1
+    assert f"tracker {tracker_path(root)}" in err and "refusing to roll back" in err
+    with pytest.raises(TrackerError):
+        plan_rollback(root, 10)
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize(
+    ("to_step", "delete"),
+    [(10, False), (20, False), (10, True)],
+    ids=["mid-renames", "after-all-renames-before-tracker", "delete"],
+)
+def test_interrupted_rollback_is_completed_and_the_tracker_ends_at_the_target(
+    root, to_step, delete
+):
+    """A crash right after the first rename leaves the intent; completing it (what start-up
+    recovery does first, before any roll-forward) finishes the moves and the tracker ends at
+    N, never at a moved step. Rolling back to 20 moves 40 and 30: the crash then leaves the
+    tracker naming the moved step 30, which only the intent explains."""
+    crash_during_rollback(root, to_step, delete)
+    intent = read_rollback_intent(root)
+    newer = tuple(s for s in (20, 30, LEFTOVER) if s > to_step)
+    assert (intent.to, intent.steps, intent.delete) == (to_step, newer, delete)
+    assert read_tracker(root) == 30  # the crash came before the tracker
+    assert LEFTOVER not in list_step_dirs(root)  # newest first: the first rename took 40
+    assert archives(root) == {intent.archive: [LEFTOVER]}
+
+    assert complete_interrupted_rollback(root) == intent
+    assert read_tracker(root) == to_step
+    assert sorted(list_step_dirs(root)) == [s for s in COMMITTED if s <= to_step]
+    assert archives(root) == ({} if delete else {intent.archive: list(newer)})
+    assert read_rollback_intent(root) is None
+    assert complete_interrupted_rollback(root) is None  # nothing left to do
+
+
+def test_rerunning_the_command_completes_an_interrupted_rollback(root, capsys):
+    """The same `verl-ckpt rollback` again completes the journaled rollback (a warning says
+    so); one to another step is refused while it is pending, naming the intent file."""
+    crash_during_rollback(root, 10)
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 20)
+    assert (code, out) == (1, "")
+    assert f"a rollback of {root} to step 10 was interrupted ({root / INTENT_FILENAME})" in err
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 10)
+    assert code == 0
+    assert err.startswith("verl-ckpt: warning: completing the interrupted rollback to step 10")
+    assert out.splitlines()[-1] == "tracker: 30 -> 10"
+    assert sorted(list_step_dirs(root)) == [10] and read_tracker(root) == 10
+
+
+def test_rollback_and_prune_refused_while_another_process_holds_the_root(root, holders, capsys):
+    """One root, one job: while a running job (a real process) holds the root, rollback and
+    prune are refused with one line naming it (exit 2) and change nothing."""
+    proc = holders.start(root)
+    before = tree(root)
+    for argv in (["rollback", root, "--to", 10], ["prune", root, "--keep", 1]):
+        code, out, err = run_cli(capsys, *argv)
+        assert (code, out) == (2, "") and err.count("\n") == 1
+        assert err.startswith(f"verl-ckpt: error: checkpoint root {root} is in use by job ")
+        assert f"(pid {proc.pid}, since " in err
+    assert tree(root) == before
+    holders.kill(proc)
+    assert run_cli(capsys, "rollback", root, "--to", 10)[0] == 0
+
+
+def test_ls_lists_leftovers_pending_rollback_archives_deletions_and_holder(root, holders, capsys):
+    """`ls` shows what its table does not: the lock holder, a pending rollback, rollback
+    archives with their steps, and `.deleting_*` directories of an interrupted retention."""
+    crash_during_rollback(root, 20)
+    intent = read_rollback_intent(root)
+    (root / ".deleting_global_step_5" / "actor").mkdir(parents=True)
+    proc = holders.start(root)
+    code, out, err = run_cli(capsys, "ls", root)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert "in use by: job `python -m recipes.ppo_toy` on host " in out
+    assert any(line.startswith("in use by: ") and f"(pid {proc.pid}, " in line for line in lines)
+    assert (
+        f"pending rollback: to step 20, moving steps [30, {LEFTOVER}] ({root / INTENT_FILENAME}): "
+        f"interrupted; the next job start or `verl-ckpt rollback {root} --to 20` completes it"
+    ) in lines
+    assert (
+        f"archive {root / intent.archive}: steps [{LEFTOVER}] (moved out by verl-ckpt rollback; "
+        "delete it when no longer needed)"
+    ) in lines
+    assert (
+        f"leftover {root / '.deleting_global_step_5'}: a deletion by retention was interrupted "
+        "or failed; removed after the next commit"
+    ) in lines
+
+    holders.kill(proc)
+    complete_interrupted_rollback(root)
+    code, out, _ = run_cli(capsys, "ls", root)
+    assert "in use by" not in out and "pending rollback" not in out
+    assert f"archive {root / intent.archive}: steps [30, {LEFTOVER}]" in out
+
+
+def test_ls_of_a_root_without_steps_still_lists_leftovers(tmp_path, capsys):
+    """An archive is listed even when no global_step_<N> directory is left."""
+    (tmp_path / "rolled_back_20261123T192518" / "global_step_7").mkdir(parents=True)
+    code, out, _ = run_cli(capsys, "ls", tmp_path)
+    assert code == 0 and "no global_step_<N> directories" in out
+    assert f"archive {tmp_path / 'rolled_back_20261123T192518'}: steps [7]" in out
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"format_version": 2}, "has format_version 2; this verl_ckpt reads version 1 only"),
+        ({"archive": "../../elsewhere"}, "is malformed"),
+        ({"steps": [5]}, "is malformed"),
+    ],
+    ids=["unknown-version", "archive-outside-root", "step-not-newer"],
+)
+def test_a_damaged_or_unknown_intent_is_refused_naming_its_path(root, change, message):
+    """A persisted intent carries a version; one this code cannot trust is an error naming
+    the file, never acted on (the archive is removed recursively with delete)."""
+    intent = {"format_version": 1, "to": 10, "archive": "rolled_back_x", "steps": [20]}
+    (root / INTENT_FILENAME).write_text(json.dumps({**intent, "delete": True, **change}))
+    with pytest.raises(RollbackError, match=message) as refused:
+        complete_interrupted_rollback(root)
+    assert str(root / INTENT_FILENAME) in str(refused.value)
+    assert sorted(list_step_dirs(root)) == [*COMMITTED, LEFTOVER]
+
+
+def test_execute_refuses_an_intent_other_than_the_pending_one(root):
+    """Two rollbacks never interleave: executing a plan while another is journaled fails."""
+    crash_during_rollback(root, 10)
+    other = RollbackIntent(20, "rolled_back_other", (30,), False)
+    with pytest.raises(RollbackError, match="another rollback .* is pending"):
+        execute_rollback(root, other)
+    assert not (root / "rolled_back_other").exists()
