@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import socket
 from dataclasses import dataclass
 from itertools import chain
 
@@ -44,7 +45,9 @@ __all__ = [
     "compute_loss",
     "destroy_distributed",
     "gather_vocab_logits",
+    "host_rendezvous",
     "init_distributed",
+    "join_rendezvous",
     "load_optimizer_state",
     "make_adam",
     "optimizer_sharded_state_dict",
@@ -61,29 +64,84 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def host_rendezvous(world_size: int, timeout_s: float = 120.0) -> torch.distributed.TCPStore:
+    """Rank 0's side of a role's rendezvous: a TCPStore server on a loopback port the OS picks.
+
+    The port is bound here and stays bound while the store lives: report ``store.port`` to the
+    other ranks, which ``join_rendezvous`` it. (Finding a free port, closing it and letting
+    ``init_process_group`` bind it again later was a race: any process could take the port in
+    between.) The socket is bound to 127.0.0.1 and handed over to the store, because a TCPStore
+    that binds the port itself listens on every interface. Nobody waits for the other ranks
+    here: ``init_distributed`` does, within its timeout.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        store = torch.distributed.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    # The store's server owns the socket now (and closes it); Python must not close it too.
+    listener.detach()
+    return store
+
+
+def join_rendezvous(
+    port: int, world_size: int, timeout_s: float = 120.0
+) -> torch.distributed.TCPStore:
+    """The other ranks' side: a client of rank 0's store on 127.0.0.1:``port`` (connecting is
+    retried until ``timeout_s``)."""
+    return torch.distributed.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def init_distributed(
     rank: int,
     world_size: int,
-    master_port: int,
+    master_port: int | None = None,
     tensor_parallel_size: int = 1,
     timeout_s: float = 120.0,
     seed: int = 1234,
+    store: torch.distributed.Store | None = None,
 ) -> None:
     """Join the default process group on loopback and set up megatron's parallel state.
 
-    gloo on CPU, nccl on CUDA, rendezvous at ``tcp://127.0.0.1:{master_port}`` so that nothing
-    listens beyond this host. One torch thread per rank: with more threads than cores, step
-    times vary by an order of magnitude and results change in the last bits.
+    gloo on CPU, nccl on CUDA. The rendezvous is ``store`` when given (``host_rendezvous`` on
+    rank 0, ``join_rendezvous`` on the others: no port is ever free between being chosen and
+    being used), else ``tcp://127.0.0.1:{master_port}`` (rank 0 binds ``master_port`` only
+    here; the caller must make sure nothing else took it). megatron's model-parallel groups
+    are built on the same store. One torch thread per rank: with more threads than cores,
+    step times vary by an order of magnitude and results change in the last bits.
     """
+    if (store is None) == (master_port is None):
+        raise ValueError("init_distributed: give exactly one of master_port and store")
     torch.set_num_threads(1)
     if _cuda():
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    rendezvous = (
+        {"store": store} if store is not None else {"init_method": f"tcp://127.0.0.1:{master_port}"}
+    )
     torch.distributed.init_process_group(
         backend="nccl" if _cuda() else "gloo",
-        init_method=f"tcp://127.0.0.1:{master_port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **rendezvous,
     )
     parallel_state.initialize_model_parallel(
         tensor_parallel_size, 1, distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60))

@@ -5,7 +5,9 @@ data-parallel. A rank holds a tiny megatron-core GPTModel, a torch Adam whose st
 megatron-core sharded state dict, and a `verl_ckpt.CheckpointManager` for its role.
 
 Call order from the driver (every rank of a role gets every call, concurrently):
-  1. rank 0: `free_port()`; then every rank: `setup(port)` (joins the role's world);
+  1. every rank: `started()` (its pid, once constructed); rank 0: `open_rendezvous()` (binds
+     the role's rendezvous port and keeps it); then every rank: `setup(port)` (joins the
+     role's world there);
   2. resume only: `load(step_dir)`;
   3. per step: actor `generate(prompts)`, critic `compute_values(tokens)`, then actor
      `update(...)` and critic `update(...)`;
@@ -20,10 +22,11 @@ same, so they sample the same tokens.
 from __future__ import annotations
 
 import os
-import socket
+import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 
 from recipes.ppo_config import PPOToyConfig, derive_seed
@@ -32,9 +35,55 @@ from recipes.ppo_math import policy_loss, value_loss
 if TYPE_CHECKING:
     from verl_ckpt import CheckpointManager
 
-__all__ = ["ActorWorker", "CriticWorker"]
+__all__ = [
+    "ActorWorker",
+    "CriticWorker",
+    "WorkerStartupError",
+    "WorkerStartupTimeout",
+    "process_died",
+]
 
 EXTRA_FORMAT = 1
+
+
+class WorkerStartupError(RuntimeError):
+    """A rank could not start (its process died, its set-up raised, or it was not ready in
+    time). The message is one line that names the rank(s)."""
+
+    @classmethod
+    def from_ray_error(cls, who: str, exc: Exception) -> WorkerStartupError:
+        """One line from a Ray error (Ray's messages span many lines): who died or failed, why."""
+        text = str(exc)
+        if process_died(exc):
+            pid = re.search(r"^\s*pid: (\d+)\s*$", text, re.MULTILINE)
+            detail = re.search(r"Worker exit detail: (.+?\.)(?:\s|$)", text)
+            process = f"its process (pid {pid[1]})" if pid else "its process"
+            reason = detail[1] if detail else _first_line(text)
+            return cls(f"{who} died during start-up: {process} exited: {reason}")
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            cause = exc.cause
+            return cls(
+                f"{who} failed during start-up: {type(cause).__name__}: {_first_line(str(cause))}"
+            )
+        # The constructor raised (Ray's message ends with the exception's last line), or Ray
+        # itself failed.
+        lines = text.strip().splitlines()
+        return cls(f"{who} failed during start-up: {lines[-1] if lines else type(exc).__name__}")
+
+
+class WorkerStartupTimeout(WorkerStartupError, TimeoutError):
+    """Ranks not ready within `trainer.startup_timeout_s` (slow, or not placed by Ray)."""
+
+
+def process_died(exc: Exception) -> bool:
+    """Whether a Ray error says the rank's process is gone (not: its constructor raised, which
+    Ray reports with the same exception class)."""
+    return isinstance(exc, ray.exceptions.RayActorError) and not exc.actor_init_failed
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _import_megatron() -> Any:
@@ -62,31 +111,57 @@ class _RankWorker:
         self.model = None
         self.optimizer = None
         self.manager: CheckpointManager | None = None
+        # Rank 0 only, from open_rendezvous() on: the role's rendezvous store (it must stay
+        # alive while the process group exists: the group's store is this one).
+        self._rendezvous: torch.distributed.TCPStore | None = None
         self._watched: list[Any] = []  # SaveStats whose background write may still run
         self._offloaded = False
 
     # ---- set-up --------------------------------------------------------------------------
 
-    def free_port(self) -> int:
-        """A free loopback port on this rank's node for the role's gloo rendezvous."""
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
+    def started(self) -> int:
+        """This rank's process id, once the rank is constructed (megatron-core imported)."""
+        return os.getpid()
+
+    def open_rendezvous(self) -> int:
+        """Rank 0: host the role's rendezvous on a loopback port of this node; the port.
+
+        The port stays bound from here until the process exits, so the other ranks can join
+        it whenever their `setup` runs; no other process can take it in between.
+        """
+        if self.rank != 0:
+            raise RuntimeError(f"{self.role} rank {self.rank}: only rank 0 hosts the rendezvous")
+        if self._rendezvous is None:
+            self._rendezvous = self.mc.host_rendezvous(
+                self.world_size, self.cfg.trainer.startup_timeout_s
+            )
+        return self._rendezvous.port
 
     def setup(self, port: int) -> dict[str, int]:
+        """Join the role's world at rank 0's rendezvous `port`, then build model, optimizer
+        and checkpoint manager."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
         from verl_ckpt import CheckpointManager
 
-        tp = self.role_cfg.tensor_parallel_size
+        timeout_s = self.cfg.trainer.startup_timeout_s
+        if self.rank == 0:
+            if self._rendezvous is None or self._rendezvous.port != port:
+                raise RuntimeError(
+                    f"{self.role} rank 0: setup({port}) without open_rendezvous() returning "
+                    f"that port first"
+                )
+            store = self._rendezvous
+        else:
+            store = self.mc.join_rendezvous(port, self.world_size, timeout_s)
         self.mc.init_distributed(
             self.rank,
             self.world_size,
-            port,
-            tensor_parallel_size=tp,
-            timeout_s=self.cfg.trainer.startup_timeout_s,
+            tensor_parallel_size=self.role_cfg.tensor_parallel_size,
+            timeout_s=timeout_s,
             seed=self.cfg.trainer.seed,
+            store=store,
         )
         m = self.cfg.model
         shape = self.mc.TinyGPTConfig(
