@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from verl_ckpt.commit_record import FileEntry
 from verl_ckpt.fsio import ChecksummingWriter
+from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.tracker import read_tracker
 
@@ -161,7 +162,7 @@ def _begin_args(step: int, rank: int, world: int) -> tuple:
 
 
 def _measure(world: int, root: Path) -> list[dict[str, float]]:
-    from verl_ckpt.finalizer import start_finalizer
+    from verl_ckpt.finalizer_client import start_finalizer
 
     finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=2, timeout_s=120.0)
     figures = []
@@ -221,9 +222,9 @@ def _profile_in_process(world: int, root: Path) -> str:
 
     Step 2 is profiled: its N begin_step calls and N reports, then its commit. The commit
     normally runs in a worker thread (out of cProfile's sight), so for the profiled step the
-    last report is recorded into the step's state and `_commit` is called directly (private
-    API: a diagnostic, not a use of the library).
+    commit and retention functions (verl_ckpt.commit) are called directly on the reports.
     """
+    from verl_ckpt.commit import apply_retention, commit_step
     from verl_ckpt.finalizer import CheckpointFinalizer
 
     finalizer = CheckpointFinalizer(str(root), {ROLE: world}, 2)
@@ -244,10 +245,8 @@ def _profile_in_process(world: int, root: Path) -> str:
         for report in reports[:-1]:
             await finalizer.report(report)
         if step == 2:
-            state = finalizer._steps[step]
-            state.reports[reports[-1].participant] = reports[-1]
-            finalizer._commit(state)
-            state.done.set()
+            commit_step(root, step, {ROLE: world}, reports)
+            apply_retention(root, 2, ())
             profiler.disable()
         else:
             await finalizer.report(reports[-1])
@@ -262,8 +261,8 @@ def _profile_in_process(world: int, root: Path) -> str:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats("verl_ckpt", 8)
     stats.sort_stats("cumulative").print_stats(
-        r"verl_ckpt.*\((report|_commit|_check_reported_files|_complete_role|_apply_retention"
-        r"|committed_steps|missing|begin_step|write_commit_record)\)",
+        r"verl_ckpt.*\((report|commit_step|_reported_files|_complete_role|apply_retention"
+        r"|committed_steps|missing|begin_step|write_commit_record|record)\)",
         12,
     )
     return "\n".join(
@@ -276,7 +275,7 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, f
     ranks on disk and retention off (max_ckpt_to_keep=None, the default): the committed
     steps are copies of one real commit record of N ranks (committed_steps() reads only
     the records)."""
-    from verl_ckpt.finalizer import start_finalizer
+    from verl_ckpt.finalizer_client import start_finalizer
 
     finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=None, timeout_s=120.0)
     out = []
@@ -302,7 +301,8 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, f
                 samples.append(time.perf_counter() - t)
                 # Leave the step failed (a report with an error), so that the next begin_step
                 # is not held back by an uncommitted step.
-                failed = RankReport(step, ROLE, 0, world, uuid.uuid4().hex, error="benchmark")
+                failure = Failure(ROLE, 0, Phase.WRITE, "benchmark")
+                failed = RankReport(step, ROLE, 0, world, uuid.uuid4().hex, failure=failure)
                 ray.get(finalizer.report.remote(failed))
                 shutil.rmtree(root / f"global_step_{step}", ignore_errors=True)
             out.append((target, _median(samples)))

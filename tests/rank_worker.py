@@ -151,10 +151,28 @@ class RankWorker:
     def wait(self, timeout_s: float | None = None) -> list[dict]:
         return [vars(s) for s in self.manager.wait(timeout_s)]
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         if self.manager is not None:
-            self.manager.close()
-            self.manager = None
+            manager, self.manager = self.manager, None
+            manager.close(timeout_s)
+
+    def moment_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of Adam's exp_avg of each parameter, in optimizer order."""
+        return [tuple(s["exp_avg"].shape) for s in self.optimizer.state.values()]
+
+    def set_moment_layout(self, views: list[int]) -> None:
+        """Give Adam's exp_avg of the parameters at `views` storage it shares with more data
+        (a view: offload-aware staging copies it) and the others a storage of their own
+        (written live, without a copy), as an offloading trainer's allocator might."""
+        for index, state in enumerate(self.optimizer.state.values()):
+            value = state["exp_avg"].detach()
+            if index in views:
+                backing = torch.empty(value.numel() + 1, dtype=value.dtype)
+                view = backing[1:].view(value.shape)
+                view.copy_(value)
+                state["exp_avg"] = view
+            else:
+                state["exp_avg"] = value.clone()
 
     def load(self, step_path: Any) -> None:
         """Restore model, optimizer and RNG from a committed step, as a resuming trainer does."""

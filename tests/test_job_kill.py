@@ -98,3 +98,35 @@ def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path):
             "verl_ckpt_commit.json"
         }
         assert on_disk == {f.path for f in read_commit_record(step4).files}
+
+
+def test_I2_whole_job_killed_between_the_record_and_the_tracker_resumes_from_that_step(tmp_path):
+    """Issue "Trust" #2: the job is killed after step 2's commit record is durable and before
+    the tracker moved (the finalizer hangs at that moment). The commit record is the commit
+    point: the next run rolls the tracker forward and resumes from step 2. It used to find
+    no tracker beside a committed step and refuse to start (or, with an older tracker, to
+    resume from the older step and die when it reached step 2 again)."""
+    root = tmp_path / "ckpt"
+    hung = recipe(
+        tmp_path / "run1",
+        root,
+        "trainer.total_steps=2",
+        env=recipe_env(**{ENV_VAR: "tracker=hang"}),
+        new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not is_committed(step_dir(root, 2)) and time.monotonic() < deadline:
+            assert hung.poll() is None, hung.stdout.read()[-4000:]
+            time.sleep(0.2)
+        assert is_committed(step_dir(root, 2)), "step 2's commit record never appeared"
+    finally:
+        kill_session(hung.pid)
+        hung.communicate()
+    assert read_tracker(root) is None
+
+    out = finish(recipe(tmp_path / "run2", root, "trainer.total_steps=4", env=recipe_env()))
+    assert "moving the tracker forward" in out
+    assert f"resumed from {step_dir(root, 2)} (step 2)" in out
+    assert read_tracker(root) == 4
+    assert sorted(read_metrics(tmp_path / "run2" / "metrics.jsonl")) == [3, 4]

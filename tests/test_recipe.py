@@ -154,6 +154,44 @@ def test_I1_I4_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path)
     assert record.participants == {"actor": 2, "critic": 1, "driver": 1}
 
 
+@pytest.mark.slow
+def test_I3_readme_rollback_then_resume_path_continues_from_the_older_step(tmp_path):
+    """The README's way back to an older step: resume_path at step 2 of a root that
+    committed step 4 is refused at start-up; `verl-ckpt rollback ROOT --to 2` moves step 4
+    aside; then the same resume_path run continues from step 2 exactly as the first run did
+    (bit-identical steps 3 and 4)."""
+    root = tmp_path / "ckpt"
+    common = ("trainer.total_steps=4", "checkpoint.save_freq=2", f"checkpoint.root_dir={root}")
+    finish(start_recipe(tmp_path / "run1", *common))
+    from_step_2 = (
+        "checkpoint.resume_mode=resume_path",
+        f"checkpoint.resume_from_path={step_dir(root, 2)}",
+    )
+    refused = start_recipe(tmp_path / "refused", *common, *from_step_2)
+    output, _ = refused.communicate(timeout=RUN_TIMEOUT_S)
+    assert refused.returncode == 2, output[-3000:]
+    assert f"verl-ckpt rollback {root} --to 2" in output and "embedded Ray" not in output
+    rollback = subprocess.run(
+        [sys.executable, "-m", "verl_ckpt.cli", "rollback", str(root), "--to", "2"],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rollback.returncode == 0, rollback.stderr[-2000:]
+    assert read_tracker(root) == 2 and not step_dir(root, 4).exists()
+    assert [p.name for p in root.glob("rolled_back_*/global_step_4")] == ["global_step_4"]
+    second = finish(start_recipe(tmp_path / "run2", *common, *from_step_2))
+    assert f"resumed from {step_dir(root, 2)} (step 2)" in second
+    run1 = read_metrics(tmp_path / "run1" / "metrics.jsonl")
+    run2 = read_metrics(tmp_path / "run2" / "metrics.jsonl")
+    assert sorted(run2) == [3, 4]
+    for step in (3, 4):
+        assert {k: run2[step][k] for k in COMPARED} == {k: run1[step][k] for k in COMPARED}
+    assert read_tracker(root) == 4
+
+
 # ---- Ray job submission ------------------------------------------------------------------
 
 

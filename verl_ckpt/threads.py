@@ -65,9 +65,10 @@ class DaemonPool:
             if item is _STOP:
                 return
             future, fn, args, label = item
+            # A call not started by close() is cancelled; notify_cancel wakes its waiters
+            # (a future only cancel()ed never counts as done for concurrent.futures.wait).
             if self._closed:
                 future.cancel()
-                continue
             if not future.set_running_or_notify_cancel():
                 continue
             with self._lock:

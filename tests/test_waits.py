@@ -1,0 +1,85 @@
+"""Waits in the rank (I5): every wait has a deadline, and none swallows Ctrl-C.
+
+Real signals and real threads; no Ray."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
+
+import pytest
+
+from verl_ckpt.errors import CommitTimeoutError
+from verl_ckpt.inflight import InFlightSaves
+from verl_ckpt.threads import DaemonPool
+
+
+def interrupt_soon(delay_s: float = 0.3) -> threading.Timer:
+    """A real SIGINT to this process, as Ctrl-C in the trainer's terminal sends."""
+    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("wait", ["wait_for_room", "drain"])
+def test_I5_ctrl_c_while_waiting_for_a_save_is_never_swallowed(wait):
+    """The rank's wait loops caught BaseException around each wait and carried on, so
+    Ctrl-C during save() back-pressure, wait() or close() was lost until the deadline."""
+    saves = InFlightSaves(limit=1, owner="actor rank 0", timeout_s=60)
+    saves.add(1, time.monotonic() + 60, Future(), stats=None)  # a write that never ends
+    timer = interrupt_soon()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if wait == "wait_for_room":
+                saves.wait_for_room()
+            else:
+                saves.drain(time.monotonic() + 60)
+    finally:
+        timer.cancel()
+
+
+def test_I5_back_pressure_names_the_step_still_writing_at_its_deadline():
+    saves = InFlightSaves(limit=1, owner="critic rank 0", timeout_s=0.2)
+    saves.add(7, time.monotonic() + 0.2, Future(), stats=None)
+    with pytest.raises(CommitTimeoutError, match="critic rank 0: the write of step 7 is still"):
+        saves.wait_for_room()
+
+
+def test_I5_a_failed_save_is_raised_once_and_finished_saves_are_collected():
+    saves = InFlightSaves(limit=2, owner="actor rank 1", timeout_s=5)
+    done, failed = Future(), Future()
+    done.set_result(None)
+    failed.set_exception(RuntimeError("disk on fire"))
+    saves.add(1, time.monotonic() + 5, done, stats="stats of 1")
+    saves.add(2, time.monotonic() + 5, failed, stats="stats of 2")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        saves.wait_for_room()
+    saves.wait_for_room()  # raised once only
+    assert saves.take_completed() == ["stats of 1"] and len(saves) == 0
+
+
+def test_I5_daemon_pool_close_is_bounded_and_names_a_hung_task():
+    pool = DaemonPool(1, "test_pool")
+    running, release = threading.Event(), threading.Event()
+
+    def hang() -> bool:
+        running.set()
+        return release.wait(30)
+
+    hung = pool.submit(hang, label="write /ckpt/__0_0.distcp")
+    assert running.wait(10)
+    queued = [pool.submit(time.sleep, 0) for _ in range(3)]  # never started: cancelled
+    started = time.monotonic()
+    stuck = pool.close(0.5)
+    assert stuck == ["write /ckpt/__0_0.distcp"]
+    assert time.monotonic() - started < 5  # bounded by its deadline, not by the task
+    release.set()
+    assert hung.result(timeout=5) is True
+    _, not_done = wait_for_futures(queued, timeout=5)  # the freed thread cancels them
+    assert not not_done and all(f.cancelled() for f in queued)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(time.sleep, 0)
