@@ -51,6 +51,15 @@ def kill_session(session_id: int) -> None:
     psutil.wait_procs(victims, timeout=30)
 
 
+def wait_while_running(proc, condition, what: str, timeout_s: float = 240) -> None:
+    """Poll `condition` until it holds, failing if the job exits first or `timeout_s` ends."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        time.sleep(0.2)
+    assert condition(), what
+
+
 def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path):
     root = tmp_path / "ckpt"
     finish(recipe(tmp_path / "run1", root, "trainer.total_steps=2", env=recipe_env()))
@@ -65,12 +74,8 @@ def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path):
         new_session=True,
     )
     try:
-        deadline = time.monotonic() + 240
         actor_files = step_dir(root, 4) / "actor"
-        while not list(actor_files.glob("*.distcp")) and time.monotonic() < deadline:
-            assert hung.poll() is None, hung.stdout.read()[-4000:]
-            time.sleep(0.2)
-        assert list(actor_files.glob("*.distcp")), "step 4 never started"
+        wait_while_running(hung, lambda: any(actor_files.glob("*.distcp")), "step 4 never started")
     finally:
         kill_session(hung.pid)
         hung.communicate()
@@ -115,11 +120,9 @@ def test_I2_whole_job_killed_between_the_record_and_the_tracker_resumes_from_tha
         new_session=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        while not is_committed(step_dir(root, 2)) and time.monotonic() < deadline:
-            assert hung.poll() is None, hung.stdout.read()[-4000:]
-            time.sleep(0.2)
-        assert is_committed(step_dir(root, 2)), "step 2's commit record never appeared"
+        wait_while_running(
+            hung, lambda: is_committed(step_dir(root, 2)), "step 2's record never appeared"
+        )
     finally:
         kill_session(hung.pid)
         hung.communicate()

@@ -83,19 +83,23 @@ class RenameNotDurable(OSError):
 
 
 def atomic_write_bytes(
-    path: str | os.PathLike, data: bytes, before_replace: Callable[[], None] | None = None
+    path: str | os.PathLike,
+    data: bytes,
+    before_replace: Callable[[], None] | None = None,
+    tmp_tag: str | None = None,
 ) -> None:
     """Replace `path` with `data` so that a reader sees the old or the new content, never less.
 
     Order matters: the temporary file is fsynced before the rename (else a crash could leave
     the new name pointing at an empty file), and the directory is fsynced after the rename
     (else the rename itself may be lost and the old content come back). A temporary file
-    left by a crash is named `.<name>.tmp.<pid>`: `remove_stale_temporaries` clears them.
+    left by a crash is named `.<name>.tmp.<tmp_tag or pid>`: `remove_stale_temporaries` clears
+    them. Writers on several nodes (where two processes can share a pid) pass a unique tag.
     An error after the rename is raised as RenameNotDurable: callers whose protocol hinges
     on the rename (the tracker: nothing un-commits a step after it) tell the two apart.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp.{tmp_tag or os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)

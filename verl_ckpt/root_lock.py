@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 
 from verl_ckpt.errors import RootLockedError
-from verl_ckpt.fsio import fsync_dir
+from verl_ckpt.fsio import atomic_write_bytes, fsync_dir
 
 __all__ = [
     "LEASE_FILENAME",
@@ -275,21 +275,10 @@ class _LeaseLost(Exception):
 def _write_lease(
     path: Path, record: dict[str, Any], before_replace: Callable[[], None] | None = None
 ) -> None:
-    """Replace the lease atomically. Not fsio.atomic_write_bytes: its temporary is named by
-    pid, and two nodes can run the same pid; ours is named by the lease's random token."""
-    tmp = path.with_name(f"{path.name}.tmp.{record['token']}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(record).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    """Replace the lease atomically. Its temporary is named by the lease's random token, not
+    by pid: two nodes can run the same pid."""
+    data = json.dumps(record).encode()
+    atomic_write_bytes(path, data, before_replace=before_replace, tmp_tag=record["token"])
 
 
 def _create_lease(path: Path, record: dict[str, Any]) -> bool:
