@@ -7,6 +7,7 @@ The actor keeps the state, the floors and any number of open systems; the driver
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import os
@@ -115,6 +116,19 @@ class RankBench:
         self.write_path.run(variant, Path(directory), self.copy_floor)
         return {"t0": t0, "t_end": time.time()}
 
+    # ---- loads ---------------------------------------------------------------------------
+
+    def load_open(self, system: str, role_dir: str, dcp_dir: str) -> None:
+        from benchmarks.loads import LoadRunner
+
+        self.loads = LoadRunner(self.state, self.systems[system], Path(role_dir), Path(dcp_dir))
+
+    def load_variant(self, variant: str) -> dict[str, Any]:
+        from benchmarks.loads import time_variant
+
+        _align()
+        return time_variant(self.loads, variant)
+
     # ---- a training step after save() returned ---------------------------------------------
 
     def update(self, offload: bool) -> dict[str, Any]:
@@ -132,7 +146,12 @@ class RankBench:
         copy-on-write faults of a forked writer)."""
         out = self.save(name, step, directory)
         start = time.perf_counter()
-        self.state.update(offload)
+        # As a trainer's optimizer step with fence_before(): verl_ckpt fences (a deferred
+        # snapshot's copy may still run: the update then waits for it, which this timing
+        # includes) and holds its background writes back while the update runs.
+        quiet = getattr(self.systems[name], "quiet", contextlib.nullcontext)
+        with quiet():
+            self.state.update(offload)
         out["update_s"] = time.perf_counter() - start
         return out
 

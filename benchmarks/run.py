@@ -59,9 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulated rank counts of the finalizer benchmark (default 8,64,512,4096; "
         "with --finalizer-scale 8,64,512,2048,4096; quick 8,64,512)",
     )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="also compare time to durable with DCP async_save at these state sizes in GiB "
+        "(default 0.25,2; quick: none; 'none' to skip)",
+    )
     parser.add_argument("--recipe", action="store_true", help="also time recipes.ppo_toy steps")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile'd save")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the write-path breakdown")
+    parser.add_argument("--no-load", action="store_true", help="skip the load (resume) benchmark")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: /tmp)")
     parser.add_argument("--out-dir", default=str(HERE), help="where results.md/.png go")
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
@@ -75,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown systems {unknown}; choose among {list(SYSTEMS)}")
     args.system_names = names
+    sizes = args.sizes if args.sizes is not None else ("none" if args.quick else "0.25,2")
+    args.size_list = [] if sizes == "none" else [float(x) for x in sizes.split(",")]
     if args.ranks:
         args.rank_counts = [int(x) for x in args.ranks.split(",")]
     elif args.quick:
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.finalizer_scale:
             rows = run_saves(args, workdir, meta, sections)
+            if args.size_list:
+                sections.append(run_sizes(args, workdir))
         if args.finalizer_scale or args.with_finalizer_scale:
             sections.append(run_finalizer_scale(args, workdir))
         if args.recipe:
@@ -169,10 +180,13 @@ def run_saves(
     bench = SaveBench(spec, workdir, log)
     left: list[str] = []
     write_path: dict[str, list[float]] = {}
+    loads: dict[str, dict[str, list[float]]] = {}
     try:
         ops = bench.run(args.system_names, args.saves, profile=not args.no_profile)
         if not args.no_breakdown:
             write_path = bench.write_path(reps=2 if args.quick else 3)
+        if not args.no_load:
+            loads = bench.load_bench(reps=2 if args.quick else 3)
     finally:
         left = bench.close()
     raw = {
@@ -180,13 +194,14 @@ def run_saves(
         "ops": [asdict(o) for o in ops],
         "after_save": bench.after_save,
         "write_path": write_path,
+        "loads": loads,
         "profile": bench.profile,
     }
     (Path(args.out_dir) / "results.json").write_text(json.dumps(raw, indent=1, default=str))
     rows = report.summarize(ops, args.system_names)
     tables = report.timing_tables(rows)
     memory = report.memory_table(rows)
-    goals = report.targets(rows)
+    goals = report.targets(rows, bench.after_save)
     log("\n" + tables + "\n\n### Memory\n\n" + memory + "\n\n### Targets (verl_ckpt thread)\n")
     for line in goals:
         log("- " + line)
@@ -201,10 +216,20 @@ def run_saves(
             after + "\n\n" + report.AFTER_SAVE_NOTE,
         )
     )
+    timeline = report.durable_timeline(ops)
+    log("\n### Where time to durable goes, step by step\n\n" + timeline)
+    sections.append(("Where verl_ckpt's time to durable goes, step by step", timeline))
     if write_path:
         text = report.write_path_table(write_path)
         log("\n### Where time to durable goes (write path)\n\n" + text)
-        sections.append(("Where verl_ckpt's time to durable goes", text + "\n\n" + WRITE_PATH_NOTE))
+        sections.append(("Where the write itself goes", text + "\n\n" + WRITE_PATH_NOTE))
+    if loads:
+        from benchmarks.loads import load_table
+
+        table, verdicts = load_table(loads)
+        text = table + "\n\n" + _bullets(verdicts) + "\n\n" + LOAD_NOTE
+        log("\n### Resume: loading a committed step\n\n" + text)
+        sections.append(("Resume: loading a committed step", text))
     sections.append(
         (
             "Where verl_ckpt's blocking time goes",
@@ -227,6 +252,17 @@ def run_saves(
     )
     sections.append(("How each system was run", _bullets(notes)))
     return rows
+
+
+def run_sizes(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
+    from benchmarks.sizes import run_sizes as sweep
+    from benchmarks.sizes import sizes_table
+
+    found = sweep(args.size_list + [args.size_gib], args.saves, workdir, log)
+    table, verdicts = sizes_table(sorted(found, key=lambda f: f["size_gib"]))
+    text = table + "\n\n" + _bullets(verdicts)
+    log("\n### Time to durable against DCP async_save, by state size\n\n" + text)
+    return ("Time to durable against DCP async_save, by state size", text)
 
 
 def run_finalizer_scale(args: argparse.Namespace, workdir: Path) -> tuple[str, str]:
@@ -282,6 +318,14 @@ WRITE_PATH_NOTE = (
     "`file_writer.write_bucket` (the same plus its checksumming stream) as its writer "
     "runs it; `copy, then write floor` is the copy floor followed by the write floor, the "
     "least a design that snapshots by copying and then writes can take."
+)
+
+LOAD_NOTE = (
+    "Each variant loads this rank's share of the state into the ranks' live tensors, both "
+    "ranks at once, slowest rank counted; rotated order. The read floor reads the files this "
+    "rank wrote with plain reads into a buffer allocated beforehand. Warm: the page cache "
+    "holds the files (they were just written); cold: the page cache is dropped "
+    "(/proc/sys/vm/drop_caches) before every variant, as on a node that did not write them."
 )
 
 SYSTEM_NOTES = [

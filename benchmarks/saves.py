@@ -51,6 +51,9 @@ class Op:
     peak_extra: int | None = None  # bytes over the block's baseline, saves only
     resident_after: int | None = None
     rank_info: list[dict[str, Any]] = field(default_factory=list)
+    # verl_ckpt only: what wait_for_commit returned (wall-clock times of the commit's steps),
+    # and when the driver got it.
+    commit: dict[str, Any] = field(default_factory=dict)
 
 
 class SaveBench:
@@ -76,12 +79,17 @@ class SaveBench:
         self.profile: str | None = None
         self.after_save: dict[str, dict[str, Any]] = {}
         self._pair = -1
+        self._measure_after_save = True
         self.helper_pids: dict[int, tuple[str, float]] = {}
 
     # ---- blocks --------------------------------------------------------------------------
 
-    def run(self, systems: list[str], saves: int, profile: bool = True) -> list[Op]:
-        """The reference's own block first, then one block per other system."""
+    def run(
+        self, systems: list[str], saves: int, profile: bool = True, after_save: bool = True
+    ) -> list[Op]:
+        """The reference's own block first, then one block per other system (`after_save`:
+        each block ends with the next-training-step measurement)."""
+        self._measure_after_save = after_save
         self._open(REFERENCE)
         self._block(REFERENCE, saves, with_reference=False)
         if profile:
@@ -120,6 +128,8 @@ class SaveBench:
                 f"    save {i + 1}: blocking {last.blocking_s:.3f} s, durable "
                 f"{last.durable_s:.3f} s, peak extra {(last.peak_extra or 0) / 2**20:.0f} MiB"
             )
+        if not self._measure_after_save:
+            return
         self._after_save(name)
         after = self.after_save[name]
         self.log(
@@ -135,7 +145,7 @@ class SaveBench:
         if kind == "verl":
             from verl_ckpt import CheckpointCoordinator
 
-            config = verl_config(str(root), options["mode"], options["offload_aware"])
+            config = verl_config(str(root), **options)
             self.coordinators[name] = CheckpointCoordinator(
                 config, {"bench": self.spec.world_size}, save_driver_state=False
             )
@@ -179,6 +189,7 @@ class SaveBench:
         profile: bool = False,
         update: bool | None = None,
         record: bool = True,
+        keep: bool = False,
     ) -> tuple[Op, list[dict]]:
         """One save of `name`, waited for until durable. update=None: measured as a save;
         otherwise the ranks run a training-step-like update right after save() returned
@@ -197,9 +208,11 @@ class SaveBench:
         saved = self._get(calls)
         t0 = min(s["t0"] for s in saved)
         coordinator = self.coordinators.get(name)
+        commit: dict[str, Any] = {}
         if coordinator is not None:
-            coordinator.wait_for_commit(step)
+            commit = coordinator.wait_for_commit(step)
             t_durable = time.time()
+            commit["t0"], commit["durable_at"] = t0, t_durable
             waited = self._get([r.wait.remote(name) for r in self.ranks])
         else:
             waited = self._get([r.wait.remote(name) for r in self.ranks])
@@ -215,10 +228,12 @@ class SaveBench:
             peak_extra=peak - self.baselines[name],
             resident_after=self.sampler.now() - self.baselines[name],
             rank_info=[{**s["info"], **w["info"]} for s, w in zip(saved, waited, strict=True)],
+            commit=commit,
         )
         if record and not profile and update is None:
             self.ops.append(op)
-        shutil.rmtree(directory, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(directory, ignore_errors=True)
         return op, saved
 
     def _profiled_reference_save(self, saves: int = 3) -> str:
@@ -289,6 +304,42 @@ class SaveBench:
                 outs = self._get(calls)
                 found[variant].append(max(o["t_end"] for o in outs) - min(o["t0"] for o in outs))
                 shutil.rmtree(directory, ignore_errors=True)
+        return found
+
+    def load_bench(self, reps: int) -> dict[str, dict[str, list[float]]]:
+        """Resume speed (benchmarks/loads.py): a committed step of the reference and DCP's
+        own save of the same tensors, loaded back by every variant `reps` times, rotated,
+        both ranks at once; page cache warm, then dropped before every variant."""
+        from benchmarks.loads import LOAD_VARIANTS, can_drop_caches, cleanup, drop_caches
+        from benchmarks.systems import DCP_PEER
+
+        self._save(REFERENCE, REFERENCE, -1, record=False, keep=True)
+        step_path = self.workdir / _slug(REFERENCE) / f"global_step_{self.steps[REFERENCE]}"
+        dcp_dir = self.workdir / "load_dcp"
+        self._open(DCP_PEER)
+        try:
+            self._settle()
+            self._get([r.save.remote(DCP_PEER, 1, str(dcp_dir)) for r in self.ranks])
+            self._get([r.wait.remote(DCP_PEER) for r in self.ranks])
+        finally:
+            self._close(DCP_PEER)
+        role_dir = step_path / "bench"
+        self._get([r.load_open.remote(REFERENCE, str(role_dir), str(dcp_dir)) for r in self.ranks])
+        caches = ["warm", "cold"] if can_drop_caches() else ["warm"]
+        found: dict[str, dict[str, list[float]]] = {
+            c: {v: [] for v in LOAD_VARIANTS} for c in caches
+        }
+        self.log(f"[loads] {len(LOAD_VARIANTS)} variants x {reps}, page cache {', '.join(caches)}")
+        for cache in caches:
+            for i in range(reps):
+                shift = i % len(LOAD_VARIANTS)
+                for variant in LOAD_VARIANTS[shift:] + LOAD_VARIANTS[:shift]:
+                    if cache == "cold":
+                        drop_caches()
+                    outs = self._get([r.load_variant.remote(variant) for r in self.ranks])
+                    seconds = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
+                    found[cache][variant].append(seconds)
+        cleanup(step_path, dcp_dir)
         return found
 
     # ---- plumbing ------------------------------------------------------------------------

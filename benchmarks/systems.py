@@ -23,8 +23,14 @@ from verl_ckpt.fsio import CHECKSUM_ALGORITHM, new_hasher
 __all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
 
 # name -> (kind, options); the order is the order of the report.
+# Every verl_ckpt system calls manager.prepare() when it opens, as the recipe does after
+# building its model, unless "prepare": False.
+_THREAD = {"mode": "thread", "offload_aware": False}
 SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
-    "verl_ckpt thread": ("verl", {"mode": "thread", "offload_aware": False}),
+    "verl_ckpt thread": ("verl", _THREAD),
+    "verl_ckpt thread without prepare()": ("verl", {**_THREAD, "prepare": False}),
+    "verl_ckpt thread nice 0": ("verl", {**_THREAD, "nice": 0}),
+    "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
     "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),
     "verl_ckpt thread offload_aware": ("verl", {"mode": "thread", "offload_aware": True}),
@@ -35,16 +41,27 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "DCP async process": ("dcp", {"executor": "process"}),
 }
 REFERENCE = "verl_ckpt thread"
+DCP_PEER = "DCP async thread"
 
 
-def verl_config(root: str, mode: str, offload_aware: bool) -> dict[str, Any]:
-    """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match)."""
+def verl_config(
+    root: str,
+    mode: str,
+    offload_aware: bool,
+    snapshot: str = "now",
+    nice: int = 10,
+    prepare: bool = True,
+) -> dict[str, Any]:
+    """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match).
+    `prepare` is no config key: the system calls manager.prepare() or not."""
+    del prepare
     return {
         "root_dir": root,
         "save_contents": ["model", "optimizer"],
         "load_contents": ["model", "optimizer"],
         "timeout_s": 600.0,
-        "writer": {"mode": mode, "threads": 2},
+        "snapshot": snapshot,
+        "writer": {"mode": mode, "threads": 2, "nice": nice},
         "staging": {"offload_aware": offload_aware},
     }
 
@@ -52,12 +69,18 @@ def verl_config(root: str, mode: str, offload_aware: bool) -> dict[str, Any]:
 class VerlSystem:
     """verl_ckpt's CheckpointManager in one writer mode."""
 
-    def __init__(self, state: RankState, root: str, mode: str, offload_aware: bool) -> None:
+    def __init__(self, state: RankState, root: str, **options: Any) -> None:
         from verl_ckpt import CheckpointManager
 
         self.state = state
-        config = verl_config(root, mode, offload_aware)
+        config = verl_config(root, **options)
         self.manager = CheckpointManager(config, "bench", state.rank, state.spec.world_size)
+        if options.get("prepare", True):
+            # At set-up, as a trainer does after building its model (every rank at once).
+            self.manager.prepare(
+                model=state.model_sharded_state_dict(),
+                optimizer=state.optimizer_sharded_state_dict(),
+            )
 
     def save(self, step: int, directory: Path) -> dict[str, Any]:
         import time
@@ -68,6 +91,19 @@ class VerlSystem:
         build_s = time.perf_counter() - start
         stats = self.manager.save(step, model=model, optimizer=optimizer)
         return {**asdict(stats), "build_s": build_s}
+
+    def quiet(self) -> Any:
+        """What a trainer's optimizer step runs in with fence_before(): fence, writes paused."""
+        return self.manager.quiet()
+
+    def load(self, step_dir: Path, verify: bool) -> None:
+        """A resuming trainer's load of a committed step into its live tensors."""
+        self.manager.config.verify_checksums_on_load = verify
+        self.manager.load(
+            step_dir,
+            model=self.state.model_sharded_state_dict(),
+            optimizer=self.state.optimizer_sharded_state_dict(),
+        )
 
     def wait(self) -> dict[str, Any]:
         done = self.manager.wait()

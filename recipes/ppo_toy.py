@@ -387,15 +387,21 @@ class PPOToyTrainer:
         blocking = max(s["blocking_s"] for s in stats)
         log.debug("step %d: per-rank save figures %s", step, stats)
         self._writes[step] = {}
+        deferred = any(s["snapshot"] == "deferred" for s in stats)
+        copied = (
+            "copy deferred to the background (the next optimizer step waits for it)"
+            if deferred
+            else f"{sum(s['bytes_staged'] for s in stats) / 1e6:.2f} MB copied"
+        )
         log.info(
             "step %d: checkpoint snapshot taken, ranks blocked %.3f s (slowest of %d), "
-            "driver %.3f s in all; %.2f MB copied, %.2f MB of offloaded optimizer state "
-            "referenced without a copy; %s",
+            "driver %.3f s in all; %s, %.2f MB of offloaded optimizer state referenced "
+            "without a copy; %s",
             step,
             blocking,
             len(stats),
             wall,
-            sum(s["bytes_staged"] for s in stats) / 1e6,
+            copied,
             sum(s["bytes_zero_copy"] for s in stats) / 1e6,
             "writing in the background" if self.cfg.checkpoint.writes_in_background else "written",
         )

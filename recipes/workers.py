@@ -182,6 +182,16 @@ class _RankWorker:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.reduce_from_tp = reduce_from_tensor_model_parallel_region
         self.manager = CheckpointManager(self.cfg.checkpoint, self.role, self.rank, self.world_size)
+        # What the first save would pay for (planning over the role's group, the staging
+        # buffers, a writer process), paid now: every rank of the role is in setup together.
+        # The extra state's content does not shape the plan (the actor's sampler comes later).
+        self.manager.prepare(
+            model=self.model.sharded_state_dict(),
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+        )
+        # checkpoint.snapshot=deferred: a save's copy runs while the next step's rollout only
+        # reads the state; the next optimizer step (the first change) waits for it.
+        self.manager.fence_before(self.optimizer)
         return {"pid": os.getpid(), "tp_rank": self.tp_rank, "dp_rank": self.dp_rank}
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -201,6 +211,7 @@ class _RankWorker:
             "stage_s": stats.stage_s,
             "bytes_staged": stats.bytes_staged,
             "bytes_zero_copy": stats.bytes_zero_copy,
+            "snapshot": stats.snapshot,
         }
 
     def finished_writes(self) -> list[dict[str, Any]]:

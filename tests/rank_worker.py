@@ -70,6 +70,9 @@ class RankWorker:
 
         if self.manager is not None:
             self.manager.close()
+        if getattr(self, "_fence_hook", None) is not None:
+            self._fence_hook.remove()
+            self._fence_hook = None
         self.manager = CheckpointManager(
             config, self.role, self.rank, self.world_size, process_group=self.group
         )
@@ -94,17 +97,27 @@ class RankWorker:
                 state[f"optim.{i}.{name}"] = value.detach().clone()
         return state
 
-    def save(self, step: int, after: str | bool = "nothing") -> dict[str, Any]:
+    def save(
+        self, step: int, after: str | bool = "nothing", snapshot: str | None = None
+    ) -> dict[str, Any]:
         """Save, then at once do what a trainer may do next (invariant I4):
         `inplace`: in-place writes to every parameter and optimizer tensor, then a step;
         `offload`: offload the optimizer state (replace its storage by a host copy, as verl
-        does), train a step on reloaded state, offload again, and drop the old tensors."""
+        does), train a step on reloaded state, offload again, and drop the old tensors;
+        `fence, inplace`: fence() first (the deferred snapshot's contract), then `inplace`;
+        `step`: one training step (its optimizer.step() may fence through fence_before)."""
         stats = self.manager.save(
             step,
             model=self.model.sharded_state_dict(),
             optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
             extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
+            snapshot=snapshot,
         )
+        if after == "fence, inplace":
+            self.manager.fence()
+            after = "inplace"
+        if after == "step":
+            self.train(1)
         if after in (True, "inplace"):
             with torch.no_grad():
                 for p in self.model.parameters():
@@ -145,11 +158,24 @@ class RankWorker:
         ]
         return {"rss": me.memory_info().rss, "children": children}
 
+    def staged_bytes(self) -> int:
+        return self.manager.staged_bytes
+
     def writer_pid(self) -> int | None:
         return self.manager.writer_pid
 
     def wait(self, timeout_s: float | None = None) -> list[dict]:
         return [vars(s) for s in self.manager.wait(timeout_s)]
+
+    def prepare(self) -> None:
+        self.manager.prepare(
+            model=self.model.sharded_state_dict(),
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
+        )
+
+    def fence_before_optimizer_steps(self) -> None:
+        self._fence_hook = self.manager.fence_before(self.optimizer)
 
     def close(self, timeout_s: float | None = None) -> None:
         if self.manager is not None:

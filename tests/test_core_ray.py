@@ -74,12 +74,14 @@ def test_I3_retention_keeps_newest_and_survives_finalizer_restart(ranks, tmp_pat
     for step in (1, 2, 3):
         save_everyone(ranks, coordinator, step)
         coordinator.wait_for_commit(step)
+    coordinator.drain()  # retention runs after wait_for_commit returned
     root = tmp_path / "ckpt"
     assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_2", "global_step_3"]
     # Kill the finalizer for real; Ray restarts it and it rebuilds its state from disk.
     ray.kill(coordinator.finalizer, no_restart=False)
     save_everyone(ranks, coordinator, 4)
     coordinator.wait_for_commit(4)
+    coordinator.drain()
     assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_3", "global_step_4"]
     assert read_tracker(root) == 4
     ray.get([w.close.remote() for w in every_rank(ranks)])

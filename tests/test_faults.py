@@ -271,6 +271,7 @@ def test_I3_back_to_back_saves_with_keep_1_never_leave_zero_or_too_many_steps(ra
         for step in range(1, 9):
             save_everyone(ranks, coordinator, step)
         coordinator.wait_for_commit(8)
+        coordinator.drain()  # retention after step 8's commit
     finally:
         stop.set()
         watcher.join()

@@ -83,3 +83,30 @@ def test_I5_daemon_pool_close_is_bounded_and_names_a_hung_task():
     assert not not_done and all(f.cancelled() for f in queued)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(time.sleep, 0)
+
+
+def test_I5_paused_writes_wait_between_calls_and_a_lost_resume_ends_by_itself(
+    tmp_path, monkeypatch
+):
+    """CheckpointManager.quiet() holds background writes back while the trainer's update
+    runs; a pause whose resume never comes (an optimizer step that raised) is bounded."""
+    from verl_ckpt import fsio
+    from verl_ckpt.file_writer import write_checksummed
+
+    gate = threading.Event()  # cleared: paused
+    wrote = threading.Event()
+    writer = threading.Thread(
+        target=lambda: (
+            write_checksummed(tmp_path / "a", lambda s: s.write(b"x"), gate),
+            wrote.set(),
+        )
+    )
+    writer.start()
+    assert not wrote.wait(0.3), "a paused write went through"
+    gate.set()
+    assert wrote.wait(10)
+    writer.join(10)
+    monkeypatch.setattr(fsio, "MAX_PAUSE_S", 0.2)
+    lost = threading.Event()  # paused, and nobody resumes
+    write_checksummed(tmp_path / "b", lambda s: (s.write(b"y"), s.write(b"z")), lost)
+    assert (tmp_path / "b").read_bytes() == b"yz" and lost.is_set()  # reopened once, for good

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,11 @@ class CommitSummary:
     bytes: int
     # What the tracker names once the commit returned (a newer step, if one committed first).
     tracker: int | None
+    # Wall-clock times (time.time()) for the time-to-durable breakdown: the last report
+    # arrived (set by the finalizer), the commit record was durable, the tracker moved.
+    ready_at: float = 0.0
+    record_at: float = 0.0
+    tracker_at: float = 0.0
 
 
 def commit_step(
@@ -79,11 +85,15 @@ def commit_step(
         write_commit_record(path, record)
     except Exception as exc:
         raise CommitPhaseError(Phase.COMMIT, exc) from exc
+    record_at = time.time()
     # The tracker moves only after the record is durable (I1): the other order would name
     # a step that a crash could leave uncommitted.
     tracker = advance_tracker(root, step)
     logger.info("committed step %d under %s", step, root)
-    return CommitSummary(step, len(files), sum(f.size for f in files), tracker)
+    size = sum(f.size for f in files)
+    return CommitSummary(
+        step, len(files), size, tracker, record_at=record_at, tracker_at=time.time()
+    )
 
 
 def advance_tracker(root: Path, step: int) -> int | None:

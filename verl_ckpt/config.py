@@ -16,6 +16,7 @@ __all__ = [
     "CONTENTS",
     "CheckpointConfig",
     "RESUME_MODES",
+    "SNAPSHOT_MODES",
     "StagingConfig",
     "WRITER_MODES",
     "WriterConfig",
@@ -25,6 +26,7 @@ __all__ = [
 
 CONTENTS = ("model", "optimizer", "extra")
 RESUME_MODES = ("auto", "disable", "resume_path")
+SNAPSHOT_MODES = ("now", "deferred")
 WRITER_MODES = ("thread", "process", "inline")
 
 
@@ -42,12 +44,18 @@ class WriterConfig:
     mode: str = "thread"
     # Files written in parallel per rank (megatron-core splits a rank's shards into this many).
     threads: int = 2
+    # CPU niceness of the writer threads (per thread, on Linux) and of the writer process,
+    # 0 to 19: the background write yields the cores to the training thread. Their I/O is
+    # lowered to the best-effort class's lowest level as well when this is above 0.
+    nice: int = 10
 
     def __post_init__(self) -> None:
         if self.mode not in WRITER_MODES:
             _fail("writer.mode", self.mode, f"choose one of {', '.join(WRITER_MODES)}")
         if not isinstance(self.threads, int) or self.threads < 1:
             _fail("writer.threads", self.threads, "must be an integer >= 1")
+        if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
+            _fail("writer.nice", self.nice, "must be an integer from 0 (off) to 19")
 
 
 @dataclass
@@ -74,6 +82,11 @@ class CheckpointConfig:
     save_freq: int = -1
     # Write in the background; false writes inside save() (same files).
     async_save: bool = True
+    # now: save() returns once the state is copied. deferred: save() returns before the copy,
+    # which runs in the background; the trainer must call manager.fence() (or register
+    # manager.fence_before(optimizer)) before it next changes the state. For the RL idle
+    # window: rollout and log-prob passes read the state without changing it.
+    snapshot: str = "now"
     # Committed steps kept on disk; null keeps all.
     max_ckpt_to_keep: int | None = None
     # What each rank saves: any of model, optimizer, extra (RNG and other small state).
@@ -118,6 +131,8 @@ class CheckpointConfig:
             if unknown or not contents:
                 _fail(key, contents, f"must be a non-empty subset of {list(CONTENTS)}")
             setattr(self, key, contents)
+        if self.snapshot not in SNAPSHOT_MODES:
+            _fail("snapshot", self.snapshot, f"choose one of {', '.join(SNAPSHOT_MODES)}")
         if self.resume_mode not in RESUME_MODES:
             _fail("resume_mode", self.resume_mode, f"choose one of {', '.join(RESUME_MODES)}")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
@@ -134,6 +149,12 @@ class CheckpointConfig:
             self.writer = WriterConfig(**self.writer)
         if isinstance(self.staging, dict):
             self.staging = StagingConfig(**self.staging)
+        if self.snapshot == "deferred" and not self.writes_in_background:
+            _fail(
+                "snapshot",
+                self.snapshot,
+                "needs a background writer (async_save=true and writer.mode thread or process)",
+            )
 
     @property
     def writes_in_background(self) -> bool:

@@ -121,6 +121,13 @@ class CheckpointCoordinator:
             "wait_for_commit", step, timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
         )
 
+    def drain(self, timeout_s: float | None = None) -> list[int]:
+        """Wait until the commits and retention already under way finished (wait_for_commit
+        returns before retention deletes old steps); return the steps still waiting for
+        reports."""
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        return self._call("drain", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S)
+
     def status(self) -> dict[str, Any]:
         return self._call("status")
 
@@ -134,9 +141,7 @@ class CheckpointCoordinator:
         self._closed = True
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         try:
-            uncommitted = self._call(
-                "drain", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
-            )
+            uncommitted = self.drain(timeout)
             if uncommitted:
                 logger.warning(
                     "closing %s with steps %s still waiting for reports: they will not commit",

@@ -2,7 +2,9 @@
 
     VERL_CKPT_FAULT="<phase>[:<role>[:<rank>]]=<action>[,...]"
 
-phases: `write` (a rank, before writing its files, in the writer thread or process),
+phases: `stage` (a rank, before copying its tensors into the staging buffers: on the
+training thread, or on the save thread for a deferred snapshot), `write` (a rank, before
+writing its files, in the writer thread or process),
 `report` (a rank, before reporting to the finalizer), `commit` (the finalizer, after every
 report arrived and before the commit record), `tracker` (the finalizer, after writing the
 tracker's temporary file, before the rename), `delete` (the finalizer, retention, after a

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import _write_item
 
-from verl_ckpt.fsio import ChecksummingWriter
+from verl_ckpt.fsio import ChecksummingWriter, Gate
 
 try:  # torch >= 2.5 takes the serialization format explicitly
     from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -42,9 +43,13 @@ class WrittenFile:
     name: str
     size: int
     checksum: str
+    # Seconds of the final fsync (the part a fast disk makes small and a page cache cannot).
+    fsync_s: float = 0.0
 
 
-def write_checksummed(path: str | Path, write: Callable[[ChecksummingWriter], Any]) -> WrittenFile:
+def write_checksummed(
+    path: str | Path, write: Callable[[ChecksummingWriter], Any], gate: Gate | None = None
+) -> WrittenFile:
     """Create `path`, let `write` fill it through a checksumming stream, fsync it.
 
     The file is durable when this returns: a report of it to the finalizer must mean the
@@ -53,11 +58,13 @@ def write_checksummed(path: str | Path, write: Callable[[ChecksummingWriter], An
     writer hid it behind a RuntimeError.
     """
     with open(path, "wb") as raw:
-        stream = ChecksummingWriter(raw)
+        stream = ChecksummingWriter(raw, gate)
         try:
             write(stream)
             raw.flush()
+            synced = time.perf_counter()
             os.fsync(raw.fileno())
+            fsync_s = time.perf_counter() - synced
         except Exception as exc:
             # Close here, quietly: the implicit close would flush the buffer to the same full
             # disk and raise a second error without the path, in place of this one.
@@ -67,10 +74,12 @@ def write_checksummed(path: str | Path, write: Callable[[ChecksummingWriter], An
             if isinstance(cause, OSError):
                 raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from exc
             raise
-    return WrittenFile(os.path.basename(path), stream.size, stream.checksum)
+    return WrittenFile(os.path.basename(path), stream.size, stream.checksum, fsync_s)
 
 
-def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
+def write_bucket(
+    bucket: tuple, transforms: Any, gate: Gate | None = None
+) -> tuple[list, WrittenFile]:
     """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file."""
     path, storage_key, (bytes_data, tensor_data) = bucket
     results: list = []
@@ -82,7 +91,7 @@ def write_bucket(bucket: tuple, transforms: Any) -> tuple[list, WrittenFile]:
                 _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
             )
 
-    return results, write_checksummed(path, write_items)
+    return results, write_checksummed(path, write_items, gate)
 
 
 def serialize_common(common_state_dict: dict) -> bytes:

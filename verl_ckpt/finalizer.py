@@ -14,10 +14,18 @@ import logging
 import time
 import uuid
 import warnings
+from collections import OrderedDict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt.commit import CommitPhaseError, apply_retention, commit_step, step_summary
+from verl_ckpt.commit import (
+    CommitPhaseError,
+    CommitSummary,
+    apply_retention,
+    commit_step,
+    step_summary,
+)
 from verl_ckpt.commit_record import committed_steps, is_committed
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.fsio import atomic_write_bytes
@@ -32,6 +40,8 @@ from verl_ckpt.tracker import read_tracker
 __all__ = ["CheckpointFinalizer", "describe_participants"]
 
 logger = logging.getLogger(__name__)
+
+_RECENT_SUMMARIES = 16
 
 
 def describe_participants(participants: list[Participant]) -> str:
@@ -76,6 +86,9 @@ class CheckpointFinalizer:
                 list(state.uncommitted),
                 "; their reports were lost in a finalizer restart" if restarted else "",
             )
+        # The summaries of the last commits (with their timings), for waiters that ask after
+        # the step was retired; bounded, like everything the finalizer keeps.
+        self._recent: OrderedDict[int, CommitSummary] = OrderedDict()
         self._changed = asyncio.Event()
         # One commit or retention at a time: two would race on the tracker and the listing.
         self._file_work = asyncio.Lock()
@@ -166,15 +179,17 @@ class CheckpointFinalizer:
             entry = self._ledger.begin_commit(step)
             # The commit runs on its own: the last reporter (often the driver, in its training
             # loop) is not kept waiting for fsyncs it does not need to see.
-            self._spawn(self._commit(step, list(entry.reports.values())))
+            self._spawn(self._commit(step, list(entry.reports.values()), time.time()))
         self._notify()
 
     # ---- protocol steps 5-7: commit record, tracker, retention ----------------------------
 
-    async def _commit(self, step: int, reports: list[RankReport]) -> None:
+    async def _commit(self, step: int, reports: list[RankReport], ready_at: float) -> None:
         async with self._file_work:
             try:
-                await asyncio.to_thread(commit_step, self._root, step, self._participants, reports)
+                summary = await asyncio.to_thread(
+                    commit_step, self._root, step, self._participants, reports
+                )
             except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
                 logger.error("commit of step %d failed: %s", step, exc)
                 phase = exc.phase if isinstance(exc, CommitPhaseError) else Phase.COMMIT
@@ -183,7 +198,11 @@ class CheckpointFinalizer:
                 self._ledger.finish_commit(step, failure)
                 self._notify()
                 return
-            self._ledger.finish_commit(step)
+            summary = replace(summary, ready_at=ready_at)
+            self._ledger.finish_commit(step, summary=summary)
+            self._recent[step] = summary
+            while len(self._recent) > _RECENT_SUMMARIES:
+                self._recent.popitem(last=False)
             # Waiters learn of the commit before retention runs: deleting old steps need not
             # delay wait_for_commit.
             self._notify()
@@ -214,9 +233,10 @@ class CheckpointFinalizer:
         deadline = time.monotonic() + timeout_s
         while True:
             status = self._ledger.status(step)
-            committed = status is StepStatus.COMMITTED
-            if committed or (status is None and is_committed(step_dir(self._root, step))):
-                return vars(step_summary(self._root, step))
+            if status is StepStatus.COMMITTED or step in self._recent:
+                return asdict(self._recent.get(step) or self._ledger.entry(step).summary)
+            if status is None and is_committed(step_dir(self._root, step)):
+                return asdict(step_summary(self._root, step))  # long retired: the record says
             if status in (StepStatus.FAILED, StepStatus.LOST):
                 raise self._not_committed(step, status)
             remaining = deadline - time.monotonic()
@@ -291,6 +311,9 @@ class CheckpointFinalizer:
 
     def _notify(self) -> None:
         self._changed.set()
+        # The summaries of the last commits (with their timings), for waiters that ask after
+        # the step was retired; bounded, like everything the finalizer keeps.
+        self._recent: OrderedDict[int, CommitSummary] = OrderedDict()
         self._changed = asyncio.Event()
 
     def _spawn(self, coroutine) -> None:

@@ -16,8 +16,10 @@ import xxhash
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "MAX_PAUSE_S",
     "SUPPORTED_CHECKSUMS",
     "ChecksummingWriter",
+    "Gate",
     "RenameNotDurable",
     "atomic_write_bytes",
     "file_checksum",
@@ -117,6 +119,19 @@ def atomic_write_bytes(
         raise RenameNotDurable(exc.errno, exc.strerror or str(exc), str(path.parent)) from exc
 
 
+class Gate(Protocol):
+    """What the writers need of a pause switch: threading.Event or multiprocessing.Event."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def set(self) -> None: ...
+
+
+# A pause never lasts longer than this, whatever happens to the resume: the write's own
+# deadline keeps its meaning.
+MAX_PAUSE_S = 30.0
+
+
 class ChecksummingWriter:
     """A binary stream wrapper that checksums and counts the bytes as they pass.
 
@@ -124,8 +139,9 @@ class ChecksummingWriter:
     because a checksum over a stream that seeks back would not describe the file.
     """
 
-    def __init__(self, stream: BinaryIO) -> None:
+    def __init__(self, stream: BinaryIO, gate: Gate | None = None) -> None:
         self._stream = stream
+        self._gate = gate
         self._hasher = new_hasher()
         self.size = 0
         # torch.save's C++ writer turns an OSError of `write` into a RuntimeError that no
@@ -134,6 +150,11 @@ class ChecksummingWriter:
         self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
+        if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
+            # Held back while the trainer changes its state (CheckpointManager.quiet): one
+            # check per write call, i.e. between tensors, never inside one. A pause whose
+            # resume never came (an optimizer step that raised) ends here, for good.
+            self._gate.set()
         try:
             written = self._stream.write(data)
         except OSError as exc:

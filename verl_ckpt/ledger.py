@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from verl_ckpt.protocol import Failure
 from verl_ckpt.reports import Participant, RankReport
@@ -57,6 +58,8 @@ class StepEntry:
     reports: dict[Participant, RankReport] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
+    # What the commit produced (commit.CommitSummary), kept until the step is retired.
+    summary: Any = None
 
 
 class StepLedger:
@@ -155,13 +158,14 @@ class StepLedger:
         entry.status = StepStatus.COMMITTING
         return entry
 
-    def finish_commit(self, step: int, failure: Failure | None = None) -> None:
+    def finish_commit(self, step: int, failure: Failure | None = None, summary: Any = None) -> None:
         """The commit of `step` ended: committed (retire it once retention ran) or failed."""
         entry = self._open[step]
         if entry.status is not StepStatus.COMMITTING:
             raise ValueError(f"step {step} is {entry.status.value}, not committing")
         if failure is None:
             entry.status = StepStatus.COMMITTED
+            entry.summary = summary
             entry.reports.clear()  # DCP metadata can be large and is on disk now
         else:
             self._decide(entry, StepStatus.FAILED, failure)

@@ -1,17 +1,23 @@
 """CheckpointManager: the per-rank half of verl_ckpt, living inside each Megatron worker.
 
 `save()` runs protocol steps 1 (plan) and 2 (stage) in the training thread and returns;
-steps 3 (write) and 4 (report) run on the rank's save thread (protocol.py). Completion is
-never polled with collectives (I6): the finalizer learns it from the report.
+steps 3 (write) and 4 (report) run on the rank's save thread (protocol.py). With
+`snapshot="deferred"`, step 2 moves to the save thread as well, and the trainer calls
+`fence()` before it next changes the state. Completion is never polled with collectives
+(I6): the finalizer learns it from the report.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from verl_ckpt import faults, megatron_compat
 from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import (
+    CheckpointConfigError,
     CheckpointError,
     CheckpointWriteError,
     CommitRecordError,
@@ -35,7 +42,7 @@ from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
-from verl_ckpt.staging import StagingPool, StagingSlot, copy_into
+from verl_ckpt.staging import StagingPool, StagingSlot, copy_into, device_ready_events
 from verl_ckpt.structure import structure_hash
 from verl_ckpt.threads import DaemonPool
 from verl_ckpt.writers import WriteTimeout, make_writer
@@ -47,6 +54,8 @@ logger = logging.getLogger(__name__)
 EXTRA_STATE_KEY = "verl_ckpt.extra_state"
 # Slack added to the deadline of a call whose callee applies the caller's own timeout.
 _RPC_SLACK_S = 30.0
+# The "step" every rank agrees on in prepare(): no step directory is involved.
+_PREPARE = -1
 
 
 @dataclass
@@ -62,7 +71,12 @@ class SaveStats:
     # copy (offload-aware staging).
     bytes_staged: int
     bytes_zero_copy: int = 0
+    # "now", or "deferred": the copy (stage_s) ran in the background, after save() returned.
+    snapshot: str = "now"
     write_s: float | None = None
+    # Of write_s: the fsyncs of this rank's files, and the report's round trip.
+    fsync_s: float | None = None
+    report_s: float | None = None
     bytes_written: int | None = None
     files_written: int | None = None
     # Set when the write failed (the error is also raised once by the next save()/wait()).
@@ -79,8 +93,9 @@ class _LiveTensor:
 
 
 @dataclass
-class _Plan:
-    """Step 1's outcome: where to write, and what the save group agreed."""
+class _Layout:
+    """Step 1 on the training thread: what the save group agreed (every collective of a
+    save happens here, so that nothing after it may not run on another thread)."""
 
     step: int
     sharded: dict
@@ -88,34 +103,40 @@ class _Plan:
     items: list
     digest: str
     reuse_plan: bool
-    directory: Path
     distribution: Any
     seconds: float
 
 
 @dataclass
-class _Snapshot:
-    """Step 2's outcome: the staged copies (and live host tensors) the write reads."""
+class _Copy:
+    """Step 2's work: the tensors to copy into the slot (with their version counters at
+    save(), to detect a change before a deferred copy), and those written live."""
 
     slot: StagingSlot
+    items: list[ShardedTensor]
+    versions: list[int]
     live: list[_LiveTensor]
-    bytes_staged: int
-    seconds: float
+    ready: dict = field(default_factory=dict)  # CUDA device -> event, for a deferred copy
 
 
 @dataclass
 class _SaveJob:
-    """Everything steps 3 and 4 need, handed to the save thread."""
+    """One save from step 1 to step 4; the save thread takes it over from save()."""
 
-    step: int
+    layout: _Layout
+    copy: _Copy
     save_id: str
-    slot: StagingSlot
-    prepared: megatron_compat.PreparedSave
     common_bytes: bytes | None
-    directory: Path
-    live_tensors: list[_LiveTensor]
     stats: SaveStats
     deadline: float
+    directory: Path | None = None
+    prepared: megatron_compat.PreparedSave | None = None
+    # Set once the snapshot is taken (for a deferred one, on the save thread): fence() waits.
+    snapshot_taken: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def step(self) -> int:
+        return self.layout.step
 
 
 class CheckpointManager:
@@ -153,10 +174,13 @@ class CheckpointManager:
         self._root = Path(self.config.root_dir).resolve()
         self._timeout_s = float(self.config.timeout_s)
         self._who = f"{role} rank {rank} of {self._root}"
+        # The root as a number the save group can compare in one integer all-gather.
+        self._root_id = int.from_bytes(hashlib.sha256(str(self._root).encode()).digest()[:7])
         self._finalizer = get_finalizer(self._root, self._timeout_s)
         check_shared_root(self._root, self._finalizer, self._timeout_s, f"{role} rank {rank}")
-        mode = self.config.writer.mode if self.config.async_save else "inline"
-        self._writer = make_writer(mode, self.config.writer.threads, f"verl_ckpt_{role}{rank}")
+        writer = self.config.writer
+        mode = writer.mode if self.config.async_save else "inline"
+        self._writer = make_writer(mode, writer.threads, f"verl_ckpt_{role}{rank}", writer.nice)
         self._pool = StagingPool(
             self.config.max_in_flight,
             self.config.staging.pin_memory,
@@ -166,14 +190,50 @@ class CheckpointManager:
         self._in_flight = InFlightSaves(
             self.config.max_in_flight, f"{role} rank {rank}", self._timeout_s
         )
+        self._unfenced: _SaveJob | None = None
         self._closed = False
-        # Steps 3-4 run on one background thread per rank, which hands files to the writer;
-        # inline mode runs them inside save().
+        # Steps 3-4 (and a deferred step 2) run on one background thread per rank, which
+        # hands files to the writer; inline mode runs them inside save().
         self._save_thread = (
-            DaemonPool(1, f"verl_ckpt_{role}{rank}_save") if mode != "inline" else None
+            DaemonPool(1, f"verl_ckpt_{role}{rank}_save", writer.nice) if mode != "inline" else None
         )
 
     # ---- public API ----------------------------------------------------------------------
+
+    def prepare(
+        self, model: dict | None = None, optimizer: dict | None = None, extra: Any = None
+    ) -> None:
+        """Do at set-up what would make the first save slow: agree on and validate the
+        structure, build and cache the save plan, allocate and touch the staging buffers,
+        start the writer process. Takes the same arguments as save(), and every rank of the
+        save group calls it (it runs the planning collectives). Optional: a save without it
+        does the same work itself."""
+        self._check_open()
+        layout = self._layout(_PREPARE, self._compose(model, optimizer, extra))
+        copy = self._acquire_copy(layout)
+        try:
+            deadline = time.monotonic() + self._timeout_s
+            self._writer.warm_up(copy.slot, deadline)
+            if self._save_thread is not None:
+                # The save thread's first call to the finalizer costs a few hundred ms (Ray
+                # sets the thread up, classes are pickled the first time): pay it now.
+                warm = self._save_thread.submit(self._call_finalizer, "describe", label="warm up")
+                warm.result(timeout=max(0.0, deadline - time.monotonic()))
+            # The plan depends on the structure only: planned over the live tensors, nothing
+            # is written, and the first save reuses it.
+            prepared = megatron_compat.plan_save(
+                layout.sharded,
+                self._root / "prepare",
+                self._group,
+                self.config.writer.threads,
+                layout.digest,
+                self._plan_cache if layout.reuse_plan else None,
+                layout.distribution,
+            )
+            if self.config.assume_constant_structure:
+                self._plan_cache = prepared.plan_cache
+        finally:
+            self._pool.release(copy.slot)
 
     def save(
         self,
@@ -181,31 +241,90 @@ class CheckpointManager:
         model: dict | None = None,
         optimizer: dict | None = None,
         extra: Any = None,
+        snapshot: str | None = None,
     ) -> SaveStats:
-        """Snapshot this rank's state for `step`; return once the snapshot is taken.
+        """Snapshot this rank's state for `step`; the write continues in the background.
 
         `model` and `optimizer` are megatron-core sharded state dicts (`sharded_state_dict()`
         of the model chunks and of the optimizer), built for this save and consumed by it;
         `extra` is any small picklable object (RNG states, counters) saved per rank.
         Every rank of the save group must call save() for the same step.
+
+        `snapshot` (default checkpoint.snapshot): "now" returns once the state is copied;
+        "deferred" returns before the copy, and the trainer must call `fence()` before it next
+        changes the state (a change before the fence fails this save, loudly). The first
+        save, and a save after a structure change, copy now: their planning needs the group.
         """
         self._check_open()
         started = time.perf_counter()
+        deferred = self._snapshot_mode(snapshot) == "deferred"
+        self.fence()  # the previous save's snapshot must be complete
         # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
         self._in_flight.wait_for_room()
-        state = self._compose(model=model, optimizer=optimizer, extra=extra)
-        plan = self._plan(step, state)  # step 1
-        try:
-            snapshot = self._stage(plan)  # step 2: from here on the live tensors are free
-            job = self._prepare_job(plan, snapshot)
-        except Exception as exc:
-            # The step directory exists: tell the finalizer, so that the step fails now
-            # instead of waiting for this rank's report until the deadline.
-            self._report_failure(step, Phase.STAGE, exc)
-            raise
-        self._launch(job)  # steps 3-4, in the background unless inline
+        layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1
+        job = self._new_job(layout, self._acquire_copy(layout, deferred))
+        deferred = deferred and layout.reuse_plan
+        job.stats.snapshot = "deferred" if deferred else "now"
+        if not deferred:
+            try:
+                self._snapshot(job)  # steps 1-2: from here on the live tensors are free
+            except Exception as exc:
+                self._abandon(job, Phase.STAGE, exc)
+                raise
+        self._launch(job, deferred)  # steps 3-4 (and a deferred 2) on the save thread
         job.stats.blocking_s = time.perf_counter() - started
         return job.stats
+
+    def fence(self, timeout_s: float | None = None) -> None:
+        """Return once the snapshot of every save so far is taken: from then on the trainer
+        may change the state. Needed only after a deferred save; save(), load() and close()
+        call it first. Raises CommitTimeoutError at the deadline (checkpoint.timeout_s)."""
+        job = self._unfenced
+        if job is None:
+            return
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        if not job.snapshot_taken.wait(timeout):
+            raise CommitTimeoutError(
+                f"{self.role} rank {self.rank}: the deferred snapshot of step {job.step} under "
+                f"{self._root} was not taken within {timeout:g}s"
+            )
+        self._unfenced = None
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Around a change of the state (an optimizer step): fence(), and hold background
+        writes back meanwhile, between tensors, so that the update has the cores and the
+        memory bandwidth to itself; they go on when the block ends (a pause never lasts
+        longer than fsio.MAX_PAUSE_S). The write's own deadline still counts."""
+        self.fence()
+        self._writer.pause()
+        try:
+            yield
+        finally:
+            self._writer.resume()
+
+    def fence_before(self, optimizer: Any) -> Any:
+        """Run every `optimizer.step()` inside quiet(): it fences first (a deferred snapshot
+        is complete before the update changes the state) and background writes pause while
+        the step runs. Takes a torch optimizer (or an object wrapping one as `.optimizer`,
+        as megatron-core's do); returns a handle whose `.remove()` undoes it."""
+        target = optimizer
+        while not hasattr(target, "register_step_pre_hook") and hasattr(target, "optimizer"):
+            target = target.optimizer
+        if not hasattr(target, "register_step_pre_hook"):
+            raise TypeError(
+                f"fence_before needs a torch.optim.Optimizer (or a wrapper of one), got "
+                f"{type(optimizer).__name__}"
+            )
+
+        def before(*_: Any) -> None:
+            self.fence()
+            self._writer.pause()
+
+        def after(*_: Any) -> None:
+            self._writer.resume()
+
+        return _Hooks(target.register_step_pre_hook(before), target.register_step_post_hook(after))
 
     def wait(self, timeout_s: float | None = None) -> list[SaveStats]:
         """Block until this rank's writes finished (not the commit); return their figures.
@@ -232,6 +351,7 @@ class CheckpointManager:
         checksums with `verify_checksums_on_load`, are checked before any state is read.
         Returns a dict with keys among "model", "optimizer", "extra".
         """
+        self.fence()  # loading changes the state a deferred snapshot may still be copying
         path = step_dir(self._root, step_path) if isinstance(step_path, int) else Path(step_path)
         record = read_commit_record(path)
         saved_world = record.role_world_size(self.role)
@@ -275,6 +395,7 @@ class CheckpointManager:
             self._in_flight.drain(deadline)
             self._in_flight.raise_pending()
         finally:
+            self._unfenced = None  # drained: every snapshot was taken or failed
             try:
                 if self._save_thread is not None:
                     self._save_thread.close(max(0.0, deadline - time.monotonic()))
@@ -292,9 +413,9 @@ class CheckpointManager:
         """Host memory held by the staging pool."""
         return self._pool.nbytes
 
-    # ---- step 1: plan --------------------------------------------------------------------
+    # ---- step 1: plan (the collectives) --------------------------------------------------
 
-    def _plan(self, step: int, state: dict) -> _Plan:
+    def _layout(self, step: int, state: dict) -> _Layout:
         started = time.perf_counter()
         sharded, common = megatron_compat.split_common_state(state)
         items = megatron_compat.sharded_items(sharded)
@@ -302,14 +423,6 @@ class CheckpointManager:
         # Agreement comes before begin_step: ranks that disagree on the step or the root fail
         # together before any directory or file exists.
         reuse = self._agree_with_group(step, digest)
-        waited = time.perf_counter()
-        directory = Path(
-            self._call_finalizer(
-                "begin_step", step, self.role, self.rank, self.world_size, self._timeout_s
-            )
-        )
-        # Time spent waiting for an earlier step to commit is back-pressure, not planning.
-        started += time.perf_counter() - waited
         cache = self._plan_cache if reuse else None
         distribution = None
         if self.config.fully_parallel_save:
@@ -318,17 +431,8 @@ class CheckpointManager:
             )
         if not reuse:
             megatron_compat.validate_sharding(items, self._group)
-        return _Plan(
-            step,
-            sharded,
-            common,
-            items,
-            digest,
-            reuse,
-            directory,
-            distribution,
-            time.perf_counter() - started,
-        )
+        seconds = time.perf_counter() - started
+        return _Layout(step, sharded, common, items, digest, reuse, distribution, seconds)
 
     def _agree_with_group(self, step: int, digest: str) -> bool:
         """Check that every rank saves the same step under the same root; decide plan reuse.
@@ -348,36 +452,72 @@ class CheckpointManager:
                     f"save({step}) within {self._timeout_s:g}s: {exc}"
                 ) from None
         cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
-        mine = (step, str(self._root), cached)
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._group)
-        if len({(s, r) for s, r, _ in everyone}) != 1:
+        # One all-gather of three integers (not all_gather_object: two collectives and
+        # pickling, milliseconds that a deferred save's blocking time cannot spare).
+        mine = torch.tensor([step, self._root_id, int(cached)], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self._group)
+        if len({(int(t[0]), int(t[1])) for t in everyone}) != 1:
             listing = ", ".join(
-                f"rank {i}: step {s} root {r}" for i, (s, r, _) in enumerate(everyone)
+                f"rank {i}: step {int(t[0])}"
+                + ("" if int(t[1]) == self._root_id else " under another checkpoint.root_dir")
+                for i, t in enumerate(everyone)
             )
-            raise CheckpointError(f"ranks of role {self.role} disagree on what to save: {listing}")
-        return self.config.assume_constant_structure and all(c for _, _, c in everyone)
+            raise CheckpointError(
+                f"ranks of role {self.role} disagree on what to save under {self._root}: {listing}"
+            )
+        return self.config.assume_constant_structure and all(int(t[2]) for t in everyone)
 
     # ---- step 2: stage -------------------------------------------------------------------
 
-    def _stage(self, plan: _Plan) -> _Snapshot:
-        started = time.perf_counter()
-        tensors = [item for item in plan.items if isinstance(item, ShardedTensor)]
-        live, staged_items = self._split_live(tensors, plan.sharded.get("optimizer"))
-        slot, dropped = self._pool.acquire(
-            [item.key for item in staged_items], [item.data for item in staged_items]
-        )
+    def _acquire_copy(self, layout: _Layout, deferred: bool = False) -> _Copy:
+        """Which tensors to copy (and into which reused buffers), which to write live."""
+        tensors = [item for item in layout.items if isinstance(item, ShardedTensor)]
+        live, staged = self._split_live(tensors, layout.sharded.get("optimizer"))
+        sources = [item.data for item in staged]
+        slot, dropped = self._pool.acquire([item.key for item in staged], sources)
         for old in dropped:
             self._writer.forget_slot(old)
-        try:
-            copied = copy_into(slot, [item.data for item in staged_items])
-        except BaseException:
-            self._pool.release(slot)
-            raise
-        # From here on the save references the snapshot, never the live device tensors.
-        for item, buffer in zip(staged_items, slot.buffers, strict=True):
+        ready = device_ready_events(sources) if deferred else {}
+        return _Copy(slot, staged, [t._version for t in sources], live, ready)
+
+    def _snapshot(self, job: _SaveJob) -> None:
+        """Steps 1-2 that may run on the save thread: begin the step on the finalizer, copy,
+        plan the writes over the copies (no collective: the plan is cached or was gathered
+        in _layout). Sets snapshot_taken."""
+        job.directory = Path(
+            self._call_finalizer(
+                "begin_step", job.step, self.role, self.rank, self.world_size, self._timeout_s
+            )
+        )
+        faults.inject("stage", self.role, self.rank)
+        started = time.perf_counter()
+        copy = job.copy
+        sources = [item.data for item in copy.items]
+        job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None)
+        if job.stats.snapshot == "deferred":
+            _check_unchanged_before_copy(copy, sources)
+        # From here on the save references the snapshot, never the live tensors.
+        for item, buffer in zip(copy.items, copy.slot.buffers, strict=True):
             item.data = buffer
-        return _Snapshot(slot, live, copied, time.perf_counter() - started)
+        copied = time.perf_counter()
+        job.prepared = megatron_compat.plan_save(
+            job.layout.sharded,
+            job.directory,
+            self._group,
+            self.config.writer.threads,
+            job.layout.digest,
+            self._plan_cache if job.layout.reuse_plan else None,
+            job.layout.distribution,
+        )
+        # Before snapshot_taken: the next save() (after fence) reads the cache.
+        if self.config.assume_constant_structure:
+            self._plan_cache = job.prepared.plan_cache
+        job.stats.stage_s = copied - started
+        # begin_step's round trip is not planning: it may wait for an earlier step to commit
+        # (back-pressure).
+        job.stats.plan_s = job.layout.seconds + (time.perf_counter() - copied)
+        job.snapshot_taken.set()
 
     def _split_live(
         self, tensors: list[ShardedTensor], optimizer_part: dict | None
@@ -409,63 +549,75 @@ class CheckpointManager:
 
     # ---- steps 3-4: write and report (background) ----------------------------------------
 
-    def _prepare_job(self, plan: _Plan, snapshot: _Snapshot) -> _SaveJob:
-        """Plan the DCP writes over the snapshot (part of step 1, cached with the plan)."""
-        started = time.perf_counter()
+    def _new_job(self, layout: _Layout, copy: _Copy) -> _SaveJob:
         try:
-            prepared = megatron_compat.plan_save(
-                plan.sharded,
-                plan.directory,
-                self._group,
-                self.config.writer.threads,
-                plan.digest,
-                self._plan_cache if plan.reuse_plan else None,
-                plan.distribution,
-            )
             # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
             # requires common.pt even when it holds nothing): serialised now, the snapshot.
-            common_bytes = serialize_common(plan.common) if self.rank == 0 else None
+            common_bytes = serialize_common(layout.common) if self.rank == 0 else None
         except BaseException:
-            self._pool.release(snapshot.slot)
+            self._pool.release(copy.slot)
             raise
-        self._plan_cache = prepared.plan_cache if self.config.assume_constant_structure else None
         stats = SaveStats(
-            step=plan.step,
+            step=layout.step,
             blocking_s=0.0,
-            plan_s=plan.seconds + time.perf_counter() - started,
-            stage_s=snapshot.seconds,
-            plan_reused=plan.reuse_plan,
-            bytes_staged=snapshot.bytes_staged,
-            bytes_zero_copy=sum(_nbytes(t.tensor) for t in snapshot.live),
+            plan_s=layout.seconds,
+            stage_s=0.0,
+            plan_reused=layout.reuse_plan,
+            bytes_staged=0,
+            bytes_zero_copy=sum(_nbytes(t.tensor) for t in copy.live),
         )
-        return _SaveJob(
-            step=plan.step,
-            save_id=uuid.uuid4().hex,
-            slot=snapshot.slot,
-            prepared=prepared,
-            common_bytes=common_bytes,
-            directory=plan.directory,
-            live_tensors=snapshot.live,
-            stats=stats,
-            deadline=time.monotonic() + self._timeout_s,
-        )
+        deadline = time.monotonic() + self._timeout_s
+        return _SaveJob(layout, copy, uuid.uuid4().hex, common_bytes, stats, deadline)
 
-    def _launch(self, job: _SaveJob) -> None:
+    def _launch(self, job: _SaveJob, deferred: bool) -> None:
         if self._save_thread is None:
             self._write_and_report(job)
             self._in_flight.add(job.step, job.deadline, _done_future(), job.stats)
             self._in_flight.collect()
             return
-        future = self._save_thread.submit(
-            self._write_and_report, job, label=f"save of step {job.step}"
-        )
+        label = f"save of step {job.step}"
+        run = self._deferred_then_write if deferred else self._write_and_report
+        future = self._save_thread.submit(run, job, label=label)
         self._in_flight.add(job.step, job.deadline, future, job.stats)
+        if deferred:
+            self._unfenced = job
+
+    def _deferred_then_write(self, job: _SaveJob) -> None:
+        try:
+            self._snapshot(job)
+        except Exception as exc:
+            self._abandon(job, Phase.STAGE, exc)
+            job.stats.error = f"{type(exc).__name__}: {exc}"
+            raise CheckpointWriteError(
+                f"{self.role} rank {self.rank} failed to save step {job.step} under "
+                f"{self._root}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            job.snapshot_taken.set()  # fence() returns; a failure is raised by save()/wait()
+        self._write_and_report(job)
+
+    def _abandon(self, job: _SaveJob, phase: Phase, exc: BaseException) -> None:
+        """Steps 1-2 failed after the staging slot was taken: free it, and tell the
+        finalizer (if the step began), so that the step fails now rather than at the
+        deadline."""
+        self._pool.release(job.copy.slot)
+        if job.directory is None:
+            return
+        report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
+        report.failure = Failure.from_exception(self.role, self.rank, phase, exc)
+        try:
+            self._call_finalizer("report", report)
+        except Exception as error:  # noqa: BLE001 - the original failure is what matters
+            logger.warning(
+                "%s: could not report the failure of step %d: %s", self._who, job.step, error
+            )
 
     def _write_and_report(self, job: _SaveJob) -> None:
         started = time.perf_counter()
         report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
         report.failure = self._write(job, report)
-        job.stats.write_s = time.perf_counter() - started
+        reporting = time.perf_counter()
+        job.stats.write_s = reporting - started
         job.stats.bytes_written = sum(f.size for f in report.files)
         job.stats.files_written = len(report.files)
         try:
@@ -474,6 +626,7 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
             if report.failure is None:
                 report.failure = Failure.from_exception(self.role, self.rank, Phase.REPORT, exc)
+        job.stats.report_s = time.perf_counter() - reporting
         if report.failure is not None:
             job.stats.error = report.failure.describe()
             raise CheckpointWriteError(
@@ -481,34 +634,26 @@ class CheckpointManager:
                 f"{self._root}: {report.failure.describe()}"
             )
 
-    def _report_failure(self, step: int, phase: Phase, exc: BaseException) -> None:
-        report = RankReport(step, self.role, self.rank, self.world_size, uuid.uuid4().hex)
-        report.failure = Failure.from_exception(self.role, self.rank, phase, exc)
-        try:
-            self._call_finalizer("report", report)
-        except Exception as error:  # noqa: BLE001 - the original failure is what matters
-            logger.warning(
-                "%s: could not report the failure of step %d: %s", self._who, step, error
-            )
-
     def _write(self, job: _SaveJob, report: RankReport) -> Failure | None:
         """Step 3: write every file (fsynced, checksummed) into the report."""
         buffers_free = True
+        slot = job.copy.slot
         try:
             outcomes = self._writer.write(
                 job.prepared.write_buckets,
                 job.prepared.transforms,
-                job.slot,
+                slot,
                 job.deadline,
                 (self.role, self.rank),
             )
-            _check_unchanged(job.live_tensors)
+            _check_unchanged(job.copy.live)
             files = [written for _, written in outcomes]
             if job.common_bytes is not None:
                 files.append(write_common(job.common_bytes, job.directory))
             for results, _ in outcomes:
                 report.write_results.extend(results)
             report.files = [FileEntry(f"{self.role}/{f.name}", f.size, f.checksum) for f in files]
+            job.stats.fsync_s = max((f.fsync_s for f in files), default=0.0)
             if self.rank == 0:
                 report.global_metadata = job.prepared.global_metadata
             return None
@@ -520,13 +665,24 @@ class CheckpointManager:
         finally:
             # The buffers go back to the pool only when no writer can still read them.
             if buffers_free:
-                self._pool.release(job.slot)
+                self._pool.release(slot)
             else:
-                self._pool.forget(job.slot)
-                self._writer.forget_slot(job.slot)
-            job.live_tensors = []
+                self._pool.forget(slot)
+                self._writer.forget_slot(slot)
+            job.copy.live = []
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _snapshot_mode(self, snapshot: str | None) -> str:
+        mode = self.config.snapshot if snapshot is None else snapshot
+        if mode not in ("now", "deferred"):
+            raise CheckpointConfigError(f"save(snapshot={mode!r}): choose 'now' or 'deferred'")
+        if mode == "deferred" and self._save_thread is None:
+            raise CheckpointConfigError(
+                "save(snapshot='deferred') needs a background writer "
+                "(checkpoint.async_save=true, writer.mode thread or process)"
+            )
+        return mode
 
     def _compose(self, model: dict | None, optimizer: dict | None, extra: Any) -> dict:
         given = {"model": model, "optimizer": optimizer}
@@ -563,6 +719,17 @@ class CheckpointManager:
                 pass
 
 
+class _Hooks:
+    """Removable handles of several hooks, removed together."""
+
+    def __init__(self, *handles: Any) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -571,6 +738,22 @@ def _done_future() -> Future:
     future: Future = Future()
     future.set_result(None)
     return future
+
+
+def _check_unchanged_before_copy(copy: _Copy, sources: list[torch.Tensor]) -> None:
+    """A deferred snapshot is valid only if nothing changed its tensors in place between
+    save() and the end of the copy: the copy may hold a mix of old and new values (I4)."""
+    changed = [
+        item.key
+        for item, tensor, version in zip(copy.items, sources, copy.versions, strict=True)
+        if tensor._version != version
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{len(changed)} tensors were modified in place before the deferred snapshot was "
+            f"taken (e.g. {changed[0]}); the save is discarded. Call manager.fence() (or "
+            "register manager.fence_before(optimizer)) before changing the state"
+        )
 
 
 def _check_unchanged(live: list[_LiveTensor]) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StagingPool", "StagingSlot", "staging_signature"]
+__all__ = ["StagingPool", "StagingSlot", "copy_into", "device_ready_events", "staging_signature"]
 
 
 _slot_ids = itertools.count()
@@ -120,14 +120,21 @@ class StagingPool:
             return sum(s.nbytes for s in self._slots)
 
 
-def copy_into(slot: StagingSlot, tensors: list[torch.Tensor]) -> int:
+def copy_into(
+    slot: StagingSlot,
+    tensors: list[torch.Tensor],
+    ready: dict[torch.device, torch.cuda.Event] | None = None,
+) -> int:
     """Copy `tensors` into the slot's buffers; return the bytes copied.
 
     Device-to-host copies into pinned buffers are issued asynchronously and then awaited
     once, so that the copies overlap each other but the snapshot is complete on return.
+    `ready` (from `device_ready_events`, recorded on the training thread) makes this safe to
+    run on another thread: the copies then go on a side stream of each device that first
+    waits for everything the training thread had queued when the events were recorded.
     """
     copied = 0
-    devices = set()
+    streams: dict[torch.device, torch.cuda.Stream] = {}
     for buffer, tensor in zip(slot.buffers, tensors, strict=True):
         source = tensor.detach()
         if buffer.shape != source.shape or buffer.dtype != source.dtype:
@@ -136,10 +143,38 @@ def copy_into(slot: StagingSlot, tensors: list[torch.Tensor]) -> int:
                 f"staging buffer {tuple(buffer.shape)} {buffer.dtype} does not fit tensor "
                 f"{tuple(source.shape)} {source.dtype}"
             )
-        buffer.copy_(source, non_blocking=source.is_cuda and buffer.is_pinned())
-        if source.is_cuda:
-            devices.add(source.device)
+        if not source.is_cuda:
+            buffer.copy_(source)
+        else:
+            stream = streams.get(source.device)
+            if stream is None:
+                stream = streams[source.device] = _copy_stream(source.device, ready)
+            with torch.cuda.stream(stream):
+                buffer.copy_(source, non_blocking=buffer.is_pinned())
         copied += buffer.numel() * buffer.element_size()
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
+    for stream in streams.values():
+        stream.synchronize()
     return copied
+
+
+def device_ready_events(tensors: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event]:
+    """One event per CUDA device of `tensors`, recorded now on its current stream: the point
+    after which a copy on another stream sees the values the training thread has produced."""
+    events = {}
+    for tensor in tensors:
+        if tensor.is_cuda and tensor.device not in events:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+            events[tensor.device] = event
+    return events
+
+
+def _copy_stream(
+    device: torch.device, ready: dict[torch.device, torch.cuda.Event] | None
+) -> torch.cuda.Stream:
+    if ready is None:
+        # On the training thread: its own stream orders the copy after the compute.
+        return torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_event(ready[device])
+    return stream

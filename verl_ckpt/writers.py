@@ -24,7 +24,7 @@ from verl_ckpt import faults
 from verl_ckpt.errors import CheckpointWriteError, CommitTimeoutError
 from verl_ckpt.file_writer import WrittenFile, write_bucket
 from verl_ckpt.staging import StagingSlot
-from verl_ckpt.threads import DaemonPool
+from verl_ckpt.threads import DaemonPool, lower_priority
 
 __all__ = [
     "InlineWriter",
@@ -61,6 +61,16 @@ class Writer(Protocol):
     def forget_slot(self, slot: StagingSlot) -> None:
         """The slot's buffers are gone: drop any reference to them."""
 
+    def warm_up(self, slot: StagingSlot, deadline: float) -> None:
+        """Be ready to write `slot` at once (start a writer process and hand it the buffers),
+        so that the first save does not pay for it."""
+
+    def pause(self) -> None:
+        """Hold writes back between tensors (at most fsio.MAX_PAUSE_S) until resume()."""
+
+    def resume(self) -> None:
+        """Let writes go on."""
+
     def close(self, timeout_s: float) -> None:
         """Stop, within `timeout_s`; raise CommitTimeoutError naming what is still running."""
 
@@ -79,6 +89,17 @@ class InlineWriter:
 
     shares_memory = False
 
+    def __init__(self) -> None:
+        # Open (set) unless the trainer holds writes back while it changes its state.
+        self._gate = threading.Event()
+        self._gate.set()
+
+    def pause(self) -> None:
+        self._gate.clear()
+
+    def resume(self) -> None:
+        self._gate.set()
+
     @property
     def pid(self) -> int | None:
         return None
@@ -92,9 +113,12 @@ class InlineWriter:
         fault_scope: tuple[str, int],
     ) -> list[Outcome]:
         faults.inject("write", *fault_scope)
-        return [write_bucket(bucket, transforms) for bucket in buckets]
+        return [write_bucket(bucket, transforms, self._gate) for bucket in buckets]
 
     def forget_slot(self, slot: StagingSlot) -> None:
+        pass
+
+    def warm_up(self, slot: StagingSlot, deadline: float) -> None:
         pass
 
     def close(self, timeout_s: float) -> None:
@@ -104,8 +128,9 @@ class InlineWriter:
 class ThreadWriter(InlineWriter):
     """A pool of threads in the rank writes one file each (file I/O releases the GIL)."""
 
-    def __init__(self, threads: int, name: str) -> None:
-        self._pool = DaemonPool(threads, name)
+    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
+        super().__init__()
+        self._pool = DaemonPool(threads, name, nice)
 
     def write(
         self,
@@ -117,7 +142,9 @@ class ThreadWriter(InlineWriter):
     ) -> list[Outcome]:
         faults.inject("write", *fault_scope)
         futures = [
-            self._pool.submit(write_bucket, bucket, transforms, label=f"write {bucket[0]}")
+            self._pool.submit(
+                write_bucket, bucket, transforms, self._gate, label=f"write {bucket[0]}"
+            )
             for bucket in buckets
         ]
         _, unfinished = wait_for_futures(futures, timeout=max(0.0, deadline - time.monotonic()))
@@ -147,10 +174,14 @@ class ProcessWriter:
 
     shares_memory = True
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
         self._threads = threads
         self._name = name
+        self._nice = nice
         self._ctx = torch_mp.get_context("spawn")
+        # Shared with the writer process, which checks it between tensors.
+        self._gate = self._ctx.Event()
+        self._gate.set()
         self._proc = None
         self._requests = None
         self._results = None
@@ -169,14 +200,31 @@ class ProcessWriter:
         deadline: float,
         fault_scope: tuple[str, int],
     ) -> list[Outcome]:
+        self._hand_over(slot)
+        job = self._next_job_id()
+        plan = [_describe_bucket(bucket, slot) for bucket in buckets]
+        self._requests.put(("write", job, slot.slot_id, plan, transforms, fault_scope))
+        return self._answer(job, deadline)
+
+    def warm_up(self, slot: StagingSlot, deadline: float) -> None:
+        # The answer to a ping comes once the process imported what it needs and holds the
+        # slot's buffers: seconds of spawn and imports that the first save no longer waits.
+        self._hand_over(slot)
+        job = self._next_job_id()
+        self._requests.put(("ping", job))
+        self._answer(job, deadline)
+
+    def _hand_over(self, slot: StagingSlot) -> None:
         self._ensure_started()
         if slot.slot_id not in self._known_slots:
             self._requests.put(("slot", slot.slot_id, slot.buffers))
             self._known_slots.add(slot.slot_id)
+
+    def _next_job_id(self) -> int:
         self._next_job += 1
-        job = self._next_job
-        plan = [_describe_bucket(bucket, slot) for bucket in buckets]
-        self._requests.put(("write", job, slot.slot_id, plan, transforms, fault_scope))
+        return self._next_job
+
+    def _answer(self, job: int, deadline: float) -> Any:
         while True:
             try:
                 kind, done_job, payload = self._results.get(timeout=0.2)
@@ -199,6 +247,12 @@ class ProcessWriter:
                 raise CheckpointWriteError(payload)
             return payload
 
+    def pause(self) -> None:
+        self._gate.clear()
+
+    def resume(self) -> None:
+        self._gate.set()
+
     def forget_slot(self, slot: StagingSlot) -> None:
         if slot.slot_id in self._known_slots and self._proc is not None and self._proc.is_alive():
             self._requests.put(("drop", slot.slot_id))
@@ -220,7 +274,7 @@ class ProcessWriter:
         self._results = self._ctx.Queue()
         self._proc = self._ctx.Process(
             target=_writer_main,
-            args=(self._requests, self._results, self._threads),
+            args=(self._requests, self._results, self._threads, self._nice, self._gate),
             name=self._name,
             daemon=True,
         )
@@ -281,8 +335,10 @@ def _exit_with_parent() -> None:
         os._exit(0)
 
 
-def _writer_main(requests: Any, results: Any, threads: int) -> None:
+def _writer_main(requests: Any, results: Any, threads: int, nice: int, gate: Any) -> None:
     """The writer process: serve slot registrations and writes until told to stop."""
+    # Before any thread starts: every thread of this process inherits the lowered priority.
+    lower_priority(nice)
     torch.set_num_threads(1)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     pool = ThreadPoolExecutor(threads)
@@ -299,21 +355,26 @@ def _writer_main(requests: Any, results: Any, threads: int) -> None:
             slots[message[1]] = message[2]
         elif kind == "drop":
             slots.pop(message[1], None)
+        elif kind == "ping":
+            results.put(("done", message[1], None))
         elif kind == "write":
             _, job, slot_id, plan, transforms, fault_scope = message
             try:
                 faults.inject("write", *fault_scope)
                 buckets = [_rebuild_bucket(b, slots[slot_id]) for b in plan]
-                outcomes = list(pool.map(write_bucket, buckets, [transforms] * len(buckets)))
+                count = len(buckets)
+                outcomes = list(
+                    pool.map(write_bucket, buckets, [transforms] * count, [gate] * count)
+                )
                 results.put(("done", job, outcomes))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the rank
                 results.put(("error", job, f"{type(exc).__name__}: {exc}"))
     pool.shutdown()
 
 
-def make_writer(mode: str, threads: int, name: str) -> Writer:
+def make_writer(mode: str, threads: int, name: str, nice: int = 0) -> Writer:
     if mode == "process":
-        return ProcessWriter(threads, name)
+        return ProcessWriter(threads, name, nice)
     if mode == "thread":
-        return ThreadWriter(threads, name)
+        return ThreadWriter(threads, name, nice)
     return InlineWriter()

@@ -1,0 +1,138 @@
+"""Resume speed: loading a committed step into the ranks' live tensors, against the read
+floor and the peers' own loads of the same state (benchmarks/README.md, "Load benchmark").
+
+Variants, run on both ranks at once (each rank loads its share), in a rotated order:
+  read floor            every file of this rank's share read with plain reads into memory
+                        allocated beforehand: the least a load can cost;
+  verl_ckpt load        CheckpointManager.load() into the sharded templates (commit record
+                        checked first);
+  verl_ckpt load + verify   the same with verify_checksums_on_load (every file re-hashed
+                        before any state is touched);
+  megatron-core load    dist_checkpointing.load() of the same role directory;
+  DCP load              torch.distributed.checkpoint.load() of the same tensors as DTensors,
+                        saved by DCP itself.
+Once with the page cache warm (the files were just written), once cold (the page cache is
+dropped before every variant, as after a restart on a fresh node), where the system lets us.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import _f, _median, _table, _x
+
+__all__ = ["LOAD_VARIANTS", "LoadRunner", "load_table"]
+
+LOAD_VARIANTS = (
+    "read floor",
+    "verl_ckpt load",
+    "verl_ckpt load + verify",
+    "megatron-core load",
+    "DCP load",
+)
+LOAD_TARGET = 1.25  # x the read floor
+_CHUNK = 16 << 20
+
+
+class LoadRunner:
+    """Inside one rank: the variants over the step saved by verl_ckpt and the DCP copy."""
+
+    def __init__(self, state: Any, verl_system: Any, role_dir: Path, dcp_dir: Path) -> None:
+        self.state = state
+        self.verl = verl_system
+        self.role_dir = role_dir
+        self.dcp_dir = dcp_dir
+        # This rank's files of the step: its own shards (as written by this rank).
+        self.files = sorted(role_dir.glob(f"__{state.rank}_*.distcp"))
+        self.buffer = bytearray(max((f.stat().st_size for f in self.files), default=0))
+
+    def run(self, variant: str) -> None:
+        if variant == "read floor":
+            self._read_floor()
+        elif variant == "verl_ckpt load":
+            self.verl.load(self.role_dir.parent, verify=False)
+        elif variant == "verl_ckpt load + verify":
+            self.verl.load(self.role_dir.parent, verify=True)
+        elif variant == "megatron-core load":
+            from megatron.core import dist_checkpointing
+
+            template = {
+                "model": self.state.model_sharded_state_dict(),
+                "optimizer": self.state.optimizer_sharded_state_dict(),
+            }
+            dist_checkpointing.load(template, str(self.role_dir))
+        elif variant == "DCP load":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (self.state.spec.world_size,))
+            dcp.load(self.state.dtensor_state_dict(mesh), checkpoint_id=str(self.dcp_dir))
+        else:
+            raise ValueError(f"unknown load variant {variant!r}")
+
+    def _read_floor(self) -> None:
+        view = memoryview(self.buffer)
+        for path in self.files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                offset = 0
+                while read := os.readv(fd, [view[offset : offset + _CHUNK]]):
+                    offset += read
+                    if offset >= len(view):
+                        offset = 0  # larger files than the buffer: reuse it
+            finally:
+                os.close(fd)
+
+
+def can_drop_caches() -> bool:
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> None:
+    """Write back, then drop the page cache (root only): the next reads come from disk."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
+
+
+def load_table(found: dict[str, dict[str, list[float]]]) -> tuple[str, list[str]]:
+    """found[cache][variant] = seconds per rep (slowest rank). Table and verdict lines."""
+    body, verdicts = [], []
+    for cache, by_variant in found.items():
+        med = {v: _median(t) for v, t in by_variant.items() if t}
+        floor = med.get("read floor")
+        for variant in LOAD_VARIANTS:
+            if variant in med:
+                ratio = med[variant] / floor if floor else None
+                body.append(
+                    [cache, variant, _f(med[variant]), _x(ratio, 3), str(len(by_variant[variant]))]
+                )
+        ours, mcore, dcp = (
+            med.get(v) for v in ("verl_ckpt load", "megatron-core load", "DCP load")
+        )
+        if ours and floor:
+            ahead = all(peer is None or ours < peer for peer in (mcore, dcp))
+            verdicts.append(
+                f"{cache} cache: verl_ckpt load {_x(ours / floor, 3)} of the read floor "
+                f"(target {LOAD_TARGET}x: {'MET' if ours / floor <= LOAD_TARGET else 'MISSED'}); "
+                f"ahead of both peers: {'MET' if ahead else 'MISSED'} (megatron-core "
+                f"{_f(mcore)} s, DCP {_f(dcp)} s, ours {_f(ours)} s)"
+            )
+    table = _table(["page cache", "variant", "median s", "vs read floor", "runs"], body)
+    return table, verdicts
+
+
+def time_variant(runner: LoadRunner, variant: str) -> dict[str, float]:
+    start = time.perf_counter()
+    t0 = time.time()
+    runner.run(variant)
+    return {"t0": t0, "t_end": time.time(), "seconds": time.perf_counter() - start}
+
+
+def cleanup(*paths: Path) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)

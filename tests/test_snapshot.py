@@ -1,0 +1,121 @@
+"""Deferred snapshots for the RL idle window, and prepare() for a cheap first save, on real
+Megatron ranks in Ray actors (invariant I4: what is saved is the state at save(), whatever
+the trainer does after the fence; a change before it fails the save loudly).
+
+The documented hook VERL_CKPT_FAULT only slows a deferred copy (`stage=sleep=...`) so that
+the trainer's change lands before the copy ends: the race the version counters must catch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from tests.conftest import ROLES
+from tests.helpers import close_all, every_rank, open_all, save_everyone
+from verl_ckpt import (
+    CheckpointCoordinator,
+    CheckpointWriteError,
+    StepNotCommittedError,
+    read_tracker,
+)
+from verl_ckpt.faults import ENV_VAR
+
+
+def config(tmp_path, **overrides):
+    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
+
+
+def assert_restores(ranks, step, before):
+    ray.get([w.load.remote(step) for w in every_rank(ranks)])
+    after = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    for b, a in zip(before, after, strict=True):
+        assert b.keys() == a.keys()
+        assert all(torch.equal(b[key], a[key]) for key in b)
+
+
+def test_I4_deferred_snapshot_is_the_state_at_save_whatever_follows_the_fence(ranks, tmp_path):
+    cfg = config(tmp_path, snapshot="deferred")
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first = save_everyone(ranks, coordinator, 1)
+    # The first save plans over the group, which only the training thread may do: it copies
+    # at once. The next ones, whose plan is cached, defer the copy.
+    assert {s["snapshot"] for s in first} == {"now"}
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    second = save_everyone(ranks, coordinator, 2, after="fence, inplace")
+    assert {s["snapshot"] for s in second} == {"deferred"}
+    coordinator.wait_for_commit(2)
+    done = [s for w in every_rank(ranks) for s in ray.get(w.wait.remote()) if s["step"] == 2]
+    assert all(s["stage_s"] > 0 and s["bytes_staged"] > 0 for s in done)  # copied, off-thread
+    assert_restores(ranks, 2, before)
+    close_all(ranks, coordinator)
+
+
+def test_I4_a_change_before_the_fence_fails_the_deferred_save_loudly(ranks, tmp_path):
+    cfg = config(tmp_path, snapshot="deferred")
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=sleep=1"))
+    try:
+        # No fence: the trainer writes into its state while the critic's copy is held back.
+        save_everyone(ranks, coordinator, 2, after="inplace")
+        with pytest.raises(CheckpointWriteError, match="modified in place before the deferred"):
+            ray.get(critic.wait.remote())
+        # Whichever rank's failure reached the finalizer first is named (see below).
+        with pytest.raises(StepNotCommittedError, match=r"rank \d \[stage\] .* in place"):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert read_tracker(cfg["root_dir"]) == 1
+    # The actor ranks' copies were not held back: whether they beat the change is a race,
+    # and either outcome is correct (a clean copy, or this same loud failure).
+    for w in ranks["actor"]:
+        try:
+            ray.get(w.wait.remote())
+        except CheckpointWriteError as exc:
+            assert "modified in place before the deferred" in str(exc)
+    close_all(ranks, coordinator)
+
+
+def test_I4_fence_before_the_optimizer_makes_its_step_wait_for_the_snapshot(ranks, tmp_path):
+    cfg = config(tmp_path, snapshot="deferred")
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    ray.get([w.fence_before_optimizer_steps.remote() for w in every_rank(ranks)])
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=sleep=1"))
+    try:
+        before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+        # A training step right after save(): its optimizer.step() fences first.
+        save_everyone(ranks, coordinator, 2, after="step")
+        coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert_restores(ranks, 2, before)
+    close_all(ranks, coordinator)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_prepare_makes_the_first_save_reuse_the_plan_buffers_and_writer(ranks, tmp_path, writer):
+    cfg = config(tmp_path, writer={"mode": writer})
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    ray.get([w.prepare.remote() for w in every_rank(ranks)])
+    staged = ray.get([w.staged_bytes.remote() for w in every_rank(ranks)])
+    assert all(n > 0 for n in staged)  # the buffers exist before the first save
+    if writer == "process":
+        assert all(ray.get([w.writer_pid.remote() for w in every_rank(ranks)]))
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    first = save_everyone(ranks, coordinator, 1)
+    assert all(s["plan_reused"] for s in first)
+    assert ray.get([w.staged_bytes.remote() for w in every_rank(ranks)]) == staged
+    coordinator.wait_for_commit(1)
+    assert_restores(ranks, 1, before)
+    close_all(ranks, coordinator)
