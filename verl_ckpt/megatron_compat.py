@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.exchange_utils import (
     determine_main_replica_uniform_distribution,
 )
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import state_dict_saver
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
@@ -209,6 +209,52 @@ def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results:
     fsync_dir(checkpoint_dir)
 
 
+class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
+    """megatron-core's torch_dist load, with two differences: each rank plans its reads
+    alone (DCP's `no_dist`: the checkpoint's global metadata says where every shard is, so
+    no rank needs the others, and ranks that do not load are never waited for), and whole
+    tensors are read straight into place (direct_reader.DirectFileSystemReader)."""
+
+    def load(self, sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
+        from torch.distributed import checkpoint
+
+        from verl_ckpt.direct_reader import DirectFileSystemReader
+
+        tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
+        flexible = [t for t in tensors if not t.allow_shape_mismatch]
+        mismatching = {t.key: t for t in tensors if t.allow_shape_mismatch}
+        original = sharded_state_dict
+        sharded, flat_mapping, rename_mapping = (
+            mcore_torch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+        )
+        pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded, True)
+        reader = DirectFileSystemReader(checkpoint_dir)
+        checkpoint.load_state_dict(
+            pyt_state_dict,
+            reader,
+            planner=mcore_torch.MCoreLoadPlanner(
+                shapes_validation_sharded_tensors=flexible,
+                allow_shape_mismatch_sharded_tensors=mismatching,
+            ),
+            no_dist=True,
+        )
+        self.cached_global_metadata = reader.read_metadata()
+        self.direct_reads = reader.direct_reads
+        loaded = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        loaded = mcore_torch._replace_sharded_keys_with_state_dict_keys(
+            loaded, flat_mapping, rename_mapping
+        )
+        mcore_torch._restore_dict_types(loaded, original)
+        return loaded
+
+
 def load_role_dir(sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
-    """megatron-core's own load of a torch_dist directory (collective over the default group)."""
-    return dist_checkpointing.load(sharded_state_dict, str(checkpoint_dir))
+    """megatron-core's own load() of a torch_dist directory, with no collective: the saved
+    sharding was validated at save time, so the load request's access-integrity check (an
+    all-gather over the default group) is skipped, and reads are planned locally."""
+    return dist_checkpointing.load(
+        sharded_state_dict,
+        str(checkpoint_dir),
+        sharded_strategy=_LocalLoadStrategy(),
+        validate_access_integrity=False,
+    )
