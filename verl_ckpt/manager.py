@@ -262,8 +262,8 @@ class CheckpointManager:
         # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
         self._in_flight.wait_for_room()
         layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1
-        job = self._new_job(layout, self._acquire_copy(layout, deferred))
         deferred = deferred and layout.reuse_plan
+        job = self._new_job(layout, self._acquire_copy(layout, deferred))
         job.stats.snapshot = "deferred" if deferred else "now"
         if not deferred:
             try:
