@@ -99,11 +99,14 @@ class RankWorker:
         `inplace`: in-place writes to every parameter and optimizer tensor, then a step;
         `offload`: offload the optimizer state (replace its storage by a host copy, as verl
         does), train a step on reloaded state, offload again, and drop the old tensors."""
+        from verl_ckpt import describe_gpt_model
+
         stats = self.manager.save(
             step,
             model=self.model.sharded_state_dict(),
             optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
             extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
+            model_spec=describe_gpt_model(self.model),
         )
         if after in (True, "inplace"):
             with torch.no_grad():
@@ -119,6 +122,17 @@ class RankWorker:
             self.train(1)
             self._swap_optimizer_storage()  # offload after it
         return vars(stats)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's full-vocabulary logits [b, s, vocab] on `tokens` [b, s] (gathered over
+        the tensor-parallel ranks; every rank returns the same)."""
+        self.model.eval()
+        try:
+            shards = self.model(*self.mc.causal_inputs(self.model, tokens))
+            return self.mc.gather_vocab_logits(shards).clone()
+        finally:
+            self.model.train()
 
     def _swap_optimizer_storage(self) -> None:
         for s in self.optimizer.state.values():
