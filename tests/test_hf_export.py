@@ -226,3 +226,73 @@ def test_recipe_refuses_an_unknown_mapping_name_in_one_line_before_ray(tmp_path)
     (line,) = [x for x in output.splitlines() if "error" in x]
     assert line.startswith("ppo_toy: error: checkpoint.hf_export.architectures.actor='gtp2'")
     assert "started an embedded Ray" not in output and not root.exists()
+
+
+# ---- retention and back-pressure -------------------------------------------------------------
+
+
+def exporting_coordinator(cfg: dict, fault: str, disarmed_marker: Path) -> CheckpointCoordinator:
+    """A coordinator whose finalizer (and so its export tasks, which inherit its runtime
+    environment) runs with VERL_CKPT_FAULT=`fault`, fired once when `disarmed_marker` is
+    missing (tests.test_faults.faulty_coordinator, with the export plan)."""
+    from tests.test_faults import REPO_ROOT
+    from verl_ckpt import to_checkpoint_config
+    from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
+    from verl_ckpt.finalizer import CheckpointFinalizer
+    from verl_ckpt.finalizer_client import actor_options
+    from verl_ckpt.hf.scheduler import plan_exports
+
+    config = to_checkpoint_config(cfg)
+    root = Path(cfg["root_dir"]).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    disarmed_marker.touch()
+    env = {ENV_VAR: fault, ONCE_ENV_VAR: str(disarmed_marker), "PYTHONPATH": str(REPO_ROOT)}
+    handle = (
+        ray.remote(CheckpointFinalizer)
+        .options(**actor_options(root), runtime_env={"env_vars": env})
+        .remote(
+            str(root),
+            {**ROLES, "driver": 1},
+            config.max_ckpt_to_keep,
+            1,
+            plan_exports(config, list(ROLES)),
+        )
+    )
+    ray.get(handle.describe.remote(), timeout=60)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    # The creating handle owns the actor: drop it and Ray collects the actor.
+    coordinator.owner_handle = handle
+    return coordinator
+
+
+def test_I3_retention_keeps_a_step_under_export_and_a_waiting_export_is_superseded(ranks, tmp_path):
+    """keep=1 while step 1's export hangs (the fault hook parks it): steps 2 and 3 commit,
+    retention keeps step 1 (being read) and deletes step 2 once its waiting export was
+    superseded by step 3's; the run's end waits within its deadline, then stops the hung
+    export (nothing left running) and reports it with the command that writes it later."""
+    from tests.test_trust import wait_for
+    from verl_ckpt import CommitTimeoutError
+
+    cfg = config(tmp_path, max_ckpt_to_keep=1, hf_export={"architectures": {"actor": "gpt2"}})
+    root = Path(cfg["root_dir"])
+    marker = tmp_path / "disarmed"
+    coordinator = exporting_coordinator(cfg, "export:actor=hang", marker)
+    open_all(ranks, cfg)
+    marker.unlink()  # arm: the first export parks before writing
+    save_everyone(ranks, coordinator, 1)
+    wait_for(marker.exists, 60, "the export of step 1 did not start")
+    for step in (2, 3):
+        save_everyone(ranks, coordinator, step)
+        coordinator.wait_for_commit(step)
+    wait_for(lambda: not step_dir(root, 2).exists(), 30, "retention did not delete step 2")
+    assert is_committed(step_dir(root, 1)) and read_tracker(root) == 3
+    with pytest.raises(CommitTimeoutError, match=r"exports of steps \[1, 3\] .* did not end"):
+        coordinator.wait_for_exports(timeout_s=1)
+    states = {(o["step"], o["state"]) for o in coordinator.status()["hf_exports"]}
+    assert states == {(1, "running"), (2, "skipped"), (3, "queued")}
+    ray.get([w.close.remote() for w in every_rank(ranks)])
+    coordinator.close(timeout_s=2)
+    assert not list((step_dir(root, 1) / "actor").glob(".huggingface.tmp.*"))
+    # Every export the job did not finish is one command away.
+    assert verl_ckpt_cli(["export", str(root), "--step", "3", "--role", "actor"]) == 0
+    assert verify_export(export_dir(step_dir(root, 3), "actor"))[1] == []

@@ -175,7 +175,10 @@ class CheckpointCoordinator:
         try:
             outcomes = self.wait_for_exports(timeout_s)
         except CheckpointError as exc:
-            logger.error("%s", exc)
+            # Not beyond the deadline, and nothing left running: the rest is for
+            # `verl-ckpt export`.
+            logger.error("%s; stopping them", exc)
+            self._call("cancel_exports")
             return
         for outcome in outcomes:
             if outcome["state"] == "failed" and (outcome["step"], outcome["role"]) not in seen:

@@ -267,6 +267,10 @@ class CheckpointFinalizer:
         the outcome of every export of this finalizer (step 8)."""
         return await self._exports.wait(timeout_s)
 
+    def cancel_exports(self) -> None:
+        """Stop the running export and drop the waiting ones (the coordinator is closing)."""
+        self._exports.cancel()
+
     # ---- internals -----------------------------------------------------------------------
 
     def _not_committed(self, step: int, status: StepStatus) -> StepNotCommittedError:

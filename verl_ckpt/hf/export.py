@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from verl_ckpt import faults
-from verl_ckpt.commit_record import FileEntry, read_commit_record
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError
+from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
+from verl_ckpt.errors import CheckpointConfigError, CheckpointError, CommitRecordError
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.fsio import fsync_dir
 from verl_ckpt.hf.mapping import (
@@ -173,13 +173,18 @@ def _committed_role_dir(step_path: Path, role: str, record: Any) -> Path:
         raise CheckpointConfigError(
             f"step {step_path} has no role {role!r} (roles: {', '.join(roles) or 'none'})"
         )
-    committed = {entry.path for entry in record.files}
-    if f"{role}/{MODEL_SPEC_FILENAME}" not in committed:
+    committed = {entry.path: entry for entry in record.files}
+    entry = committed.get(f"{role}/{MODEL_SPEC_FILENAME}")
+    if entry is None:
         # A description written after the commit would not be the model that was saved.
         read_model_spec(step_path / role)  # the clearer error when the file is missing
         raise CheckpointError(
             f"{step_path / role / MODEL_SPEC_FILENAME} is not part of the committed step"
         )
+    # Small, and it decides how every tensor is read: checked against the commit record.
+    problems = verify_files(step_path, record, prefix=entry.path)
+    if problems:
+        raise CommitRecordError("; ".join(problems))
     return step_path / role
 
 

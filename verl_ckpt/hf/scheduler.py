@@ -99,6 +99,7 @@ class ExportQueue:
         self._outcomes: dict[tuple[int, str], ExportOutcome] = {}
         self._worker: asyncio.Task | None = None
         self._remote: Any = None
+        self._running_ref: Any = None  # the Ray task of the running export
 
     def submit(self, step: int) -> None:
         """Queue the exports of a step that just committed."""
@@ -140,6 +141,19 @@ class ExportQueue:
                 )
         return self.outcomes()
 
+    def cancel(self) -> None:
+        """Drop the waiting exports and stop the running one (the job is closing: nothing
+        may keep running after it). Each is reported; `verl-ckpt export` writes it later."""
+        while self._waiting:
+            step = self._waiting.popleft()
+            for role in self._plan.architectures:
+                why = f"cancelled: the job closed first; {self._retry(step, role)}"
+                self._outcomes[(step, role)] = ExportOutcome(step, role, "skipped", why)
+        if self._running_ref is not None:
+            import ray
+
+            ray.cancel(self._running_ref, force=True)
+
     async def _work(self) -> None:
         while self._waiting:
             step = self._running = self._waiting.popleft()
@@ -174,7 +188,7 @@ class ExportQueue:
         if not ray.is_initialized():  # an in-process finalizer (tests, benchmarks)
             work = asyncio.to_thread(_export_task_body, *args)
             return await asyncio.wait_for(work, plan.timeout_s)
-        ref = self._remote_task().remote(*args)
+        ref = self._running_ref = self._remote_task().remote(*args)
         try:
             return await asyncio.wait_for(_result(ref), plan.timeout_s)
         except TimeoutError:
@@ -182,6 +196,8 @@ class ExportQueue:
             raise CommitTimeoutError(
                 f"did not finish within checkpoint.timeout_s={plan.timeout_s:g}s"
             ) from None
+        finally:
+            self._running_ref = None
 
     def _remote_task(self) -> Any:
         if self._remote is None:
