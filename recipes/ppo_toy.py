@@ -430,7 +430,8 @@ class PPOToyTrainer:
             self.metrics.set_write_figures(step, write_s, nbytes)
 
     def finish(self, last_saved: int | None) -> None:
-        """Finish every rank's writes, then wait for the last save to commit."""
+        """Finish every rank's writes, wait for the last save to commit, then for the
+        Hugging Face exports of committed steps (save_contents with hf_model)."""
         self.collect_write_figures(ray.get(self._call_all("close")))
         if last_saved is not None:
             summary = self.coordinator.wait_for_commit(last_saved)
@@ -441,6 +442,28 @@ class PPOToyTrainer:
                 summary["files"],
                 summary["bytes"] / 1e6,
                 summary["tracker"],
+            )
+        self.report_exports()
+
+    def report_exports(self) -> None:
+        """Wait (checkpoint.timeout_s) for the exports; a failed one is an error line that
+        says how to retry it, and leaves its step committed."""
+        try:
+            outcomes = self.coordinator.wait_for_exports()
+        except verl_ckpt.CommitTimeoutError as exc:
+            log.error("%s", exc)
+            return
+        for outcome in outcomes:
+            failed = outcome["state"] == "failed"
+            where = f" to {outcome['path']}" if outcome["path"] else ""
+            log.log(
+                logging.ERROR if failed else logging.INFO,
+                "step %d: Hugging Face export of %s %s%s: %s",
+                outcome["step"],
+                outcome["role"],
+                outcome["state"],
+                where,
+                outcome["message"],
             )
 
     def shutdown(self) -> None:

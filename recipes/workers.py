@@ -143,7 +143,7 @@ class _RankWorker:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-        from verl_ckpt import CheckpointManager
+        from verl_ckpt import CheckpointManager, describe_gpt_model
 
         timeout_s = self.cfg.trainer.startup_timeout_s
         if self.rank == 0:
@@ -176,6 +176,7 @@ class _RankWorker:
             shape, seed=derive_seed(self.cfg.trainer.seed, f"{self.role}_model")
         )
         self.optimizer = self.mc.make_adam(self.model, lr=self.role_cfg.lr)
+        self.model_spec = describe_gpt_model(self.model)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -203,6 +204,9 @@ class _RankWorker:
             model=self.model.sharded_state_dict(),
             optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
             extra=self._extra_state(),
+            # What a Hugging Face export of this step needs to know (checkpoint.save_contents
+            # with hf_model, or `verl-ckpt export` later).
+            model_spec=self.model_spec,
         )
         self._watched.append(stats)
         return {

@@ -106,12 +106,15 @@ class RankWorker:
         does), train a step on reloaded state, offload again, and drop the old tensors;
         `fence, inplace`: fence() first (the deferred snapshot's contract), then `inplace`;
         `step`: one training step (its optimizer.step() may fence through fence_before)."""
+        from verl_ckpt import describe_gpt_model
+
         stats = self.manager.save(
             step,
             model=self.model.sharded_state_dict(),
             optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
             extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
             snapshot=snapshot,
+            model_spec=describe_gpt_model(self.model),
         )
         if after == "fence, inplace":
             self.manager.fence()
@@ -132,6 +135,17 @@ class RankWorker:
             self.train(1)
             self._swap_optimizer_storage()  # offload after it
         return vars(stats)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's full-vocabulary logits [b, s, vocab] on `tokens` [b, s] (gathered over
+        the tensor-parallel ranks; every rank returns the same)."""
+        self.model.eval()
+        try:
+            shards = self.model(*self.mc.causal_inputs(self.model, tokens))
+            return self.mc.gather_vocab_logits(shards).clone()
+        finally:
+            self.model.train()
 
     def _swap_optimizer_storage(self) -> None:
         for s in self.optimizer.state.values():

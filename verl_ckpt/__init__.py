@@ -4,7 +4,10 @@ Users import from here only:
 - driver: `prepare_start` (before Ray starts: checks the config and root, locks the root,
   recovers it, decides the resume step), `CheckpointCoordinator` (starts the finalizer, saves
   the driver's state, waits for commits);
-- each rank: `CheckpointManager` (save / wait / load / close);
+- each rank: `CheckpointManager` (save / wait / load / close), `describe_gpt_model` (the
+  model description saved with each step, for Hugging Face exports);
+- Hugging Face weights: `export_role`, `verify_export`, mappings (`HFMapping`, `TensorRule`,
+  `register_mapping`);
 - config: `CheckpointConfig` and friends, `register_configs()` for Hydra.
 The order of a save, step by step, is on one page: verl_ckpt/protocol.py.
 """
@@ -18,6 +21,7 @@ _EXPORTS = {
     "CommitRecord": "verl_ckpt.commit_record",
     "read_commit_record": "verl_ckpt.commit_record",
     "CheckpointConfig": "verl_ckpt.config",
+    "HFExportConfig": "verl_ckpt.config",
     "StagingConfig": "verl_ckpt.config",
     "WriterConfig": "verl_ckpt.config",
     "register_configs": "verl_ckpt.config",
@@ -32,6 +36,14 @@ _EXPORTS = {
     "RootLockedError": "verl_ckpt.errors",
     "StepNotCommittedError": "verl_ckpt.errors",
     "TrackerError": "verl_ckpt.errors",
+    "ExportSummary": "verl_ckpt.hf.export",
+    "export_role": "verl_ckpt.hf.export",
+    "HFMapping": "verl_ckpt.hf.mapping",
+    "TensorRule": "verl_ckpt.hf.mapping",
+    "UnsupportedModelError": "verl_ckpt.hf.mapping",
+    "register_mapping": "verl_ckpt.hf.mapping",
+    "describe_gpt_model": "verl_ckpt.hf.model_spec",
+    "verify_export": "verl_ckpt.hf.record",
     "TRACKER_FILENAME": "verl_ckpt.layout",
     "step_dir": "verl_ckpt.layout",
     "CheckpointManager": "verl_ckpt.manager",
@@ -53,21 +65,30 @@ __all__ = [
     "CommitRecord",
     "CommitRecordError",
     "CommitTimeoutError",
+    "ExportSummary",
+    "HFExportConfig",
+    "HFMapping",
     "ResumeConflictError",
     "RootLockedError",
     "SaveStats",
     "StagingConfig",
     "StartPlan",
     "StepNotCommittedError",
+    "TensorRule",
     "TrackerError",
+    "UnsupportedModelError",
     "WriterConfig",
+    "describe_gpt_model",
+    "export_role",
     "read_commit_record",
     "prepare_start",
     "read_tracker",
     "register_configs",
+    "register_mapping",
     "resolve_resume_dir",
     "step_dir",
     "to_checkpoint_config",
+    "verify_export",
 ]
 
 

@@ -1,4 +1,4 @@
-"""`verl-ckpt`: list, verify, inspect, prune and roll back a checkpoint root.
+"""`verl-ckpt`: list, verify, inspect, prune, roll back and export a checkpoint root.
 
 Exit status: 0 success; 1 the checkpoint is bad (not committed, corrupt record, unreadable
 tracker, files failing verification); 2 a usage error (ROOT missing or not a directory, a bad
@@ -20,7 +20,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from verl_ckpt.commit_record import CommitRecord, read_commit_record, verify_files
-from verl_ckpt.errors import CheckpointError, RootLockedError, TrackerError
+from verl_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    RootLockedError,
+    TrackerError,
+)
+from verl_ckpt.hf.record import export_dir, verify_export
 from verl_ckpt.inspection import TensorEntry, read_role_entries, scan_steps
 from verl_ckpt.layout import (
     COMMIT_RECORD_FILENAME,
@@ -224,6 +230,7 @@ def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
     problems = verify_files(path, record)
     if record.step != step:
         problems.insert(0, f"{path / COMMIT_RECORD_FILENAME}: names step {record.step}, not {step}")
+    exports = _verify_exports(path, record, problems)
     if problems:
         print(f"FAILED step {step}: {len(problems)} problem(s) in {len(record.files)} files")
         for problem in problems:
@@ -231,7 +238,28 @@ def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
         return EXIT_BAD_CHECKPOINT
     total = sum(entry.size for entry in record.files)
     print(f"OK step {step}: {len(record.files)} files, {total} bytes verified")
+    for line in exports:
+        print(line)
     return 0
+
+
+def _verify_exports(path: Path, record: CommitRecord, problems: list[str]) -> list[str]:
+    """Check every role's Hugging Face export that exists (step 8): problems go to
+    `problems`; a line per export that verified is returned."""
+    lines = []
+    for role in sorted(record.participants):
+        directory = export_dir(path, role)
+        if role == DRIVER_ROLE or not directory.exists():
+            continue
+        export, found = verify_export(directory)
+        problems.extend(found)
+        if export is not None and not found:
+            total = sum(entry.size for entry in export.files)
+            lines.append(
+                f"OK Hugging Face export of {role} ({export.architecture}): "
+                f"{len(export.files)} files, {total} bytes verified"
+            )
+    return lines
 
 
 def _role_entries(role_dir: Path) -> list[TensorEntry]:
@@ -324,6 +352,37 @@ def _prune(root: Path, args: argparse.Namespace) -> int:
             print(f"left alone step {info.step}: {info.problem} (prune deletes committed steps)")
     kept = sorted(set(committed) - doomed)
     print(f"kept committed steps: {kept or 'none'}; tracker's target: {target}")
+    return 0
+
+
+def _cmd_export(root: Path, args: argparse.Namespace) -> int:
+    step, path = _pick_step(root, args.step)
+    from verl_ckpt.hf.export import export_role  # torch: seconds to import, only here
+
+    def export() -> object:
+        try:
+            shard = args.max_shard_mb << 20
+            return export_role(path, args.role, args.architecture, args.out, shard)
+        except CheckpointConfigError as exc:  # a role, architecture or OUT the user typed
+            raise _CliError(str(exc), EXIT_USAGE) from None
+
+    if args.out is None:
+        # Into the step itself: the root changes, so not beside a job (its retention could
+        # delete the step midway) nor beside another command.
+        with _locked(root, "verl-ckpt export"):
+            summary = export()
+    else:
+        summary = export()
+    if summary.existing:
+        print(
+            f"step {step} role {args.role}: already exported to {summary.path} "
+            f"({summary.files} files verified)"
+        )
+    else:
+        print(
+            f"exported step {step} role {args.role} ({summary.architecture}) to {summary.path}: "
+            f"{summary.files} files, {summary.bytes} bytes in {summary.seconds:.1f} s"
+        )
     return 0
 
 
@@ -443,6 +502,25 @@ def _build_parser() -> argparse.ArgumentParser:
         "--delete", action="store_true", help="delete the newer steps instead of keeping them"
     )
     rollback.add_argument("--dry-run", action="store_true", help="only list what would be done")
+    export = command(
+        "export",
+        _cmd_export,
+        "Write the Hugging Face weights of a role of a committed step.",
+        "Reads the role's committed torch_dist directory (no ranks needed), converts it with a "
+        "mapping (gpt2 built in) and writes safetensors, config.json and an export record "
+        "(sizes, checksums) into OUT, or by default into ROOT/global_step_<N>/<role>/"
+        "huggingface/ (refused while a job holds the root). Written aside and renamed into "
+        "place: never a partial export. An export that already verifies is kept.",
+    )
+    export.add_argument("out", metavar="OUT", type=Path, nargs="?", help="output directory")
+    export.add_argument("--step", type=_step_number, help="default: the tracker's step")
+    export.add_argument("--role", required=True, help="the role to export, e.g. actor")
+    export.add_argument(
+        "--architecture", help="the mapping to use (default: the one that fits the model)"
+    )
+    export.add_argument(
+        "--max-shard-mb", type=_keep_count, default=2048, help="largest safetensors file"
+    )
     return parser
 
 
@@ -461,10 +539,23 @@ def _configure_logging(verbose: bool) -> None:
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, except that `export`'s optional OUT may follow its options: argparse
+    matches an optional positional with the first run of positionals (ROOT) and would
+    then refuse `ROOT --role actor OUT`."""
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "export" and args.out is None and len(extra) == 1:
+        if not extra[0].startswith("-"):
+            args.out, extra = Path(extra[0]), []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the tool; return the exit status (0 ok, 1 bad checkpoint, 2 usage error)."""
     try:
-        args = _build_parser().parse_args(argv)
+        args = _parse(_build_parser(), argv)
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     _configure_logging(args.verbose)

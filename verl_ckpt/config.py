@@ -15,8 +15,11 @@ from verl_ckpt.errors import CheckpointConfigError
 __all__ = [
     "CONTENTS",
     "CheckpointConfig",
+    "HF_MODEL",
+    "HFExportConfig",
     "RESUME_MODES",
     "SNAPSHOT_MODES",
+    "SAVE_CONTENTS",
     "StagingConfig",
     "WRITER_MODES",
     "WriterConfig",
@@ -25,6 +28,10 @@ __all__ = [
 ]
 
 CONTENTS = ("model", "optimizer", "extra")
+# Not written by the ranks: the Hugging Face weights of a role, exported from its committed
+# model after the step commits (verl_ckpt/hf/). Allowed in save_contents only.
+HF_MODEL = "hf_model"
+SAVE_CONTENTS = (*CONTENTS, HF_MODEL)
 RESUME_MODES = ("auto", "disable", "resume_path")
 SNAPSHOT_MODES = ("now", "deferred")
 WRITER_MODES = ("thread", "process", "inline")
@@ -73,6 +80,25 @@ class StagingConfig:
 
 
 @dataclass
+class HFExportConfig:
+    """Hugging Face weights of roles, exported after each commit when save_contents has
+    hf_model (verl_ckpt/hf/). `verl-ckpt export` writes them for any committed step."""
+
+    # Role -> the mapping that converts its model (built in: gpt2; more through the
+    # `verl_ckpt.hf_mappings` entry point group). A role not listed is skipped, logged once.
+    architectures: dict[str, str] = field(default_factory=dict)
+    # Largest safetensors file; bigger models are split into shards with an index.
+    max_shard_mb: int = 2048
+
+    def __post_init__(self) -> None:
+        for role, name in dict(self.architectures).items():
+            if not isinstance(name, str) or not name.strip():
+                _fail(f"hf_export.architectures.{role}", name, "must name a mapping, e.g. gpt2")
+        if not isinstance(self.max_shard_mb, int) or self.max_shard_mb < 1:
+            _fail("hf_export.max_shard_mb", self.max_shard_mb, "must be an integer >= 1")
+
+
+@dataclass
 class CheckpointConfig:
     """Everything a trainer sets about checkpoints (Hydra group `checkpoint`)."""
 
@@ -89,7 +115,9 @@ class CheckpointConfig:
     snapshot: str = "now"
     # Committed steps kept on disk; null keeps all.
     max_ckpt_to_keep: int | None = None
-    # What each rank saves: any of model, optimizer, extra (RNG and other small state).
+    # What each rank saves: any of model, optimizer, extra (RNG and other small state); and
+    # hf_model: Hugging Face weights of the roles in hf_export.architectures, exported in the
+    # background after the step commits.
     save_contents: list[str] = field(default_factory=lambda: list(CONTENTS))
     # What load() restores: a subset of what was saved.
     load_contents: list[str] = field(default_factory=lambda: list(CONTENTS))
@@ -111,6 +139,7 @@ class CheckpointConfig:
     fully_parallel_save: bool = False
     writer: WriterConfig = field(default_factory=WriterConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
+    hf_export: HFExportConfig = field(default_factory=HFExportConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root_dir, str) or not self.root_dir.strip():
@@ -125,14 +154,16 @@ class CheckpointConfig:
                 self.max_ckpt_to_keep,
                 "must be null (keep all) or >= 1; 0 would delete the only committed step",
             )
-        for key in ("save_contents", "load_contents"):
+        for key, allowed in (("save_contents", SAVE_CONTENTS), ("load_contents", CONTENTS)):
             contents = list(getattr(self, key))
-            unknown = [c for c in contents if c not in CONTENTS]
+            unknown = [c for c in contents if c not in allowed]
             if unknown or not contents:
-                _fail(key, contents, f"must be a non-empty subset of {list(CONTENTS)}")
+                _fail(key, contents, f"must be a non-empty subset of {list(allowed)}")
             setattr(self, key, contents)
         if self.snapshot not in SNAPSHOT_MODES:
             _fail("snapshot", self.snapshot, f"choose one of {', '.join(SNAPSHOT_MODES)}")
+        if HF_MODEL in self.save_contents and "model" not in self.save_contents:
+            _fail("save_contents", self.save_contents, "hf_model is exported from the saved model")
         if self.resume_mode not in RESUME_MODES:
             _fail("resume_mode", self.resume_mode, f"choose one of {', '.join(RESUME_MODES)}")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
@@ -155,10 +186,17 @@ class CheckpointConfig:
                 self.snapshot,
                 "needs a background writer (async_save=true and writer.mode thread or process)",
             )
+        if isinstance(self.hf_export, dict):
+            self.hf_export = HFExportConfig(**self.hf_export)
 
     @property
     def writes_in_background(self) -> bool:
         return self.async_save and self.writer.mode != "inline"
+
+    @property
+    def rank_contents(self) -> list[str]:
+        """What the ranks write themselves: save_contents without hf_model."""
+        return [content for content in self.save_contents if content in CONTENTS]
 
 
 def to_checkpoint_config(cfg: Any) -> CheckpointConfig:

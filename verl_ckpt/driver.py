@@ -24,6 +24,7 @@ from verl_ckpt.errors import (
 )
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, start_finalizer
+from verl_ckpt.hf.scheduler import plan_exports
 from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
@@ -63,7 +64,11 @@ class CheckpointCoordinator:
         if save_driver_state:
             self.participants[DRIVER_ROLE] = 1
         self._closed = False
+        # Exports whose outcome a caller of wait_for_exports already got (close() logs the rest).
+        self._exports_seen: set[tuple[int, str]] = set()
         try:
+            # Which roles get Hugging Face weights after each commit (step 8).
+            hf_exports = plan_exports(self.config, list(roles))
             # Starting an actor is a process start: give it a minute even when saves have a
             # short deadline.
             self.finalizer = start_finalizer(
@@ -72,6 +77,7 @@ class CheckpointCoordinator:
                 self.config.max_ckpt_to_keep,
                 max(60.0, self.config.timeout_s),
                 self.config.max_in_flight,
+                hf_exports,
             )
             check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
         except BaseException:
@@ -131,15 +137,30 @@ class CheckpointCoordinator:
     def status(self) -> dict[str, Any]:
         return self._call("status")
 
+    def wait_for_exports(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Wait (within `timeout_s`, default checkpoint.timeout_s) until the Hugging Face
+        exports of committed steps ended; return each export's outcome (step, role, state:
+        done, failed or skipped, message, path). A failed export leaves its step committed.
+        Raises CommitTimeoutError naming the steps still exporting at the deadline."""
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        outcomes = self._call(
+            "wait_for_exports", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
+        )
+        self._exports_seen.update((o["step"], o["role"]) for o in outcomes)
+        return outcomes
+
     def close(self, timeout_s: float | None = None) -> None:
         """Let commits already under way finish (within `timeout_s`), stop the finalizer and
         release the root. Killing the finalizer mid-commit would leave the tracker behind
         the commit record (recovered at the next start, but a surprise for whoever reads
-        the root meanwhile). Steps still waiting for reports will not commit."""
+        the root meanwhile). Steps still waiting for reports will not commit. Then the
+        Hugging Face exports under way finish within the same deadline (a failure is logged;
+        exports still running then are stopped and left to `verl-ckpt export`)."""
         if self._closed:
             return
         self._closed = True
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
         try:
             uncommitted = self.drain(timeout)
             if uncommitted:
@@ -148,9 +169,30 @@ class CheckpointCoordinator:
                     self.root,
                     uncommitted,
                 )
+            # Exports run in tasks the finalizer owns: killing it would kill them midway.
+            self._finish_exports(max(1.0, deadline - time.monotonic()))
         finally:
             ray.kill(self.finalizer, no_restart=True)
             self.start.release()
+
+    def _finish_exports(self, timeout_s: float) -> None:
+        seen = set(self._exports_seen)
+        try:
+            outcomes = self.wait_for_exports(timeout_s)
+        except CheckpointError as exc:
+            # Not beyond the deadline, and nothing left running: the rest is for
+            # `verl-ckpt export`.
+            logger.error("%s; stopping them", exc)
+            self._call("cancel_exports")
+            return
+        for outcome in outcomes:
+            if outcome["state"] == "failed" and (outcome["step"], outcome["role"]) not in seen:
+                logger.error(
+                    "Hugging Face export of step %d role %s failed: %s",
+                    outcome["step"],
+                    outcome["role"],
+                    outcome["message"],
+                )
 
     def _call(self, method: str, *args: Any, deadline: float | None = None) -> Any:
         deadline = deadline or time.monotonic() + self.config.timeout_s + _RPC_SLACK_S

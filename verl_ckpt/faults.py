@@ -8,7 +8,8 @@ writing its files, in the writer thread or process),
 `report` (a rank, before reporting to the finalizer), `commit` (the finalizer, after every
 report arrived and before the commit record), `tracker` (the finalizer, after writing the
 tracker's temporary file, before the rename), `delete` (the finalizer, retention, after a
-step left the `global_step_<N>` namespace and before its files are removed), `rollback`
+step left the `global_step_<N>` namespace and before its files are removed), `export` (a
+Hugging Face export, with the role, after its checks and before it writes), `rollback`
 (`verl-ckpt rollback`, after each step directory moved into the archive, before the next
 move and before the tracker).
 actions: `hang` (sleep for an hour: a hung participant), `sleep=<seconds>` (a slow one),

@@ -29,6 +29,7 @@ from verl_ckpt.commit import (
 from verl_ckpt.commit_record import committed_steps, is_committed
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.fsio import atomic_write_bytes
+from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.layout import DRIVER_ROLE, ROOT_MARKER_FILENAME, role_dir, step_dir
 from verl_ckpt.ledger import Recorded, StepLedger, StepStatus
 from verl_ckpt.protocol import Failure, Phase, describe_failures
@@ -58,6 +59,7 @@ class CheckpointFinalizer:
         participants: dict[str, int],
         max_ckpt_to_keep: int | None,
         max_in_flight: int = 1,
+        hf_exports: ExportPlan | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
@@ -93,6 +95,9 @@ class CheckpointFinalizer:
         # One commit or retention at a time: two would race on the tracker and the listing.
         self._file_work = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        # Step 8: Hugging Face exports of committed steps, off the commit path.
+        self._hf_plan = hf_exports
+        self._exports = ExportQueue(self._root, hf_exports)
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
@@ -105,6 +110,7 @@ class CheckpointFinalizer:
             "participants": dict(self._participants),
             "max_ckpt_to_keep": self._keep,
             "max_in_flight": self._ledger.max_in_flight,
+            "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
         }
 
     def marker_token(self) -> str:
@@ -119,6 +125,7 @@ class CheckpointFinalizer:
             "tracker": read_tracker(self._root),
             "pending": pending,
             "ledger_size": len(ledger),
+            "hf_exports": self._exports.outcomes(),
         }
 
     # ---- protocol step 1: begin_step -----------------------------------------------------
@@ -203,12 +210,16 @@ class CheckpointFinalizer:
             self._recent[step] = summary
             while len(self._recent) > _RECENT_SUMMARIES:
                 self._recent.popitem(last=False)
+            # Queued in the same turn of the event loop as the commit is recorded: a waiter
+            # that saw the commit also sees its export pending, and retention below keeps it.
+            self._exports.submit(step)
             # Waiters learn of the commit before retention runs: deleting old steps need not
             # delay wait_for_commit.
             self._notify()
             try:
+                protected = [*self._ledger.in_flight(), *self._exports.protected()]
                 outcome = await asyncio.to_thread(
-                    apply_retention, self._root, self._keep, self._ledger.in_flight()
+                    apply_retention, self._root, self._keep, protected
                 )
                 errors = outcome.errors
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
@@ -269,6 +280,15 @@ class CheckpointFinalizer:
                     "far as its commit record"
                 )
         return self._ledger.in_flight()
+
+    async def wait_for_exports(self, timeout_s: float) -> list[dict[str, Any]]:
+        """Wait (up to `timeout_s`) for the Hugging Face exports queued or running; return
+        the outcome of every export of this finalizer (step 8)."""
+        return await self._exports.wait(timeout_s)
+
+    def cancel_exports(self) -> None:
+        """Stop the running export and drop the waiting ones (the coordinator is closing)."""
+        self._exports.cancel()
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.layout import ROOT_MARKER_FILENAME
+
+if TYPE_CHECKING:
+    from verl_ckpt.hf.scheduler import ExportPlan
 
 __all__ = [
     "FINALIZER_NAMESPACE",
@@ -62,6 +66,7 @@ def start_finalizer(
     max_ckpt_to_keep: int | None,
     timeout_s: float = 120.0,
     max_in_flight: int = 1,
+    hf_exports: ExportPlan | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
@@ -76,7 +81,7 @@ def start_finalizer(
     actor = (
         ray.remote(CheckpointFinalizer)
         .options(**actor_options(root))
-        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight)
+        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight, hf_exports)
     )
     try:
         found = ray.get(actor.describe.remote(), timeout=timeout_s)
@@ -89,6 +94,7 @@ def start_finalizer(
         "participants": dict(participants),
         "max_ckpt_to_keep": max_ckpt_to_keep,
         "max_in_flight": max_in_flight,
+        "hf_exports": asdict(hf_exports) if hf_exports else None,
     }
     if found != wanted:
         raise CheckpointError(

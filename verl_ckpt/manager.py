@@ -38,6 +38,7 @@ from verl_ckpt.errors import (
 )
 from verl_ckpt.file_writer import serialize_common, write_common
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, get_finalizer
+from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.protocol import Failure, Phase
@@ -131,6 +132,8 @@ class _SaveJob:
     deadline: float
     directory: Path | None = None
     prepared: megatron_compat.PreparedSave | None = None
+    # Rank 0 only: the model description the Hugging Face export reads (hf/model_spec.py).
+    model_spec_bytes: bytes | None = None
     # Set once the snapshot is taken (for a deferred one, on the save thread): fence() waits.
     snapshot_taken: threading.Event = field(default_factory=threading.Event)
 
@@ -242,12 +245,16 @@ class CheckpointManager:
         optimizer: dict | None = None,
         extra: Any = None,
         snapshot: str | None = None,
+        model_spec: dict | None = None,
     ) -> SaveStats:
         """Snapshot this rank's state for `step`; the write continues in the background.
 
         `model` and `optimizer` are megatron-core sharded state dicts (`sharded_state_dict()`
         of the model chunks and of the optimizer), built for this save and consumed by it;
         `extra` is any small picklable object (RNG states, counters) saved per rank.
+        `model_spec` describes the model's architecture (`verl_ckpt.describe_gpt_model`):
+        rank 0 writes it with the step, so that its Hugging Face weights can be exported from
+        any committed step; required when the role exports hf_model.
         Every rank of the save group must call save() for the same step.
 
         `snapshot` (default checkpoint.snapshot): "now" returns once the state is copied;
@@ -258,6 +265,7 @@ class CheckpointManager:
         self._check_open()
         started = time.perf_counter()
         deferred = self._snapshot_mode(snapshot) == "deferred"
+        spec_bytes = self._model_spec_bytes(model_spec)
         self.fence()  # the previous save's snapshot must be complete
         # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
         self._in_flight.wait_for_room()
@@ -265,6 +273,7 @@ class CheckpointManager:
         deferred = deferred and layout.reuse_plan
         job = self._new_job(layout, self._acquire_copy(layout, deferred))
         job.stats.snapshot = "deferred" if deferred else "now"
+        job.model_spec_bytes = spec_bytes
         if not deferred:
             try:
                 self._snapshot(job)  # steps 1-2: from here on the live tensors are free
@@ -650,6 +659,8 @@ class CheckpointManager:
             files = [written for _, written in outcomes]
             if job.common_bytes is not None:
                 files.append(write_common(job.common_bytes, job.directory))
+            if job.model_spec_bytes is not None:
+                files.append(write_model_spec(job.model_spec_bytes, job.directory))
             for results, _ in outcomes:
                 report.write_results.extend(results)
             report.files = [FileEntry(f"{self.role}/{f.name}", f.size, f.checksum) for f in files]
@@ -687,7 +698,7 @@ class CheckpointManager:
     def _compose(self, model: dict | None, optimizer: dict | None, extra: Any) -> dict:
         given = {"model": model, "optimizer": optimizer}
         sharded: dict[str, Any] = {}
-        for content in self.config.save_contents:
+        for content in self.config.rank_contents:
             if content == "extra":
                 sharded["extra"] = self._extra_sharded(extra)
             elif given[content] is None:
@@ -698,6 +709,19 @@ class CheckpointManager:
             else:
                 sharded[content] = given[content]
         return sharded
+
+    def _model_spec_bytes(self, model_spec: dict | None) -> bytes | None:
+        """Rank 0's model description, serialised now (a mistake fails save() at once)."""
+        if model_spec is None:
+            if exports_role(self.config, self.role):
+                raise CheckpointError(
+                    f"checkpoint.save_contents includes 'hf_model' and role {self.role!r} is "
+                    "in checkpoint.hf_export.architectures, but save() got no model_spec "
+                    "(pass verl_ckpt.describe_gpt_model(model))"
+                )
+            return None
+        spec = encode_model_spec(model_spec)
+        return spec if self.rank == 0 else None
 
     def _extra_sharded(self, extra: Any) -> ShardedObject:
         # One object per rank: its global "shape" is the role's world size.

@@ -58,9 +58,26 @@ after a whole-job restart (everything killed, the job started again).
                       stays committed. Crash: the `.deleting_*` leftover is removed by the
                       next retention.
 
+ 8. export            finalizer's export queue (hf/scheduler.py), queued when the commit is
+                      recorded (before retention, which keeps queued and exporting steps);
+                      the work runs in a Ray task of its own (hf/export.py), one at a time,
+                      for each role in checkpoint.hf_export.architectures when save_contents
+                      has hf_model. Deadline: timeout_s. Fault phase `export`. Reads the role's
+                      committed torch_dist directory and verl_ckpt_model.json (written by the
+                      role's rank 0 in step 3, committed in step 5), writes safetensors and
+                      config.json into `<role>/.huggingface.tmp.*`, then the export record
+                      (every file's size and checksum) last, then renames the directory to
+                      `<role>/huggingface/`. Never on the commit path: the tracker moved in 6,
+                      and a failed export (logged, in status(), returned by
+                      wait_for_exports) leaves the step committed. Crash: the temporary
+                      directory is removed by the next export of that role; `verl-ckpt export`
+                      writes any export that is missing. A waiting step superseded by a newer
+                      commit is skipped (logged), so exports never pile up.
+
 The finalizer's bookkeeping (which reports arrived, which step is committing) is
 `ledger.StepLedger`; steps 5-7 and the recovery of step 0 are plain functions on a
-directory in `commit.py` and `recovery.py`; the actor (`finalizer.py`) only connects them.
+directory in `commit.py` and `recovery.py`, step 8 lives in `hf/`; the actor (`finalizer.py`)
+only connects them.
 """
 
 from __future__ import annotations
@@ -82,6 +99,7 @@ class Phase(StrEnum):
     COMMIT = "commit"
     TRACKER = "tracker"
     RETENTION = "delete"
+    EXPORT = "export"
 
 
 @dataclass(frozen=True)

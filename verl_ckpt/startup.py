@@ -29,6 +29,7 @@ from verl_ckpt.errors import (
     ResumeConflictError,
     TrackerError,
 )
+from verl_ckpt.hf.scheduler import check_export_config
 from verl_ckpt.layout import step_dir, step_of_dir
 from verl_ckpt.recovery import RootState, read_root_state, recover_root
 from verl_ckpt.root_lock import RootLock
@@ -65,6 +66,7 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     config = to_checkpoint_config(config)
     root = Path(config.root_dir).resolve()
     check_root_dir(root)
+    check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     choose_resume_dir(config, read_root_state(root))
     lock = RootLock.acquire(root, purpose or _this_job())
     try:

@@ -1,0 +1,143 @@
+"""The model description saved with each step, so that its Hugging Face weights can be exported
+from the committed step alone (`verl-ckpt export`), long after the trainer is gone.
+
+A torch_dist directory holds tensors, not hyper-parameters: the number of attention heads, for
+one, cannot be read off a fused QKV weight. Rank 0 of a role writes `verl_ckpt_model.json`
+into the role's directory with its files; it is committed in the commit record like them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from verl_ckpt.config import HF_MODEL, CheckpointConfig
+from verl_ckpt.errors import CheckpointError
+
+__all__ = [
+    "MODEL_SPEC_FILENAME",
+    "MODEL_SPEC_VERSION",
+    "ModelSpecError",
+    "describe_gpt_model",
+    "encode_model_spec",
+    "exports_role",
+    "read_model_spec",
+    "write_model_spec",
+]
+
+MODEL_SPEC_FILENAME = "verl_ckpt_model.json"
+MODEL_SPEC_VERSION = 1
+
+# TransformerConfig fields that decide how weights map to another framework's layout.
+_TRANSFORMER_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "gated_linear_unit",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "apply_residual_connection_post_layernorm",
+    "apply_query_key_layer_scaling",
+    "softmax_scale",
+    "num_moe_experts",
+    "multi_latent_attention",
+)
+
+
+class ModelSpecError(CheckpointError):
+    """A step's model description is missing, unreadable or of an unknown version."""
+
+
+def exports_role(config: CheckpointConfig, role: str) -> bool:
+    """Whether `role` gets Hugging Face weights after each commit."""
+    return HF_MODEL in config.save_contents and role in config.hf_export.architectures
+
+
+def describe_gpt_model(model: Any) -> dict[str, Any]:
+    """The description of a megatron-core GPTModel (or a wrapper holding one in `.module`)
+    that the Hugging Face export needs; pass it to `CheckpointManager.save(model_spec=...)`."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    config = model.config
+    transformer = {name: _plain(getattr(config, name, None)) for name in _TRANSFORMER_FIELDS}
+    activation = getattr(config, "activation_func", None)
+    transformer["activation"] = _function_name(activation)
+    transformer["params_dtype"] = str(getattr(config, "params_dtype", "")).removeprefix("torch.")
+    return {
+        "format_version": MODEL_SPEC_VERSION,
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "vocab_size": int(model.vocab_size),
+        "max_sequence_length": int(model.max_sequence_length),
+        "position_embedding_type": str(model.position_embedding_type),
+        "share_embeddings_and_output_weights": bool(model.share_embeddings_and_output_weights),
+        "transformer": transformer,
+    }
+
+
+def encode_model_spec(spec: dict[str, Any]) -> bytes:
+    """The file's bytes; fails naming the problem when `spec` is not plain JSON data."""
+    if not isinstance(spec, dict) or spec.get("format_version") != MODEL_SPEC_VERSION:
+        raise ModelSpecError(
+            f"model_spec must be a dict with format_version {MODEL_SPEC_VERSION} "
+            "(build it with verl_ckpt.describe_gpt_model(model))"
+        )
+    try:
+        return json.dumps(spec, indent=1, sort_keys=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise ModelSpecError(f"model_spec is not JSON data: {exc}") from None
+
+
+def write_model_spec(data: bytes, role_dir: Path) -> Any:
+    """Write the description into the role's directory (fsynced, checksummed, step 3)."""
+    from verl_ckpt.file_writer import write_checksummed
+
+    return write_checksummed(role_dir / MODEL_SPEC_FILENAME, lambda stream: stream.write(data))
+
+
+def read_model_spec(role_dir: Path) -> dict[str, Any]:
+    """The description of the model saved in `role_dir`; ModelSpecError naming the file."""
+    path = Path(role_dir) / MODEL_SPEC_FILENAME
+    try:
+        spec = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelSpecError(
+            f"{path} is missing: the step was saved without a model description (its ranks "
+            "must pass model_spec=verl_ckpt.describe_gpt_model(model) to save())"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ModelSpecError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(spec, dict) or spec.get("format_version") != MODEL_SPEC_VERSION:
+        version = spec.get("format_version") if isinstance(spec, dict) else None
+        raise ModelSpecError(
+            f"{path} has format_version {version!r}; this verl_ckpt reads version "
+            f"{MODEL_SPEC_VERSION} only"
+        )
+    return spec
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value for a config field (enums and dtypes by name)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _function_name(function: Any) -> str | None:
+    """`gelu` for torch's exact GELU (what megatron-core uses by default), else the
+    function's module and name, which a mapping can recognise or refuse."""
+    if function is None:
+        return None
+    import torch.nn.functional as F
+
+    if function is F.gelu:
+        return "gelu"
+    module = getattr(function, "__module__", None) or ""
+    return f"{module}.{getattr(function, '__qualname__', repr(function))}".lstrip(".")

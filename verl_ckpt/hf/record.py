@@ -1,0 +1,104 @@
+"""The export record: written last into a Hugging Face export, it lists every file of it with
+size and checksum. An export directory is published (renamed into place) only with its record
+inside, so `<role>/huggingface/` is either absent or complete; `verl-ckpt verify` re-reads it.
+
+Torch-free: `verl-ckpt verify` imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from verl_ckpt.commit_record import FileEntry
+from verl_ckpt.errors import CommitRecordError
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
+
+__all__ = [
+    "EXPORT_DIRNAME",
+    "EXPORT_FORMAT_VERSION",
+    "EXPORT_RECORD_FILENAME",
+    "ExportRecord",
+    "export_dir",
+    "read_export_record",
+    "verify_export",
+    "write_export_record",
+]
+
+EXPORT_DIRNAME = "huggingface"
+EXPORT_RECORD_FILENAME = "verl_ckpt_export.json"
+EXPORT_FORMAT_VERSION = 1
+
+
+@dataclass
+class ExportRecord:
+    """What an export holds and where it came from."""
+
+    step: int
+    role: str
+    architecture: str
+    files: list[FileEntry]
+    format_version: int = EXPORT_FORMAT_VERSION
+    checksum_algorithm: str = CHECKSUM_ALGORITHM
+    exported_at: float = field(default_factory=time.time)
+
+
+def export_dir(step_path: Path, role: str) -> Path:
+    """Where the export of `role` lives inside a committed step."""
+    return Path(step_path) / role / EXPORT_DIRNAME
+
+
+def write_export_record(directory: Path, record: ExportRecord) -> None:
+    payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
+    atomic_write_bytes(directory / EXPORT_RECORD_FILENAME, payload)
+
+
+def read_export_record(directory: Path) -> ExportRecord:
+    """The record of the export in `directory`; CommitRecordError naming the file."""
+    path = Path(directory) / EXPORT_RECORD_FILENAME
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CommitRecordError(
+            f"{path} is missing: {directory} is not a complete Hugging Face export "
+            "(run `verl-ckpt export` again)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CommitRecordError(f"export record {path} is unreadable: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format_version") != EXPORT_FORMAT_VERSION:
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        raise CommitRecordError(
+            f"export record {path} has format_version {version!r}; this verl_ckpt reads "
+            f"version {EXPORT_FORMAT_VERSION} only"
+        )
+    try:
+        files = [FileEntry(**entry) for entry in raw.pop("files")]
+        return ExportRecord(files=files, **raw)
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise CommitRecordError(f"export record {path} is malformed: {exc}") from None
+
+
+def verify_export(directory: Path) -> tuple[ExportRecord | None, list[str]]:
+    """Re-read every file the export record lists: (the record, the problems found)."""
+    try:
+        record = read_export_record(directory)
+    except CommitRecordError as exc:
+        return None, [str(exc)]
+    problems = []
+    for entry in record.files:
+        path = Path(directory) / entry.path
+        try:
+            size, checksum = file_checksum(path, record.checksum_algorithm)
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: unreadable: {exc}")
+            continue
+        if size != entry.size:
+            problems.append(f"{path}: size {size}, expected {entry.size}")
+        elif checksum != entry.checksum:
+            problems.append(f"{path}: checksum {checksum}, expected {entry.checksum}")
+    return record, problems
