@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results_verify.md")
     args = parser.parse_args()
     cores = available_cores()
+    load_before = os.getloadavg()[0]
     methods = ("parallel", "one thread", "verify_files (before)")
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     floor: list[float] = []
@@ -117,7 +118,8 @@ def main() -> None:
         f"xxh3_64, page cache warm, {args.rounds} rounds; {cores} available cores "
         f"({os.cpu_count()} on the machine); {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, git {commit}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')}.",
+        f"{time.strftime('%Y-%m-%d %H:%M')}; load average before {load_before:.1f}, "
+        f"after {os.getloadavg()[0]:.1f} (other work shares the cores).",
         "",
         "| method | median GB/s | min | max |",
         "|---|---|---|---|",
