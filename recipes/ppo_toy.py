@@ -504,12 +504,13 @@ class PPOToyTrainer:
         if self.stop is None:
             self.coordinator.close()
             return
-        # Stopping: the scheduler's SIGKILL is near. A commit still running gets what is left
-        # of the grace period; past it, the next start rolls it forward if it got that far.
+        # Stopping: the scheduler's SIGKILL is near. A commit or retention still running gets
+        # what is left of the grace period (at least a few seconds); cut short, the next start
+        # rolls a commit forward if it got as far as its record, and retention resumes.
         try:
-            self.coordinator.close(timeout_s=self.stop.remaining_s())
+            self.coordinator.close(timeout_s=max(self.stop.remaining_s(), 5.0))
         except verl_ckpt.CheckpointError as exc:
-            log.error("%s", exc)
+            log.warning("closing the checkpoint coordinator: %s", exc)
 
 
 # ---- entry point -------------------------------------------------------------------------
