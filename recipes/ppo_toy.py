@@ -15,6 +15,11 @@ once the snapshot is taken); the commit happens in the background (the finalizer
 the loop never waits for it. Before exit the ranks finish their writes (`close`) and the
 driver waits for the last save to commit.
 
+Preemption (`checkpoint.preemption`, verl_ckpt.preemption): on SIGTERM or SIGUSR1, or when the
+deadline in `checkpoint.preemption.deadline_env` comes near, the step under way finishes, is
+saved out of schedule and committed within `grace_s`, and the recipe exits with status 75
+(EX_TEMPFAIL: run the same command again to resume).
+
 Connects to the Ray cluster in RAY_ADDRESS (`ray job submit` sets it); otherwise starts an
 embedded Ray bound to 127.0.0.1 and shuts it down at the end.
 """
@@ -164,8 +169,17 @@ def mean_loss(results: list[dict[str, Any]]) -> float:
 
 
 class PPOToyTrainer:
-    def __init__(self, cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> None:
+    def __init__(
+        self,
+        cfg: PPOToyConfig,
+        start: verl_ckpt.StartPlan,
+        preemption: verl_ckpt.PreemptionGuard | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.preemption = preemption
+        # Set once the job must stop (a signal, or the deadline): it exits after that save.
+        self.stop: verl_ckpt.StopRequest | None = None
+        self._save_began = 0.0
         self.roles = {name: cfg.role(name).world_size for name in ROLES}
         # The coordinator starts the finalizer; the ranks' managers look it up in setup().
         # `start` was decided before Ray started (root checked and locked, resume step).
@@ -311,11 +325,17 @@ class PPOToyTrainer:
             log.info("step %d already reaches trainer.total_steps=%d: nothing to do", start, total)
             self.finish(None)
             return
+        if self.stop_requested() is not None:  # before any step: nothing new to save
+            log.info("%s before the first step: step %d stays the newest", self.stop.reason, start)
+            self.finish(None)
+            return
         last_saved = None
         for step in range(start + 1, total + 1):
             begin = time.perf_counter()
             record = self.train_step(step)
-            saving = self.coordinator.should_save(step, total)
+            # The step boundary: a stop request adds a save out of schedule.
+            stopping = self.stop_requested() is not None
+            saving = self.coordinator.should_save(step, total) or stopping
             if saving:
                 record.update(self.save(step))
                 last_saved = step
@@ -333,6 +353,9 @@ class PPOToyTrainer:
             # (sync saves) releases its line right away.
             self.metrics.add(record, hold_for_write=saving)
             self.collect_write_figures(ray.get(self._call_all("finished_writes")))
+            if stopping:
+                self.commit_before_exit(step)
+                break
         self.finish(last_saved)
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -366,23 +389,43 @@ class PPOToyTrainer:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def stop_requested(self) -> verl_ckpt.StopRequest | None:
+        """Ask the preemption guard at a step boundary; remember a stop request."""
+        if self.stop is None and self.preemption is not None:
+            self.stop = self.preemption.stop_requested()
+        return self.stop
+
     def save(self, step: int) -> dict[str, Any]:
         """The driver saves its own state, then every rank snapshots its state (concurrently).
 
         The step commits when the last participant reported, and that report waits for the
         commit. The driver's small synchronous save goes first so that the last report is
         normally a rank's, sent from its background writer, not the training loop.
+        Once the job must stop, every wait here ends at the stop's deadline.
         """
-        begin = time.perf_counter()
-        self.coordinator.save_driver_state(
-            step,
-            {
-                "format": DRIVER_STATE_FORMAT,
-                "step": step,
-                "prompt_generator": self.prompt_generator.get_state(),
-            },
-        )
-        stats = ray.get(self._call_all("save", step))
+        begin = self._save_began = time.perf_counter()
+        if self.preemption is not None:
+            self.preemption.save_started(step)
+        timeout = self.stop.remaining_s() if self.stop is not None else None
+        try:
+            self.coordinator.save_driver_state(
+                step,
+                {
+                    "format": DRIVER_STATE_FORMAT,
+                    "step": step,
+                    "prompt_generator": self.prompt_generator.get_state(),
+                },
+                timeout_s=timeout,
+            )
+        except verl_ckpt.CommitTimeoutError as exc:
+            if self.stop is None:
+                raise
+            raise verl_ckpt.preemption_failure(step, self.stop, exc) from None
+        refs = self._call_all("save", step)
+        if self.stop is not None:
+            who = [self.groups[role].describe(index) for role, index, _ in self.all_ranks]
+            verl_ckpt.wait_before_deadline(refs, who, step, self.stop)
+        stats = ray.get(refs)
         wall = time.perf_counter() - begin
         blocking = max(s["blocking_s"] for s in stats)
         log.debug("step %d: per-rank save figures %s", step, stats)
@@ -406,6 +449,22 @@ class PPOToyTrainer:
             "writing in the background" if self.cfg.checkpoint.writes_in_background else "written",
         )
         return {"ckpt_blocking_s": blocking, "ckpt_save_wall_s": wall}
+
+    def commit_before_exit(self, step: int) -> None:
+        """The job must stop: wait (until the stop's deadline) for `step` to commit; one line."""
+        summary = verl_ckpt.commit_before_deadline(self.coordinator, step, self.stop)
+        extra = len(self.preemption.signals_received) - 1 if self.preemption else 0
+        log.info(
+            "preemption (%s): step %d committed %.2f s after the request (save and commit "
+            "%.2f s), tracker names step %s%s; exiting with status %d",
+            self.stop.reason,
+            step,
+            time.monotonic() - self.stop.since,
+            time.perf_counter() - self._save_began,
+            summary["tracker"],
+            f"; {extra} more signal(s) during the save, ignored" if extra > 0 else "",
+            verl_ckpt.PREEMPTED_EXIT_STATUS,
+        )
 
     def collect_write_figures(self, per_rank: list[list[dict[str, Any]]]) -> None:
         """Record finished writes; once every rank's write of a step ended, report it."""
@@ -471,7 +530,16 @@ class PPOToyTrainer:
         self.metrics.close()
         for _, _, worker in self.all_ranks:
             ray.kill(worker, no_restart=True)
-        self.coordinator.close()
+        if self.stop is None:
+            self.coordinator.close()
+            return
+        # Stopping: the scheduler's SIGKILL is near. A commit or retention still running gets
+        # what is left of the grace period (at least a few seconds); cut short, the next start
+        # rolls a commit forward if it got as far as its record, and retention resumes.
+        try:
+            self.coordinator.close(timeout_s=max(self.stop.remaining_s(), 5.0))
+        except verl_ckpt.CheckpointError as exc:
+            log.warning("closing the checkpoint coordinator: %s", exc)
 
 
 # ---- entry point -------------------------------------------------------------------------
@@ -501,20 +569,27 @@ def connect_ray(cfg: PPOToyConfig) -> bool:
     return True
 
 
-def run(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> None:
-    """Train with the root `start` locked and recovered; release everything at the end."""
+def run(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> verl_ckpt.StopRequest | None:
+    """Train with the root `start` locked and recovered; release everything at the end.
+    Returns the stop request the run ended on (preemption), or None: it ran to the end."""
     started_ray = False
     trainer = None
+    guard = None
     begin = time.perf_counter()
     try:
         started_ray = connect_ray(cfg)
-        trainer = PPOToyTrainer(cfg, start)
+        # After ray.init, which installs Ray's own SIGTERM handler (restored by close()).
+        guard = verl_ckpt.PreemptionGuard(cfg.checkpoint.preemption, start.root).install()
+        trainer = PPOToyTrainer(cfg, start, guard)
         trainer.start_workers()
         trainer.fit()
         log.info("done in %.1f s", time.perf_counter() - begin)
+        return trainer.stop
     finally:
         if trainer is not None:
             trainer.shutdown()
+        if guard is not None:
+            guard.close()
         if started_ray:
             ray.shutdown()
         start.release()
@@ -540,11 +615,14 @@ def main(dict_cfg: DictConfig) -> None:
         raise SystemExit(2) from None
     torch.set_num_threads(1)
     try:
-        run(cfg, start)
-    except WorkerStartupError as exc:
+        stopped = run(cfg, start)
+    except (WorkerStartupError, verl_ckpt.PreemptionError) as exc:
         # run() has shut down the ranks and Ray by now: one line, no traceback.
         print(f"ppo_toy: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    if stopped is not None:
+        # Preempted: the step it stopped at is committed; the same command resumes from it.
+        raise SystemExit(verl_ckpt.PREEMPTED_EXIT_STATUS)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from verl_ckpt import CheckpointCoordinator, read_commit_record, step_dir
 from verl_ckpt.cli import main
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_STATE_FILENAME
 from verl_ckpt.tracker import tracker_path, write_tracker
+from verl_ckpt.verification import available_cores
 
 COMMITTED = (1, 2, 3)
 LEFTOVER = 4  # written by the rank, never committed: the driver's state is never reported
@@ -116,7 +118,13 @@ def test_I1_verify_rereads_every_committed_file(produced_root, capsys):
     total = sum(f.size for f in record.files)
     code, out, err = run_cli(capsys, "verify", produced_root)
     assert (code, err) == (0, "")
-    assert out == f"OK step 3: {len(record.files)} files, {total} bytes verified\n"
+    # Throughput, and every available core used (one file per thread at a time).
+    threads = min(available_cores(), len(record.files))
+    pattern = (
+        rf"OK step 3: {len(record.files)} files, {total} bytes verified in \d+\.\d{{3}} s "
+        rf"\(\d+\.\d{{2}} GB/s, {threads} threads\)\n"
+    )
+    assert re.fullmatch(pattern, out), out
     code, out, _ = run_cli(capsys, "verify", produced_root, "--step", 1)
     assert code == 0 and out.startswith("OK step 1: ")
 

@@ -34,11 +34,12 @@ from verl_ckpt import (
     read_tracker,
     step_dir,
 )
-from verl_ckpt.commit_record import is_committed, read_commit_record, verify_files
+from verl_ckpt.commit_record import is_committed, read_commit_record
 from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.finalizer import CheckpointFinalizer
 from verl_ckpt.finalizer_client import actor_options
 from verl_ckpt.layout import list_step_dirs
+from verl_ckpt.verification import verify_files
 
 
 def faulty_coordinator(cfg, roles, fault, disarmed_marker):

@@ -203,13 +203,15 @@ class RayHead:
     its processes fate-share with the `ray start --block` process, which is terminated last.
     """
 
-    def __init__(self, num_cpus: int = 4) -> None:
+    def __init__(self, num_cpus: int = 4, extra_env: dict[str, str] | None = None) -> None:
         # Short path: Ray's unix socket paths under the temp dir must stay below ~107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="vcj", dir="/tmp"))
         self.token_path = self.temp_dir / "auth_token"
         self.token_path.write_text(uuid.uuid4().hex)
         gcs, self.dashboard_port, agent, agent_grpc, client, metrics = free_ports(6)
-        self.env = recipe_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path))
+        self.env = recipe_env(
+            RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path), **(extra_env or {})
+        )
         self.env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), self.env["PATH"]])
         self.proc = subprocess.Popen(
             [

@@ -15,7 +15,6 @@ from verl_ckpt.commit_record import (
     CommitRecord,
     FileEntry,
     read_commit_record,
-    verify_files,
     write_commit_record,
 )
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
@@ -24,6 +23,7 @@ from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksu
 from verl_ckpt.layout import list_step_dirs, step_dir
 from verl_ckpt.retention import delete_step_dir, steps_to_delete
 from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.verification import verify_files
 
 
 def test_I2_tracker_round_trip_and_no_temp_left(tmp_path):

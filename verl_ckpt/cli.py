@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from verl_ckpt.commit_record import CommitRecord, read_commit_record, verify_files
+from verl_ckpt.commit_record import CommitRecord, read_commit_record
 from verl_ckpt.errors import (
     CheckpointConfigError,
     CheckpointError,
@@ -36,6 +36,7 @@ from verl_ckpt.layout import (
     step_dir,
     step_of_dir,
 )
+from verl_ckpt.resume_check import QUARANTINE_DIRNAME
 from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, steps_to_delete
 from verl_ckpt.rollback import (
     ARCHIVE_PREFIX,
@@ -46,6 +47,7 @@ from verl_ckpt.rollback import (
 )
 from verl_ckpt.root_lock import RootLock, is_locked, read_holder
 from verl_ckpt.tracker import read_tracker, tracker_path
+from verl_ckpt.verification import verify_step
 
 __all__ = ["main"]
 
@@ -222,12 +224,19 @@ def _print_leftovers(root: Path) -> None:
                 f"leftover {entry}: a deletion by retention was interrupted or failed; "
                 "removed after the next commit"
             )
+        elif entry.name == QUARANTINE_DIRNAME:
+            for moved in sorted(p for p in entry.iterdir() if p.is_dir()):
+                print(
+                    f"quarantined {moved}: failed verification at a job start "
+                    "(checkpoint.resume_fallback=previous); never deleted by verl_ckpt"
+                )
 
 
 def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
     step, path = _pick_step(root, args.step)
     record = read_commit_record(path)  # CommitRecordError: not committed, corrupt, version
-    problems = verify_files(path, record)
+    result = verify_step(path, record, threads=args.threads)
+    problems = [problem.describe() for problem in result.problems]
     if record.step != step:
         problems.insert(0, f"{path / COMMIT_RECORD_FILENAME}: names step {record.step}, not {step}")
     exports = _verify_exports(path, record, problems)
@@ -237,7 +246,10 @@ def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
             print(problem)
         return EXIT_BAD_CHECKPOINT
     total = sum(entry.size for entry in record.files)
-    print(f"OK step {step}: {len(record.files)} files, {total} bytes verified")
+    print(
+        f"OK step {step}: {len(record.files)} files, {total} bytes verified in "
+        f"{result.seconds:.3f} s ({result.gb_per_s:.2f} GB/s, {result.threads} threads)"
+    )
     for line in exports:
         print(line)
     return 0
@@ -433,6 +445,12 @@ def _keep_count(text: str) -> int:
     return int(text)
 
 
+def _thread_count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
 _EPILOG = (
     "exit status: 0 ok; 1 the checkpoint is bad (not committed, corrupt, failed "
     "verification); 2 usage error (ROOT missing or not a directory, bad option, no such step, "
@@ -464,8 +482,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "verify",
         _cmd_verify,
         "Re-read every file of a committed step and check its size and checksum.",
+        "Files are hashed in parallel, one thread per available core; the throughput is reported.",
     )
     verify.add_argument("--step", type=_step_number, help="default: the tracker's step")
+    verify.add_argument(
+        "--threads",
+        type=_thread_count,
+        metavar="N",
+        help="files hashed at once (default: one per available core)",
+    )
     inspect = command(
         "inspect", _cmd_inspect, "Show a committed step's participants and tensors per role."
     )

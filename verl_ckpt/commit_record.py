@@ -16,7 +16,6 @@ from verl_ckpt.fsio import (
     CHECKSUM_ALGORITHM,
     SUPPORTED_CHECKSUMS,
     atomic_write_bytes,
-    file_checksum,
 )
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 
@@ -27,7 +26,6 @@ __all__ = [
     "committed_steps",
     "is_committed",
     "read_commit_record",
-    "verify_files",
     "write_commit_record",
 ]
 
@@ -152,22 +150,3 @@ def committed_steps(root: str | Path) -> list[int]:
     """Steps under `root` whose commit record is readable, oldest first. A corrupt record
     does not count: such a step is never resumed from, nor counted toward "keep N"."""
     return sorted(step for step, path in list_step_dirs(root).items() if is_committed(path))
-
-
-def verify_files(step_path: Path, record: CommitRecord, prefix: str = "") -> list[str]:
-    """Re-read the files of `record` (those under `prefix`) and list every problem found."""
-    problems = []
-    for entry in record.files:
-        if not entry.path.startswith(prefix):
-            continue
-        path = step_path / entry.path
-        try:
-            size, checksum = file_checksum(path, record.checksum_algorithm)
-        except FileNotFoundError:
-            problems.append(f"{path}: missing")
-            continue
-        if size != entry.size:
-            problems.append(f"{path}: size {size}, expected {entry.size}")
-        elif checksum != entry.checksum:
-            problems.append(f"{path}: checksum {checksum}, expected {entry.checksum}")
-    return problems

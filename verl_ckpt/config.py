@@ -7,6 +7,7 @@ start-up, with a sentence naming the key, rather than deep inside a worker.
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,12 @@ __all__ = [
     "CheckpointConfig",
     "HF_MODEL",
     "HFExportConfig",
+    "PreemptionConfig",
+    "RESUME_FALLBACKS",
     "RESUME_MODES",
-    "SNAPSHOT_MODES",
+    "RESUME_VERIFY_MODES",
     "SAVE_CONTENTS",
+    "SNAPSHOT_MODES",
     "StagingConfig",
     "WRITER_MODES",
     "WriterConfig",
@@ -35,6 +39,10 @@ SAVE_CONTENTS = (*CONTENTS, HF_MODEL)
 RESUME_MODES = ("auto", "disable", "resume_path")
 SNAPSHOT_MODES = ("now", "deferred")
 WRITER_MODES = ("thread", "process", "inline")
+RESUME_VERIFY_MODES = ("record", "checksums")
+RESUME_FALLBACKS = ("error", "previous")
+# Signals that cannot be caught, or that stop the process before any handler runs.
+_UNCATCHABLE_SIGNALS = ("SIGKILL", "SIGSTOP")
 
 
 def _fail(key: str, value: Any, why: str) -> None:
@@ -99,6 +107,47 @@ class HFExportConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    """When the driver takes an out-of-schedule save and exits (verl_ckpt.preemption)."""
+
+    # Signals that ask for a save at the next step boundary and an exit with status 75
+    # (EX_TEMPFAIL); the handler only sets a flag. An empty list turns signal handling off.
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # Seconds from the signal (or the deadline decision) within which the save must commit;
+    # past it the run stops with an error naming who is missing.
+    grace_s: float = 60.0
+    # Name of an environment variable holding the Unix time at which the job will be stopped
+    # (a capacity-block expiry, the shape of verl's ESI variables); null: none.
+    deadline_env: str | None = None
+    # Slack added to the measured step and save durations when judging that deadline.
+    margin_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        signals = list(self.signals)
+        for name in signals:
+            if not isinstance(name, str) or name not in signal.Signals.__members__:
+                _fail(
+                    "preemption.signals",
+                    signals,
+                    f"{name!r} is not a signal name of this platform (e.g. SIGTERM, SIGUSR1)",
+                )
+            if name in _UNCATCHABLE_SIGNALS:
+                _fail("preemption.signals", signals, f"{name} cannot be caught by any process")
+        self.signals = list(dict.fromkeys(signals))
+        if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s < math.inf):
+            _fail("preemption.grace_s", self.grace_s, "must be a positive number of seconds")
+        if self.deadline_env is not None and (
+            not isinstance(self.deadline_env, str)
+            or not self.deadline_env
+            or "=" in self.deadline_env
+            or "\0" in self.deadline_env
+        ):
+            _fail("preemption.deadline_env", self.deadline_env, "must name an environment variable")
+        if not (isinstance(self.margin_s, (int, float)) and 0 <= self.margin_s < math.inf):
+            _fail("preemption.margin_s", self.margin_s, "must be a number of seconds >= 0")
+
+
+@dataclass
 class CheckpointConfig:
     """Everything a trainer sets about checkpoints (Hydra group `checkpoint`)."""
 
@@ -132,6 +181,14 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     # Re-read and checksum a step's files before load() touches any state.
     verify_checksums_on_load: bool = False
+    # What start-up checks of the resume step, before Ray starts: record (its commit record,
+    # and every file present with its recorded size) or checksums (every file re-hashed, in
+    # parallel on every core).
+    resume_verify: str = "record"
+    # A resume step (resume_mode=auto) that fails that check: error (one line naming the
+    # file) or previous (moved into <root>/quarantine/, never deleted; the run resumes from
+    # the newest older committed step that passes, with a warning naming the bad file).
+    resume_fallback: str = "error"
     # Reuse the save plan while the structure hash of the state is unchanged on every rank.
     assume_constant_structure: bool = True
     # Spread the writing of replicated shards over the role's data-parallel ranks instead of
@@ -140,6 +197,7 @@ class CheckpointConfig:
     writer: WriterConfig = field(default_factory=WriterConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root_dir, str) or not self.root_dir.strip():
@@ -188,6 +246,12 @@ class CheckpointConfig:
             )
         if isinstance(self.hf_export, dict):
             self.hf_export = HFExportConfig(**self.hf_export)
+        if self.resume_verify not in RESUME_VERIFY_MODES:
+            _fail("resume_verify", self.resume_verify, "choose record or checksums")
+        if self.resume_fallback not in RESUME_FALLBACKS:
+            _fail("resume_fallback", self.resume_fallback, "choose error or previous")
+        if isinstance(self.preemption, dict):
+            self.preemption = PreemptionConfig(**self.preemption)
 
     @property
     def writes_in_background(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 import torch
 
-from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
+from verl_ckpt.commit_record import FileEntry, read_commit_record
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import (
     CheckpointConfigError,
@@ -29,6 +29,7 @@ from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.startup import StartPlan, prepare_start
+from verl_ckpt.verification import verify_files
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -93,11 +94,26 @@ class CheckpointCoordinator:
         freq = self.config.save_freq
         return freq > 0 and (step % freq == 0 or step == last_step)
 
-    def save_driver_state(self, step: int, state: dict[str, Any]) -> None:
-        """Write the trainer's own state for `step` and report it (synchronous: it is small)."""
+    def save_driver_state(
+        self, step: int, state: dict[str, Any], timeout_s: float | None = None
+    ) -> None:
+        """Write the trainer's own state for `step` and report it (synchronous: it is small).
+        `timeout_s` (default checkpoint.timeout_s) bounds the wait for room to start the step
+        (max_in_flight); a preemption save passes what is left of its grace period."""
         if DRIVER_ROLE not in self.participants:
             raise CheckpointError("this coordinator was built with save_driver_state=False")
-        directory = Path(self._call("begin_step", step, DRIVER_ROLE, 0, 1, self.config.timeout_s))
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        directory = Path(
+            self._call(
+                "begin_step",
+                step,
+                DRIVER_ROLE,
+                0,
+                1,
+                timeout,
+                deadline=time.monotonic() + timeout + _RPC_SLACK_S,
+            )
+        )
         path = directory / DRIVER_STATE_FILENAME
         report = RankReport(step, DRIVER_ROLE, 0, 1, uuid.uuid4().hex)
         try:

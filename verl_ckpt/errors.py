@@ -12,7 +12,9 @@ __all__ = [
     "CheckpointWriteError",
     "CommitRecordError",
     "CommitTimeoutError",
+    "PreemptionError",
     "ResumeConflictError",
+    "ResumeVerificationError",
     "RootLockedError",
     "StepNotCommittedError",
     "TrackerError",
@@ -54,3 +56,13 @@ class RootLockedError(CheckpointError):
 class ResumeConflictError(CheckpointError):
     """The resume step is older than a committed step of the same root: the run's saves would
     collide with committed steps. The message names them and the two ways out."""
+
+
+class ResumeVerificationError(CommitRecordError):
+    """The resume step fails start-up verification (`checkpoint.resume_verify`): a file is
+    missing, truncated or fails its checksum, or the record is unusable. Names the file."""
+
+
+class PreemptionError(CheckpointError):
+    """An out-of-schedule save on preemption did not commit within
+    `checkpoint.preemption.grace_s`; names who is missing. The previous committed step stays."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from verl_ckpt import faults, megatron_compat
-from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
+from verl_ckpt.commit_record import FileEntry, read_commit_record
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import (
     CheckpointConfigError,
@@ -46,6 +46,7 @@ from verl_ckpt.reports import RankReport
 from verl_ckpt.staging import StagingPool, StagingSlot, copy_into, device_ready_events
 from verl_ckpt.structure import structure_hash
 from verl_ckpt.threads import DaemonPool
+from verl_ckpt.verification import verify_files
 from verl_ckpt.writers import WriteTimeout, make_writer
 
 __all__ = ["CheckpointManager", "SaveStats"]

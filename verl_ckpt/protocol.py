@@ -13,6 +13,14 @@ after a whole-job restart (everything killed, the job started again).
                       the tracker forward to the newest committed step), resolves the resume
                       step and refuses one older than the newest committed step. Writes
                       nothing but the lock and the recovery; deletes nothing, ever.
+    verify resume     driver, same place, before any state is touched (`resume_check.py`).
+                      `resume_verify`: the record and every file's size, or every checksum
+                      (all cores). A failing step is an error naming the file, or with
+                      `resume_fallback=previous` it is renamed into <root>/quarantine/ (never
+                      deleted) BEFORE the tracker moves back to the newest older step that
+                      verifies (else the roll-forward above would bring it back).
+                      Crash between the rename and the tracker: the tracker names a missing
+                      step; the next start with `previous` falls back the same way.
     start finalizer   driver (`finalizer_client.start_finalizer`); the actor recovers the
                       root the same way and writes the root marker that ranks read back.
 
@@ -73,6 +81,16 @@ after a whole-job restart (everything killed, the job started again).
                       directory is removed by the next export of that role; `verl-ckpt export`
                       writes any export that is missing. A waiting step superseded by a newer
                       commit is skipped (logged), so exports never pile up.
+ S. stop (preemption) driver, at a step boundary (`preemption.py`). A signal of
+                      `preemption.signals` (the handler only records it; a second one changes
+                      nothing) or the deadline in `preemption.deadline_env` coming near: the
+                      step under way finishes, every role and the driver save it out of
+                      schedule (steps 1-7 as for any save, every wait ending at the stop's
+                      deadline: `grace_s` after the signal), the driver waits for its commit,
+                      logs one line, finishes as usual and exits with status 75. Past the
+                      deadline: an error naming who is missing (exit 1). A SIGKILL at any
+                      point: the step is an uncommitted leftover (as in 1); the previous
+                      committed step stays the tracker's.
 
 The finalizer's bookkeeping (which reports arrived, which step is committing) is
 `ledger.StepLedger`; steps 5-7 and the recovery of step 0 are plain functions on a

@@ -9,7 +9,9 @@ handed a plan.
 
 Order: read-only checks first (a failure leaves the disk as it was), then the root lock
 (another job on this root is refused), then recovery (recovery.py: roll-forward) and the
-same resume decision once more under the lock, where nobody else can change the root.
+same resume decision once more under the lock, where nobody else can change the root; then
+the resume step is verified (resume_check.py: `resume_verify`, and the quarantine and
+fallback of `resume_fallback=previous`), before any state is touched.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from verl_ckpt.errors import (
 )
 from verl_ckpt.hf.scheduler import check_export_config
 from verl_ckpt.layout import step_dir, step_of_dir
+from verl_ckpt.preemption import check_deadline_env
 from verl_ckpt.recovery import RootState, read_root_state, recover_root
+from verl_ckpt.resume_check import check_resume_before_lock, settle_resume_step
 from verl_ckpt.root_lock import RootLock
 from verl_ckpt.tracker import tracker_path
 
@@ -48,7 +52,7 @@ class StartPlan:
     root: Path
     # The committed step directory to resume from; None: a fresh start.
     resume_dir: Path | None
-    # The root as recovery left it.
+    # The root as recovery (and a resume fallback) left it.
     state: RootState
     # Held until the coordinator closes (or `release()`): one job per root.
     lock: RootLock
@@ -61,17 +65,21 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     """Check, lock and recover the root; decide the resume step (see the module docstring).
 
     Raises a CheckpointError subclass naming the key or path: CheckpointConfigError,
-    TrackerError, CommitRecordError, ResumeConflictError or RootLockedError.
+    TrackerError, CommitRecordError (ResumeVerificationError), ResumeConflictError or
+    RootLockedError.
     """
     config = to_checkpoint_config(config)
     root = Path(config.root_dir).resolve()
     check_root_dir(root)
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
-    choose_resume_dir(config, read_root_state(root))
+    check_deadline_env(config.preemption)
+    check_resume_before_lock(config, read_root_state(root), choose_resume_dir)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
-        resume = choose_resume_dir(config, state)
+        resume = settle_resume_step(config, state, choose_resume_dir)
+        if resume is not None and state.tracker != step_of_dir(resume):
+            state = read_root_state(root)  # the fallback moved steps and the tracker
     except BaseException:
         lock.release()
         raise

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from verl_ckpt import faults
-from verl_ckpt.commit_record import FileEntry, read_commit_record, verify_files
+from verl_ckpt.commit_record import FileEntry, read_commit_record
 from verl_ckpt.errors import CheckpointConfigError, CheckpointError, CommitRecordError
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.fsio import fsync_dir
@@ -44,6 +44,7 @@ from verl_ckpt.hf.record import (
     write_export_record,
 )
 from verl_ckpt.layout import DRIVER_ROLE
+from verl_ckpt.verification import verify_files
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportSummary", "choose_mapping", "export_role"]
 

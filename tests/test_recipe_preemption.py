@@ -1,0 +1,264 @@
+"""Preemption of the real recipe (verl_ckpt/preemption.py; invariants I1, I3, I4, I5):
+`ray job stop` of a job submitted to a head on 127.0.0.1, SIGTERM to the embedded-Ray recipe
+process, and a SIGKILL of the whole job after its grace period ran out. Each run is
+`python -m recipes.ppo_toy` with real Megatron ranks over gloo and real checkpoint files;
+the signals and kills are real. The documented hook VERL_CKPT_FAULT only holds a write open
+(a hung rank) or slows the commit down, at an exact moment.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.test_job_kill import kill_session
+from tests.test_recipe import (
+    COMPARED,
+    REPO_ROOT,
+    RUN_TIMEOUT_S,
+    RayHead,
+    finish,
+    read_metrics,
+    recipe_env,
+    start_recipe,
+)
+from verl_ckpt import PREEMPTED_EXIT_STATUS, read_tracker, step_dir
+from verl_ckpt.cli import main as verl_ckpt_cli
+from verl_ckpt.commit_record import is_committed
+from verl_ckpt.faults import ENV_VAR
+
+pytestmark = pytest.mark.slow
+
+# Enough steps (about 0.3 s each) that a stop requested after step 2 arrives well before the
+# end, even through `ray job stop` on a loaded machine.
+TOTAL = 30
+# No scheduled save before the last step: whatever is committed was saved on preemption.
+UNSCHEDULED = ("checkpoint.save_freq=100", f"trainer.total_steps={TOTAL}")
+_LOG_TIME = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[ppo_toy\]\[INFO\] - "
+
+
+class Output:
+    """A process's combined output, read by a thread as it comes (a full pipe would block
+    the process), and searchable while the process runs."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._lines)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while (match := re.search(pattern, self.text)) is None:
+            assert time.monotonic() < deadline, (
+                f"no {pattern!r} in {timeout_s}s:\n{self.text[-3000:]}"
+            )
+            time.sleep(0.1)
+        return match
+
+    def wait_exit(self, timeout_s: float = RUN_TIMEOUT_S) -> str:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"still running after {timeout_s}s:\n{self.text[-4000:]}")
+        self._reader.join(30)
+        return self.text
+
+
+def wait_for_steps(metrics: Path, count: int, output: Output, timeout_s: float = 240) -> int:
+    """Wait until the metrics file holds at least `count` complete steps; return how many."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = metrics.read_text().count("\n") if metrics.exists() else 0
+        if lines >= count:
+            return lines
+        assert output.proc.poll() is None, f"the run ended early:\n{output.text[-4000:]}"
+        assert time.monotonic() < deadline, f"{count} steps not done in {timeout_s}s"
+        time.sleep(0.05)
+
+
+def _log_time(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def step_the_signal_arrived_in(text: str) -> tuple[int, int]:
+    """From the recipe's log: (the step under way when the signal arrived, the step the
+    preemption line says it committed). The signal's time is the preemption line's time minus
+    the seconds it reports since the request; a step is under way until its log line."""
+    stopped = re.search(
+        _LOG_TIME + r"preemption \(SIGTERM received\): step (\d+) committed ([\d.]+) s after",
+        text,
+    )
+    assert stopped, text[-4000:]
+    arrived = _log_time(stopped.group(1)) - float(stopped.group(3))
+    ends = {
+        int(m.group(2)): _log_time(m.group(1))
+        for m in re.finditer(_LOG_TIME + r"step (\d+)/\d+ reward", text)
+    }
+    under_way = min(step for step, end in ends.items() if end >= arrived - 0.002)
+    return under_way, int(stopped.group(2))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of TOTAL steps, started once and in the background: the tests
+    compare their preempted-then-resumed runs with it, step by step, bit for bit."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = start_recipe(out, *UNSCHEDULED, f"checkpoint.root_dir={out / 'ckpt'}")
+    output = Output(proc)
+    done: dict[int, dict] = {}
+
+    def metrics() -> dict[int, dict]:
+        if not done:
+            output.wait_exit()
+            assert proc.returncode == 0, output.text[-4000:]
+            done.update(read_metrics(out / "metrics.jsonl"))
+        return done
+
+    yield metrics
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def assert_resumes_bit_exactly(tmp_path: Path, root: Path, stopped_at: int, first_run: Path, ref):
+    """The stopped step verifies; a run on the same root resumes from it, and every step of
+    both runs equals the uninterrupted run's."""
+    assert verl_ckpt_cli(["verify", str(root), "--step", str(stopped_at)]) == 0
+    second = finish(start_recipe(tmp_path / "resumed", *UNSCHEDULED, f"checkpoint.root_dir={root}"))
+    assert f"resumed from {step_dir(root, stopped_at)} (step {stopped_at})" in second
+    before = read_metrics(first_run)
+    after = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert sorted(before) == list(range(1, stopped_at + 1))
+    assert sorted(after) == list(range(stopped_at + 1, TOTAL + 1))
+    for step, record in {**before, **after}.items():
+        assert {k: record[k] for k in COMPARED} == {k: ref()[step][k] for k in COMPARED}, step
+    assert read_tracker(root) == TOTAL
+
+
+def test_I1_I4_sigterm_to_the_recipe_saves_the_step_under_way_exits_75_and_resumes_exactly(
+    tmp_path, reference
+):
+    """SIGTERM (twice: the second must not abort anything) to the embedded-Ray recipe
+    process: the step under way finishes, is saved out of schedule and committed, one line
+    says so, and the recipe exits with status 75. The tracker names the step the signal
+    arrived in (or the next one, when it landed just at a step boundary)."""
+    root = tmp_path / "ckpt"
+    proc = start_recipe(tmp_path / "run", *UNSCHEDULED, f"checkpoint.root_dir={root}")
+    output = Output(proc)
+    seen = wait_for_steps(tmp_path / "run" / "metrics.jsonl", 2, output)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    text = output.wait_exit()
+    assert proc.returncode == PREEMPTED_EXIT_STATUS, text[-4000:]
+    stopped_at = read_tracker(root)
+    under_way, committed = step_the_signal_arrived_in(text)
+    assert stopped_at == committed and seen < stopped_at < TOTAL, (seen, stopped_at)
+    assert stopped_at in (under_way, under_way + 1), (under_way, stopped_at)
+    line = output.wait_for(rf"preemption \(SIGTERM received\): step {stopped_at} committed .*", 1)
+    assert "exiting with status 75" in line.group(0) and "Traceback" not in text
+    assert_resumes_bit_exactly(
+        tmp_path, root, stopped_at, tmp_path / "run" / "metrics.jsonl", reference
+    )
+
+
+def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exactly(
+    tmp_path, reference
+):
+    """recipes/submit_job.sh submits the recipe to a head on 127.0.0.1; `ray job stop`
+    SIGTERMs the driver. The commit is slowed to 5 s (VERL_CKPT_FAULT=commit=sleep=5, in every
+    process of the head): longer than Ray's default 3 s before its SIGKILL, so the step
+    commits only because the script sets RAY_JOB_STOP_WAIT_TIME_S for the job."""
+    root = tmp_path / "ckpt"
+    metrics = tmp_path / "metrics.jsonl"
+    head = RayHead(extra_env={ENV_VAR: "commit=sleep=5"})
+    try:
+        head.wait_ready()
+        env = {**head.env, "RAY_ADDRESS": head.address}
+        submit = subprocess.Popen(
+            [
+                "bash",
+                str(REPO_ROOT / "recipes" / "submit_job.sh"),
+                *UNSCHEDULED,
+                f"checkpoint.root_dir={root}",
+                f"trainer.metrics_path={metrics}",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        output = Output(submit)
+        job_id = output.wait_for(r"Job '(raysubmit_\w+)' submitted successfully", 120).group(1)
+        seen = wait_for_steps(metrics, 2, output)
+        stop = subprocess.run(
+            ["ray", "job", "stop", "--address", head.address, job_id],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        text = output.wait_exit()
+    finally:
+        head.stop()
+    stopped_at = read_tracker(root)
+    assert stopped_at is not None and seen < stopped_at < TOTAL, (seen, stopped_at, text[-3000:])
+    under_way, committed = step_the_signal_arrived_in(text)
+    assert stopped_at == committed and stopped_at in (under_way, under_way + 1)
+    assert_resumes_bit_exactly(tmp_path, root, stopped_at, metrics, reference)
+
+
+def test_I1_I5_a_save_that_outlives_its_grace_is_named_and_a_sigkill_keeps_the_previous_step(
+    tmp_path,
+):
+    """The critic's write hangs (VERL_CKPT_FAULT=write:critic=hang), so the out-of-schedule
+    save after SIGTERM cannot commit: at checkpoint.preemption.grace_s the driver says so in
+    one line naming the critic rank, and the scheduler's SIGKILL of the whole job follows.
+    The previous committed step stays the tracker's, verifies, and a new run resumes from it.
+    """
+    root = tmp_path / "ckpt"
+    every_2 = (f"checkpoint.root_dir={root}", "checkpoint.save_freq=2")
+    finish(start_recipe(tmp_path / "run1", *every_2, "trainer.total_steps=2"))
+    assert read_tracker(root) == 2
+    hung = start_recipe(
+        tmp_path / "run2",
+        *UNSCHEDULED,
+        f"checkpoint.root_dir={root}",
+        "checkpoint.preemption.grace_s=4",
+        env=recipe_env(**{ENV_VAR: "write:critic=hang"}),
+        new_session=True,
+    )
+    output = Output(hung)
+    try:
+        wait_for_steps(tmp_path / "run2" / "metrics.jsonl", 1, output)
+        hung.send_signal(signal.SIGTERM)
+        line = output.wait_for(r"ppo_toy: error: .*", 120).group(0)
+    finally:
+        kill_session(hung.pid)
+        output.wait_exit(60)
+    assert "checkpoint.preemption.grace_s=4" in line and "critic rank 0" in line, line
+    assert "Traceback" not in output.text
+    assert read_tracker(root) == 2
+    assert not any(is_committed(p) for p in root.glob("global_step_*") if p.name != "global_step_2")
+    assert verl_ckpt_cli(["verify", str(root)]) == 0
+    resumed = finish(start_recipe(tmp_path / "run3", *every_2, "trainer.total_steps=4"))
+    assert f"resumed from {step_dir(root, 2)} (step 2)" in resumed
+    assert read_tracker(root) == 4

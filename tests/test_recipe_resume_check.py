@@ -1,0 +1,134 @@
+"""Verified resume with fallback on the real recipe's checkpoints (real megatron-core torch_dist
+shards written by Megatron ranks in Ray actors): a flipped bit, a truncated shard and a
+missing shard in the newest step. With `resume_fallback=error` the recipe refuses in one line
+naming the file, before Ray starts; with `previous` it quarantines the step, resumes from the
+older one and continues bit-exactly (invariants I1, I3, I4).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_recipe import (
+    COMPARED,
+    REPO_ROOT,
+    finish,
+    read_metrics,
+    recipe_env,
+    start_recipe,
+)
+from verl_ckpt import prepare_start, read_tracker, step_dir
+from verl_ckpt.layout import list_step_dirs
+from verl_ckpt.resume_check import QUARANTINE_DIRNAME
+
+pytestmark = pytest.mark.slow
+
+SHARD = "actor/__1_0.distcp"  # the second actor rank's first file: real tensor bytes
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory) -> Path:
+    """A recipe run of 4 steps with saves at 2 and 4, both kept. Tests work on copies."""
+    out = tmp_path_factory.mktemp("produced")
+    finish(
+        start_recipe(
+            out,
+            "trainer.total_steps=4",
+            "checkpoint.save_freq=2",
+            "checkpoint.max_ckpt_to_keep=null",
+            f"checkpoint.root_dir={out / 'ckpt'}",
+        )
+    )
+    assert sorted(list_step_dirs(out / "ckpt")) == [2, 4]
+    return out
+
+
+@pytest.fixture
+def root(produced, tmp_path) -> Path:
+    return Path(shutil.copytree(produced / "ckpt", tmp_path / "ckpt"))
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+def remove(path: Path) -> None:
+    path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "mode"),
+    [(flip_bit, "checksums"), (truncate, "record"), (remove, "record")],
+    ids=["bit_flip", "truncated", "missing"],
+)
+def test_I1_a_damaged_real_shard_is_quarantined_and_start_up_falls_back(root, damage, mode):
+    damage(step_dir(root, 4) / SHARD)
+    plan = prepare_start(
+        {"root_dir": str(root), "resume_verify": mode, "resume_fallback": "previous"}
+    )
+    plan.release()
+    assert plan.resume_dir == step_dir(root, 2) and read_tracker(root) == 2
+    (moved,) = (root / QUARANTINE_DIRNAME).iterdir()
+    assert moved.name.startswith("global_step_4.") and (moved / "actor").is_dir()
+
+
+def test_I1_I4_the_recipe_refuses_a_bit_flip_then_falls_back_and_continues_exactly(
+    root, produced, tmp_path
+):
+    damage = step_dir(root, 4) / SHARD
+    flip_bit(damage)
+    damaged_bytes = damage.read_bytes()
+    checksums = (f"checkpoint.root_dir={root}", "checkpoint.resume_verify=checksums")
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.ppo_toy",
+            f"hydra.run.dir={tmp_path / 'refused'}",
+            "trainer.total_steps=4",
+            *checksums,
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("ppo_toy:")]
+    assert f"{damage}: checksum " in line and "embedded Ray" not in refused.stdout
+    assert read_tracker(root) == 4 and not (root / QUARANTINE_DIRNAME).exists()
+
+    out = finish(
+        start_recipe(
+            tmp_path / "resumed",
+            "trainer.total_steps=4",
+            "checkpoint.save_freq=2",
+            "checkpoint.resume_fallback=previous",
+            *checksums,
+        )
+    )
+    warning = next(x for x in out.splitlines() if "resume_fallback=previous" in x)
+    assert f"{damage}: checksum " in warning and "resuming from step 2" in warning
+    assert f"resumed from {step_dir(root, 2)} (step 2)" in out
+    first = read_metrics(produced / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert {k: resumed[step][k] for k in COMPARED} == {k: first[step][k] for k in COMPARED}
+    # Step 4 was saved again, from the resumed run; the damaged one is kept in quarantine.
+    assert read_tracker(root) == 4 and sorted(list_step_dirs(root)) == [2, 4]
+    (moved,) = (root / QUARANTINE_DIRNAME).iterdir()
+    assert (moved / SHARD).read_bytes() == damaged_bytes
