@@ -436,6 +436,27 @@ class PPOToyTrainer:
                 summary["bytes"] / 1e6,
                 summary["tracker"],
             )
+        if self.cfg.checkpoint.remote.url is not None:
+            self.wait_for_uploads()
+
+    def wait_for_uploads(self) -> None:
+        """A finished run has its last committed step in the remote tier too (within the
+        checkpoint deadline); a remote tier that fails is logged, the local tier stands."""
+        remote = self.coordinator.wait_for_uploads()
+        if remote["status"] == "committed" or remote["step"] is None:
+            log.info(
+                "remote tier %s: step %s committed; remote tracker names step %s",
+                remote["url"],
+                remote["step"],
+                remote["tracker"],
+            )
+        else:
+            log.error(
+                "remote tier %s: step %s is not uploaded (%s); the next run uploads it",
+                remote["url"],
+                remote["step"],
+                remote["error"] or remote["status"],
+            )
 
     def shutdown(self) -> None:
         """Release everything; safe after a failure halfway."""

@@ -48,6 +48,7 @@ class CheckpointFinalizer:
         participants: dict[str, int],
         max_ckpt_to_keep: int | None,
         max_in_flight: int = 1,
+        remote: dict[str, Any] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
@@ -83,6 +84,10 @@ class CheckpointFinalizer:
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
+        self._remote_settings = dict(remote) if remote else None
+        self._remote = _open_remote_tier(
+            remote, self._root, participants, self._local_failed, self._retain_after_upload
+        )
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class CheckpointFinalizer:
             "participants": dict(self._participants),
             "max_ckpt_to_keep": self._keep,
             "max_in_flight": self._ledger.max_in_flight,
+            "remote": self._remote_settings,
         }
 
     def marker_token(self) -> str:
@@ -187,9 +193,16 @@ class CheckpointFinalizer:
             # Waiters learn of the commit before retention runs: deleting old steps need not
             # delay wait_for_commit.
             self._notify()
+            # Step 8 starts (in the background): the remote tier never delays a local commit.
+            if self._remote is not None:
+                self._remote.after_local_commit(step)
+            # Steps still being uploaded are read by the uploads: not deleted yet.
+            protected = self._ledger.in_flight()
+            if self._remote is not None:
+                protected += self._remote.protected()
             try:
                 outcome = await asyncio.to_thread(
-                    apply_retention, self._root, self._keep, self._ledger.in_flight()
+                    apply_retention, self._root, self._keep, protected
                 )
                 errors = outcome.errors
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
@@ -250,6 +263,43 @@ class CheckpointFinalizer:
                 )
         return self._ledger.in_flight()
 
+    # ---- protocol steps 8-11: the remote tier (verl_ckpt/remote/finalizer_tier.py) ---------
+
+    async def upload_turn(self, step: int, timeout_s: float) -> bool:
+        """A rank asks whether to upload its files of `step` (once committed locally)."""
+        return await self._remote_tier().upload_turn(step, timeout_s)
+
+    async def report_upload(self, report: Any) -> None:
+        await self._remote_tier().report(report)
+
+    async def drain_uploads(self, timeout_s: float) -> dict[str, Any]:
+        """Upload the newest committed step if it is not in the remote tier yet, and wait for
+        every upload under way; where the remote tier stands."""
+        return await self._remote_tier().drain(timeout_s)
+
+    def remote_status(self, step: int | None = None) -> dict[str, Any]:
+        return self._remote_tier().status(step)
+
+    def _remote_tier(self):
+        if self._remote is None:
+            raise CheckpointError(f"no remote tier is configured for {self._root}")
+        return self._remote
+
+    def _retain_after_upload(self) -> None:
+        """Local retention left the steps being uploaded; one upload ended: run it again."""
+        if self._keep is not None:
+            self._spawn(self._retain_again())
+
+    async def _retain_again(self) -> None:
+        async with self._file_work:
+            protected = self._ledger.in_flight() + self._remote.protected()
+            outcome = await asyncio.to_thread(apply_retention, self._root, self._keep, protected)
+        if outcome.errors:
+            logger.error("retention after an upload failed: %s", "; ".join(outcome.errors))
+
+    def _local_failed(self, step: int) -> bool:
+        return self._ledger.status(step) in (StepStatus.FAILED, StepStatus.LOST)
+
     # ---- internals -----------------------------------------------------------------------
 
     def _not_committed(self, step: int, status: StepStatus) -> StepNotCommittedError:
@@ -292,6 +342,8 @@ class CheckpointFinalizer:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        if getattr(self, "_remote", None) is not None:
+            self._remote.notify()  # ranks waiting for an upload turn see a failed step
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -310,6 +362,16 @@ class CheckpointFinalizer:
                 f"{role} rank {rank} of world size {world_size} does not match the finalizer "
                 f"of {self._root}, which expects {expected} ranks of role {role!r}"
             )
+
+
+def _open_remote_tier(remote, root, participants, local_failed, on_upload_end):
+    """The remote tier of this root (protocol steps 8-11), or None without one; fsspec is
+    imported only when there is one."""
+    if not remote or not remote.get("url"):
+        return None
+    from verl_ckpt.remote.finalizer_tier import RemoteTier
+
+    return RemoteTier(remote, root, participants, local_failed, on_upload_end)
 
 
 def _was_restarted() -> bool:

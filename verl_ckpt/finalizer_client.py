@@ -62,6 +62,7 @@ def start_finalizer(
     max_ckpt_to_keep: int | None,
     timeout_s: float = 120.0,
     max_in_flight: int = 1,
+    remote: dict[str, Any] | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
@@ -76,7 +77,7 @@ def start_finalizer(
     actor = (
         ray.remote(CheckpointFinalizer)
         .options(**actor_options(root))
-        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight)
+        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight, remote)
     )
     try:
         found = ray.get(actor.describe.remote(), timeout=timeout_s)
@@ -89,6 +90,7 @@ def start_finalizer(
         "participants": dict(participants),
         "max_ckpt_to_keep": max_ckpt_to_keep,
         "max_in_flight": max_in_flight,
+        "remote": dict(remote) if remote else None,
     }
     if found != wanted:
         raise CheckpointError(

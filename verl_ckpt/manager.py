@@ -172,6 +172,8 @@ class CheckpointManager:
         self._save_thread = (
             DaemonPool(1, f"verl_ckpt_{role}{rank}_save") if mode != "inline" else None
         )
+        # Step 8: this rank uploads its own files to the remote tier, if there is one.
+        self._uploads = self._make_uploader()
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -193,6 +195,8 @@ class CheckpointManager:
         started = time.perf_counter()
         # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
         self._in_flight.wait_for_room()
+        if self._uploads is not None:
+            self._uploads.wait_for_room()
         state = self._compose(model=model, optimizer=optimizer, extra=extra)
         plan = self._plan(step, state)  # step 1
         try:
@@ -276,6 +280,8 @@ class CheckpointManager:
             self._in_flight.raise_pending()
         finally:
             try:
+                if self._uploads is not None:
+                    self._uploads.close(deadline)
                 if self._save_thread is not None:
                     self._save_thread.close(max(0.0, deadline - time.monotonic()))
                 self._writer.close(max(0.0, deadline - time.monotonic()))
@@ -474,6 +480,8 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
             if report.failure is None:
                 report.failure = Failure.from_exception(self.role, self.rank, Phase.REPORT, exc)
+        if report.failure is None and self._uploads is not None:
+            self._uploads.submit(job.step, report.files)
         if report.failure is not None:
             job.stats.error = report.failure.describe()
             raise CheckpointWriteError(
@@ -546,6 +554,20 @@ class CheckpointManager:
     def _extra_sharded(self, extra: Any) -> ShardedObject:
         # One object per rank: its global "shape" is the role's world size.
         return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
+
+    def _make_uploader(self) -> Any:
+        if self.config.remote.url is None:
+            return None
+        from verl_ckpt.remote.rank_uploader import RankUploader
+
+        return RankUploader(
+            self.config.remote,
+            self._root,
+            self.role,
+            self.rank,
+            self._timeout_s,
+            self._call_finalizer,
+        )
 
     def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
         deadline = deadline or time.monotonic() + self._timeout_s + _RPC_SLACK_S

@@ -7,9 +7,11 @@ committed step, another job on the same root) is one line naming the key or path
 run has written and deleted nothing. `CheckpointCoordinator` calls it itself when it is not
 handed a plan.
 
-Order: read-only checks first (a failure leaves the disk as it was), then the root lock
-(another job on this root is refused), then recovery (recovery.py: roll-forward) and the
-same resume decision once more under the lock, where nobody else can change the root.
+Order: read-only checks first (a failure leaves the disk as it was; with a remote tier, its
+URL is checked here too), then the root lock
+(another job on this root is refused), then recovery (recovery.py: roll-forward), the
+download of a newer step from the remote tier (remote/startup.py), and the same resume
+decision once more under the lock, where nobody else can change the root.
 """
 
 from __future__ import annotations
@@ -65,10 +67,13 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     config = to_checkpoint_config(config)
     root = Path(config.root_dir).resolve()
     check_root_dir(root)
+    remote = _check_remote(config)
     choose_resume_dir(config, read_root_state(root))
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
+        if remote is not None and _fetch_newer_remote_step(config, remote, state):
+            state = recover_root(root)  # rolls the tracker forward to the downloaded step
         resume = choose_resume_dir(config, state)
     except BaseException:
         lock.release()
@@ -142,6 +147,22 @@ def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None
 
 
 # ---- helpers -------------------------------------------------------------------------------
+
+
+def _check_remote(config: CheckpointConfig) -> Any:
+    """The remote tier's start-up check (verl_ckpt/remote/startup.py); None without one, and
+    then nothing of fsspec is imported."""
+    if config.remote.url is None:
+        return None
+    from verl_ckpt.remote.startup import check_remote_start
+
+    return check_remote_start(config)
+
+
+def _fetch_newer_remote_step(config: CheckpointConfig, remote: Any, state: RootState) -> bool:
+    from verl_ckpt.remote.startup import fetch_newer_remote_step
+
+    return fetch_newer_remote_step(config, remote, state) is not None
 
 
 def _checked_resume_path(value: str | None) -> Path:

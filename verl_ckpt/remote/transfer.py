@@ -1,0 +1,218 @@
+"""Verified transfers of a committed step's files between a local root and the remote tier.
+
+An upload hashes the bytes as it sends them (multipart, `PART_SIZE` per part) and completes
+the object only when they match the commit record's size and checksum: a file changed or
+damaged on disk after its commit is never published as part of the step. A download hashes
+the bytes as they arrive and fails naming the object that differs. Files go in parallel on
+a pool of daemon threads, under one deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import wait as wait_for_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verl_ckpt.commit_record import FileEntry
+from verl_ckpt.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.fsio import new_hasher
+from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.threads import DaemonPool
+
+__all__ = [
+    "PART_SIZE",
+    "TransferOutcome",
+    "download_files",
+    "upload_file",
+    "upload_files",
+    "verify_remote_files",
+]
+
+# Multipart part size (S3's minimum part is 5 MiB): files larger than this go in parts.
+PART_SIZE = 8 << 20
+
+
+class ChecksumMismatch(CheckpointError):
+    """The bytes read differ from the commit record: the file is not transferred."""
+
+
+@dataclass
+class TransferOutcome:
+    """What a parallel transfer did: the files that went through, and one line per failure."""
+
+    done: list[FileEntry] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def upload_file(
+    store: RemoteStore, local: Path, rel: str, entry: FileEntry, algorithm: str
+) -> None:
+    """Upload `local` as object `rel`, published only if its bytes match `entry`."""
+    hasher = new_hasher(algorithm)
+    size = 0
+    target = store.fs.open(store.key(rel), "wb", block_size=PART_SIZE)
+    try:
+        with open(local, "rb") as source:
+            while chunk := source.read(PART_SIZE):
+                hasher.update(chunk)
+                target.write(chunk)
+                size += len(chunk)
+        checksum = hasher.hexdigest()
+        if (size, checksum) != (entry.size, entry.checksum):
+            raise ChecksumMismatch(
+                f"{local}: read {size} bytes with checksum {checksum}, but its commit record "
+                f"says {entry.size} bytes, {entry.checksum}; not uploaded"
+            )
+    except BaseException:
+        # Abort the multipart upload (or drop the buffer): a half-sent object is never
+        # completed. The record is uploaded after every file, so nothing looks committed.
+        _discard(target)
+        raise
+    target.close()
+
+
+def upload_files(
+    store: RemoteStore,
+    step_path: Path,
+    step: int,
+    entries: Iterable[FileEntry],
+    algorithm: str,
+    threads: int,
+    timeout_s: float,
+) -> TransferOutcome:
+    """Upload `entries` of the local step directory `step_path` in parallel."""
+    prefix = step_path.name
+
+    def one(entry: FileEntry) -> None:
+        upload_file(store, step_path / entry.path, f"{prefix}/{entry.path}", entry, algorithm)
+
+    return _in_parallel(list(entries), one, threads, timeout_s, f"upload of step {step}")
+
+
+def download_files(
+    store: RemoteStore,
+    step: int,
+    entries: Iterable[FileEntry],
+    algorithm: str,
+    dest: Path,
+    threads: int,
+    timeout_s: float,
+) -> TransferOutcome:
+    """Download `entries` of remote step `step` into `dest`, verified and fsynced."""
+    prefix = f"global_step_{step}"
+
+    def one(entry: FileEntry) -> None:
+        path = dest / entry.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as out:
+            _read_verified(store, f"{prefix}/{entry.path}", entry, algorithm, out.write)
+            out.flush()
+            os.fsync(out.fileno())
+
+    return _in_parallel(list(entries), one, threads, timeout_s, f"download of step {step}")
+
+
+def verify_remote_files(
+    store: RemoteStore,
+    step: int,
+    entries: Iterable[FileEntry],
+    algorithm: str,
+    threads: int,
+    timeout_s: float,
+) -> TransferOutcome:
+    """Re-read every object of remote step `step` and compare with its commit record."""
+    prefix = f"global_step_{step}"
+
+    def one(entry: FileEntry) -> None:
+        _read_verified(store, f"{prefix}/{entry.path}", entry, algorithm, lambda _: None)
+
+    return _in_parallel(list(entries), one, threads, timeout_s, f"verification of step {step}")
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _read_verified(
+    store: RemoteStore, rel: str, entry: FileEntry, algorithm: str, sink: Callable
+) -> None:
+    hasher = new_hasher(algorithm)
+    size = 0
+    try:
+        source = store.fs.open(store.key(rel), "rb", block_size=PART_SIZE)
+    except FileNotFoundError:
+        raise ChecksumMismatch(f"{store.uri(rel)}: missing") from None
+    with source:
+        while chunk := source.read(PART_SIZE):
+            hasher.update(chunk)
+            sink(chunk)
+            size += len(chunk)
+    if size != entry.size:
+        raise ChecksumMismatch(f"{store.uri(rel)}: size {size}, expected {entry.size}")
+    checksum = hasher.hexdigest()
+    if checksum != entry.checksum:
+        raise ChecksumMismatch(f"{store.uri(rel)}: checksum {checksum}, expected {entry.checksum}")
+
+
+def _in_parallel(
+    entries: list[FileEntry],
+    one: Callable[[FileEntry], None],
+    threads: int,
+    timeout_s: float,
+    what: str,
+) -> TransferOutcome:
+    outcome = TransferOutcome()
+    if not entries:
+        return outcome
+    started = time.perf_counter()
+    pool = DaemonPool(min(threads, len(entries)), "verl_ckpt_transfer")
+    try:
+        futures = {pool.submit(one, entry, label=entry.path): entry for entry in entries}
+        done, pending = wait_for_futures(futures, timeout=timeout_s)
+        for future in done:
+            entry = futures[future]
+            error = future.exception()
+            if error is None:
+                outcome.done.append(entry)
+                outcome.nbytes += entry.size
+            else:
+                outcome.errors.append(_one_line(entry, error))
+        for future in pending:
+            outcome.errors.append(
+                str(
+                    CommitTimeoutError(f"{futures[future].path}: {what} not done in {timeout_s:g}s")
+                )
+            )
+    finally:
+        pool.close(0.0)
+    outcome.done.sort(key=lambda e: e.path)
+    outcome.errors.sort()
+    outcome.seconds = time.perf_counter() - started
+    return outcome
+
+
+def _one_line(entry: FileEntry, error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if isinstance(error, ChecksumMismatch):
+        return text
+    return f"{entry.path}: {type(error).__name__}: {text}"
+
+
+def _discard(target) -> None:
+    discard = getattr(target, "discard", None)
+    try:
+        if discard is not None:
+            discard()
+    except Exception:  # noqa: BLE001 - best effort: the store may be the thing that failed
+        pass
+    # Local files (fsspec's LocalFileOpener) have no discard: the object is closed as is and
+    # stays unpublished, since no record names it.
+    if not hasattr(target, "mpu"):
+        try:
+            target.close()
+        except Exception:  # noqa: BLE001
+            pass
