@@ -14,9 +14,11 @@ import torch
 
 from tests.conftest import ROLES
 from tests.helpers import close_all, every_rank, open_all, save_everyone
+from tests.test_faults import lone_rank  # noqa: F401 - a fixture
 from verl_ckpt import CheckpointCoordinator, read_tracker, step_dir
 from verl_ckpt.commit_record import read_commit_record
-from verl_ckpt.layout import list_step_dirs
+from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 from verl_ckpt.remote.store import RemoteStore
 from verl_ckpt.remote.tier import read_remote_record, read_remote_tracker
 from verl_ckpt.remote.transfer import verify_remote_files
@@ -227,3 +229,107 @@ def test_cli_rejects_a_url_for_rollback_and_a_path_for_pull(capsys, tmp_path):
     assert code == 2 and "rollback works on a local ROOT only" in err, err
     code, _, err = cli(capsys, "pull", str(tmp_path), "--step", "1", str(tmp_path / "x"))
     assert code == 2 and "pull needs a remote tier URL" in err, err
+
+
+# ---- faults --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_I1_s3_server_stopped_mid_upload_local_commits_go_on_and_the_next_upload_catches_up(
+    ranks, own_s3_server, tmp_path
+):
+    """The S3 server is stopped for real (SIGSTOP: it holds its connections and state but
+    answers nothing) while step 2 is being uploaded: the other ranks' files of step 2 are up,
+    actor rank 0's are not. Local commits go on (steps 2 and 3 commit, the tracker moves,
+    training is not held up); both uploads fail and the remote tracker still names step 1;
+    what step 2 left remotely has no commit record. After SIGCONT the next upload (step 4)
+    commits remotely, verified, and remote retention removes the leftover of step 2."""
+    server = own_s3_server
+    cfg = remote_config(tmp_path, server, server.new_bucket(), remote={"max_in_flight": 2})
+    # A stopped server fails a call after the read timeout (s3fs retries it a few times).
+    cfg["remote"]["storage_options"] = server.storage_options(read_timeout_s=2.0)
+    store = store_of(cfg)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    assert coordinator.wait_for_uploads()["tracker"] == 1
+
+    # Actor rank 0 pauses before uploading its files of the next step; the marker says when.
+    marker = tmp_path / "upload_paused"
+    actor0 = ranks["actor"][0]
+    ray.get(actor0.set_env.remote(ONCE_ENV_VAR, str(marker)))
+    ray.get(actor0.set_env.remote(ENV_VAR, "upload:actor:0=sleep=3"))
+    try:
+        save_everyone(ranks, coordinator, 2)
+        coordinator.wait_for_commit(2)
+        wait_for(marker.exists, 60, "actor rank 0 did not reach its upload of step 2")
+        # The other ranks' uploads of step 2 are under way or done: let them end, then stop.
+        wait_for(
+            lambda: (
+                sorted(coordinator.remote_status(2)["uploaders"])
+                == ["actor rank 1", "critic rank 0"]
+            ),
+            60,
+            "the other ranks did not report their uploads of step 2",
+        )
+        server.pause()
+        started = time.monotonic()
+        save_everyone(ranks, coordinator, 3)
+        coordinator.wait_for_commit(3)
+        assert time.monotonic() - started < 20, "a local commit waited for the remote tier"
+        assert read_tracker(cfg["root_dir"]) == 3
+        for step in (2, 3):
+            wait_for(
+                lambda step=step: coordinator.remote_status(step)["status"] == "failed",
+                180,
+                f"the upload of step {step} did not fail while the server was stopped",
+            )
+    finally:
+        server.resume()
+        ray.get(actor0.set_env.remote(ENV_VAR, None))
+    assert read_remote_tracker(store) == 1
+    leftover = store.listing().steps[2]
+    assert COMMIT_RECORD_FILENAME not in leftover and leftover, leftover
+    assert read_remote_record(store, 2) is None
+
+    save_everyone(ranks, coordinator, 4)
+    coordinator.wait_for_commit(4)
+    summary = coordinator.wait_for_uploads()
+    assert summary["step"] == 4 and summary["status"] == "committed", summary
+    assert read_remote_tracker(store) == 4
+    record = read_remote_record(store, 4)
+    assert (
+        verify_remote_files(store, 4, record.files, record.checksum_algorithm, 4, 60).errors == []
+    )
+    listing = store.listing()
+    assert listing.committed() == [1, 4] and listing.uncommitted() == [], listing
+    close_all(ranks, coordinator)
+
+
+def test_I5_a_save_waits_beyond_max_in_flight_uploads_then_names_step_and_url(
+    lone_rank,  # noqa: F811 - the fixture
+    s3_server,
+    tmp_path,
+):
+    """A rank's upload that never ends (its thread hung: the fault hook, as no real store can
+    be made to hang a thread forever at will): the local commit of the step is not held up;
+    with remote.max_in_flight=1 the rank's next save() waits for that upload up to the
+    deadline, then fails naming the step and the URL; close() ends at its deadline."""
+    cfg = remote_config(tmp_path, s3_server, s3_server.new_bucket(), timeout_s=4.0)
+    coordinator = CheckpointCoordinator(cfg, {"victim": 1})
+    try:
+        ray.get(lone_rank.open_manager.remote(cfg))
+        ray.get(lone_rank.set_env.remote(ENV_VAR, "upload:victim=hang"))
+        ray.get(lone_rank.save.remote(1))
+        coordinator.save_driver_state(1, {"step": 1})
+        assert coordinator.wait_for_commit(1)["tracker"] == 1
+        started = time.monotonic()
+        still_running = r"upload of step 1 to s3://\S+/run is still running"
+        with pytest.raises(ray.exceptions.RayTaskError, match=still_running):
+            ray.get(lone_rank.save.remote(2))
+        assert time.monotonic() - started < 30
+    finally:
+        ray.get(lone_rank.set_env.remote(ENV_VAR, None))
+        ray.get(lone_rank.close.remote(5.0))
+        coordinator.close()
