@@ -5,7 +5,8 @@ Users import from here only:
   recovers it, decides the resume step), `CheckpointCoordinator` (starts the finalizer, saves
   the driver's state, waits for commits);
 - each rank: `CheckpointManager` (save / wait / load / close);
-- config: `CheckpointConfig` and friends, `register_configs()` for Hydra.
+- config: `CheckpointConfig` and friends (`RemoteConfig`: the remote tier on object storage,
+  verl_ckpt/remote/), `register_configs()` for Hydra.
 The order of a save, step by step, is on one page: verl_ckpt/protocol.py.
 """
 
@@ -18,6 +19,7 @@ _EXPORTS = {
     "CommitRecord": "verl_ckpt.commit_record",
     "read_commit_record": "verl_ckpt.commit_record",
     "CheckpointConfig": "verl_ckpt.config",
+    "RemoteConfig": "verl_ckpt.config",
     "StagingConfig": "verl_ckpt.config",
     "WriterConfig": "verl_ckpt.config",
     "register_configs": "verl_ckpt.config",
@@ -53,6 +55,7 @@ __all__ = [
     "CommitRecord",
     "CommitRecordError",
     "CommitTimeoutError",
+    "RemoteConfig",
     "ResumeConflictError",
     "RootLockedError",
     "SaveStats",

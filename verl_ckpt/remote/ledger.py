@@ -144,8 +144,7 @@ class UploadLedger:
     def _put(self, entry: UploadEntry) -> None:
         self._entries[entry.step] = entry
         self._entries.move_to_end(entry.step)
-        while len(self._entries) > self._remembered:
-            oldest = next(iter(self._entries))
-            if self._entries[oldest].status in IN_FLIGHT:
-                break
-            del self._entries[oldest]
+        # Forget the oldest decided steps beyond the bound; a step in flight stays.
+        excess = len(self._entries) - self._remembered
+        for step in [s for s, e in self._entries.items() if e.status not in IN_FLIGHT][:excess]:
+            del self._entries[step]

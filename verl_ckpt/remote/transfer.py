@@ -10,6 +10,7 @@ a pool of daemon threads, under one deadline.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import wait as wait_for_futures
@@ -53,21 +54,12 @@ def upload_file(
     store: RemoteStore, local: Path, rel: str, entry: FileEntry, algorithm: str
 ) -> None:
     """Upload `local` as object `rel`, published only if its bytes match `entry`."""
-    hasher = new_hasher(algorithm)
-    size = 0
+    if store.is_local:
+        _copy_local(local, Path(store.key(rel)), entry, algorithm)
+        return
     target = store.fs.open(store.key(rel), "wb", block_size=PART_SIZE)
     try:
-        with open(local, "rb") as source:
-            while chunk := source.read(PART_SIZE):
-                hasher.update(chunk)
-                target.write(chunk)
-                size += len(chunk)
-        checksum = hasher.hexdigest()
-        if (size, checksum) != (entry.size, entry.checksum):
-            raise ChecksumMismatch(
-                f"{local}: read {size} bytes with checksum {checksum}, but its commit record "
-                f"says {entry.size} bytes, {entry.checksum}; not uploaded"
-            )
+        _send(local, target.write, entry, algorithm)
     except BaseException:
         # Abort the multipart upload (or drop the buffer): a half-sent object is never
         # completed. The record is uploaded after every file, so nothing looks committed.
@@ -137,6 +129,38 @@ def verify_remote_files(
 # ---- helpers -------------------------------------------------------------------------------
 
 
+def _send(local: Path, write: Callable, entry: FileEntry, algorithm: str) -> None:
+    """Pass the bytes of `local` to `write`, then fail unless they match `entry`."""
+    hasher = new_hasher(algorithm)
+    size = 0
+    with open(local, "rb") as source:
+        while chunk := source.read(PART_SIZE):
+            hasher.update(chunk)
+            write(chunk)
+            size += len(chunk)
+    checksum = hasher.hexdigest()
+    if (size, checksum) != (entry.size, entry.checksum):
+        raise ChecksumMismatch(
+            f"{local}: read {size} bytes with checksum {checksum}, but its commit record "
+            f"says {entry.size} bytes, {entry.checksum}; not uploaded"
+        )
+
+
+def _copy_local(local: Path, target: Path, entry: FileEntry, algorithm: str) -> None:
+    """A file:// tier: a temporary file, fsynced, renamed into place only if it matches."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as out:
+            _send(local, out.write, entry, algorithm)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _read_verified(
     store: RemoteStore, rel: str, entry: FileEntry, algorithm: str, sink: Callable
 ) -> None:
@@ -203,16 +227,7 @@ def _one_line(entry: FileEntry, error: BaseException) -> str:
 
 
 def _discard(target) -> None:
-    discard = getattr(target, "discard", None)
     try:
-        if discard is not None:
-            discard()
+        target.discard()
     except Exception:  # noqa: BLE001 - best effort: the store may be the thing that failed
         pass
-    # Local files (fsspec's LocalFileOpener) have no discard: the object is closed as is and
-    # stays unpublished, since no record names it.
-    if not hasattr(target, "mpu"):
-        try:
-            target.close()
-        except Exception:  # noqa: BLE001
-            pass
