@@ -99,8 +99,9 @@ protocol with the same guarantees, run after the local one and never delaying it
                       upload under way awaited, within timeout_s.
 
 The finalizer's bookkeeping (which reports arrived, which step is committing) is
-`ledger.StepLedger` (`remote.ledger.UploadLedger` for uploads); steps 5-7 and the recovery of step 0 are plain functions on a
-directory in `commit.py` and `recovery.py`; the actor (`finalizer.py`) only connects them.
+`ledger.StepLedger` (`remote.ledger.UploadLedger` for uploads); steps 5-7 and the recovery
+of step 0 are plain functions on a directory in `commit.py` and `recovery.py` (9-11 on a
+store in `remote/tier.py`); the actor (`finalizer.py`) only connects them.
 """
 
 from __future__ import annotations
