@@ -75,6 +75,32 @@ def test_I1_I3_ranks_upload_their_own_files_then_the_finalizer_commits_remotely(
     close_all(ranks, coordinator)
 
 
+def test_remote_every_skips_steps_and_the_last_committed_step_is_uploaded_whole_at_the_end(
+    ranks, s3_server, tmp_path
+):
+    """remote.every=2: step 1 is uploaded by the ranks, step 2 is skipped; at the end of the
+    run wait_for_uploads() uploads step 2 whole (the finalizer alone), so that a finished run
+    has its last committed step in the remote tier."""
+    cfg = remote_config(tmp_path, s3_server, s3_server.new_bucket(), remote={"every": 2})
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    for step in (1, 2):
+        save_everyone(ranks, coordinator, step)
+        coordinator.wait_for_commit(step)
+    ray.get([w.wait.remote() for w in every_rank(ranks)])
+    store = store_of(cfg)
+    wait_for(
+        lambda: coordinator.remote_status(1)["status"] == "committed", 60, "step 1 not uploaded"
+    )
+    assert coordinator.remote_status(2)["status"] == "skipped"
+    assert store.listing().committed() == [1]
+    summary = coordinator.wait_for_uploads()
+    assert summary["step"] == 2 and summary["status"] == "committed", summary
+    assert summary["uploaders"] == {} and read_remote_tracker(store) == 2
+    assert store.listing().committed() == [1, 2]
+    close_all(ranks, coordinator)
+
+
 # ---- the verl-ckpt tool on a remote tier URL ---------------------------------------------
 
 

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,9 @@ __all__ = [
     "verify_remote_files",
 ]
 
-# Multipart part size (S3's minimum part is 5 MiB): files larger than this go in parts.
-PART_SIZE = 8 << 20
+# Multipart part size (S3's minimum is 5 MiB; s3fs's put uses 50 MiB): larger files go in parts,
+# smaller ones in one PUT.
+PART_SIZE = 50 << 20
 
 
 class ChecksumMismatch(CheckpointError):
@@ -51,11 +53,26 @@ class TransferOutcome:
 
 
 def upload_file(
-    store: RemoteStore, local: Path, rel: str, entry: FileEntry, algorithm: str
+    store: RemoteStore,
+    local: Path,
+    rel: str,
+    entry: FileEntry,
+    algorithm: str,
+    parts: _PartPool | None = None,
 ) -> None:
-    """Upload `local` as object `rel`, published only if its bytes match `entry`."""
+    """Upload `local` as object `rel`, published only if its bytes match `entry`. With
+    `parts` (s3 stores), the parts of a large file go up in parallel on that pool."""
     if store.is_local:
         _copy_local(local, Path(store.key(rel)), entry, algorithm)
+        return
+    if entry.size <= PART_SIZE:
+        # One PUT: a multipart upload would cost three requests for one part.
+        chunks: list[bytes] = []
+        _send(local, chunks.append, entry, algorithm)
+        store.fs.pipe_file(store.key(rel), b"".join(chunks))
+        return
+    if parts is not None:
+        parts.upload(local, rel, entry, algorithm)
         return
     target = store.fs.open(store.key(rel), "wb", block_size=PART_SIZE)
     try:
@@ -79,11 +96,17 @@ def upload_files(
 ) -> TransferOutcome:
     """Upload `entries` of the local step directory `step_path` in parallel."""
     prefix = step_path.name
+    parts = _PartPool(store, threads, timeout_s) if hasattr(store.fs, "call_s3") else None
 
     def one(entry: FileEntry) -> None:
-        upload_file(store, step_path / entry.path, f"{prefix}/{entry.path}", entry, algorithm)
+        rel = f"{prefix}/{entry.path}"
+        upload_file(store, step_path / entry.path, rel, entry, algorithm, parts)
 
-    return _in_parallel(list(entries), one, threads, timeout_s, f"upload of step {step}")
+    try:
+        return _in_parallel(list(entries), one, threads, timeout_s, f"upload of step {step}")
+    finally:
+        if parts is not None:
+            parts.close()
 
 
 def download_files(
@@ -127,6 +150,85 @@ def verify_remote_files(
 
 
 # ---- helpers -------------------------------------------------------------------------------
+
+
+class _PartPool:
+    """Parallel multipart uploads to S3 (s3fs): each file is read and hashed in order by its
+    own thread, its parts sent by this pool, at most `threads` parts in flight (and so in
+    memory) across every file of the transfer; the upload is completed only when the bytes
+    read match the record, else aborted (an incomplete multipart upload is no object)."""
+
+    def __init__(self, store: RemoteStore, threads: int, timeout_s: float) -> None:
+        self._fs = store.fs
+        self._store = store
+        self._pool = DaemonPool(threads, "verl_ckpt_parts")
+        self._room = threading.BoundedSemaphore(threads)
+        self._deadline = time.monotonic() + timeout_s
+
+    def upload(self, local: Path, rel: str, entry: FileEntry, algorithm: str) -> None:
+        bucket, key, _ = self._fs.split_path(self._store.key(rel))
+        upload_id = self._fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        futures: list[Future] = []
+        try:
+            hasher, size = new_hasher(algorithm), 0
+            with open(local, "rb") as source:
+                while chunk := source.read(PART_SIZE):
+                    hasher.update(chunk)
+                    size += len(chunk)
+                    if not self._room.acquire(timeout=self._remaining()):
+                        raise CommitTimeoutError(f"{local}: no part of it sent in time")
+                    number = len(futures) + 1
+                    futures.append(
+                        self._pool.submit(self._part, bucket, key, upload_id, number, chunk)
+                    )
+            checksum = hasher.hexdigest()
+            if (size, checksum) != (entry.size, entry.checksum):
+                raise ChecksumMismatch(
+                    f"{local}: read {size} bytes with checksum {checksum}, but its commit "
+                    f"record says {entry.size} bytes, {entry.checksum}; not uploaded"
+                )
+            done, pending = wait_for_futures(futures, timeout=self._remaining())
+            if pending:
+                raise CommitTimeoutError(f"{local}: {len(pending)} parts not sent in time")
+            etags = [{"PartNumber": i + 1, "ETag": f.result()} for i, f in enumerate(futures)]
+            self._fs.call_s3(
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": etags},
+            )
+        except BaseException:
+            for future in futures:
+                if future.cancel():  # never ran: its slot is given back here
+                    self._room.release()
+            try:
+                self._fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
+                )
+            except Exception:  # noqa: BLE001 - best effort: the store may be what failed
+                pass
+            raise
+
+    def close(self) -> None:
+        self._pool.close(0.0)
+
+    def _part(self, bucket: str, key: str, upload_id: str, number: int, data: bytes) -> str:
+        try:
+            answer = self._fs.call_s3(
+                "upload_part",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+            )
+            return answer["ETag"]
+        finally:
+            self._room.release()
+
+    def _remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
 
 
 def _send(local: Path, write: Callable, entry: FileEntry, algorithm: str) -> None:
