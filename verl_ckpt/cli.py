@@ -250,7 +250,7 @@ def _role_entries(role_dir: Path) -> list[TensorEntry]:
 
 
 def _print_inspection(
-    root: Path | str, step_location: str, record: CommitRecord, roles: dict[str, list[TensorEntry]]
+    root: str, step_location: str, record: CommitRecord, roles: dict[str, list[TensorEntry]]
 ) -> None:
     print(f"step {record.step} under {root}: committed, format version {record.format_version}")
     print("participants: " + ", ".join(f"{r} x{n}" for r, n in sorted(record.participants.items())))

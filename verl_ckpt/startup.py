@@ -7,11 +7,11 @@ committed step, another job on the same root) is one line naming the key or path
 run has written and deleted nothing. `CheckpointCoordinator` calls it itself when it is not
 handed a plan.
 
-Order: read-only checks first (a failure leaves the disk as it was; with a remote tier, its
-URL is checked here too), then the root lock
-(another job on this root is refused), then recovery (recovery.py: roll-forward), the
-download of a newer step from the remote tier (remote/startup.py), and the same resume
-decision once more under the lock, where nobody else can change the root.
+Order: read-only checks first (a failure leaves the disk as it was; a remote tier's URL is
+checked here too), then the root lock (another job on this root is refused), then recovery
+(recovery.py: roll-forward), the download of a newer step from the remote tier
+(remote/startup.py), and the same resume decision once more under the lock, where nobody
+else can change the root.
 """
 
 from __future__ import annotations

@@ -14,6 +14,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from verl_ckpt.cli import (
+    EXIT_BAD_CHECKPOINT,
+    EXIT_USAGE,
+    _CliError,
+    _human_age,
+    _human_bytes,
+    _inspection_output,
+    _locked,
+    _print_table,
+    _role_entries,
+)
 from verl_ckpt.commit_record import CommitRecord
 from verl_ckpt.errors import CheckpointConfigError, CheckpointError, TrackerError
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
@@ -29,8 +40,6 @@ from verl_ckpt.remote.transfer import download_files, verify_remote_files
 
 __all__ = ["run_remote_command"]
 
-EXIT_BAD_CHECKPOINT = 1
-EXIT_USAGE = 2
 # Deadline of one command's transfers, and the files moved in parallel.
 _TIMEOUT_S = 3600.0
 _THREADS = 8
@@ -38,8 +47,6 @@ _THREADS = 8
 
 def run_remote_command(args: argparse.Namespace) -> int:
     """Run `args.command` on the URL `args.root`; CLI errors are raised as the CLI's own."""
-    from verl_ckpt.cli import _CliError
-
     handler = _HANDLERS.get(args.command)
     if handler is None:
         raise _CliError(
@@ -58,8 +65,6 @@ def run_remote_command(args: argparse.Namespace) -> int:
 
 
 def _storage_options(args: argparse.Namespace) -> dict:
-    from verl_ckpt.cli import _CliError
-
     text = getattr(args, "storage_options", None)
     if not text:
         return {}
@@ -73,8 +78,6 @@ def _storage_options(args: argparse.Namespace) -> dict:
 
 
 def _tracker(store: RemoteStore) -> int | None:
-    from verl_ckpt.cli import _CliError
-
     try:
         return read_remote_tracker(store)
     except TrackerError as exc:
@@ -83,8 +86,6 @@ def _tracker(store: RemoteStore) -> int | None:
 
 def _pick_step(store: RemoteStore, asked: int | None) -> tuple[int, CommitRecord]:
     """`asked`, else the remote tracker's step; with its commit record."""
-    from verl_ckpt.cli import _CliError
-
     step = asked if asked is not None else _tracker(store)
     if step is None:
         raise _CliError(
@@ -114,8 +115,6 @@ def _pick_step(store: RemoteStore, asked: int | None) -> tuple[int, CommitRecord
 
 
 def _ls(store: RemoteStore, args: argparse.Namespace) -> int:
-    from verl_ckpt.cli import _human_age, _human_bytes, _print_table
-
     listing = store.listing()
     try:
         target = read_remote_tracker(store)
@@ -166,8 +165,6 @@ def _verify(store: RemoteStore, args: argparse.Namespace) -> int:
 
 
 def _inspect(store: RemoteStore, args: argparse.Namespace) -> int:
-    from verl_ckpt.cli import _inspection_output, _role_entries
-
     step, record = _pick_step(store, args.step)
     roles = sorted(role for role in record.participants if role != DRIVER_ROLE)
     wanted = [e for e in record.files if any(e.path == f"{r}/.metadata" for r in roles)]
@@ -183,8 +180,6 @@ def _inspect(store: RemoteStore, args: argparse.Namespace) -> int:
 
 
 def _prune(store: RemoteStore, args: argparse.Namespace) -> int:
-    from verl_ckpt.cli import _human_bytes
-
     listing = store.listing()
     outcome = apply_remote_retention(store, args.keep, dry_run=args.dry_run)
     verb = "would delete" if args.dry_run else "deleted"
@@ -201,8 +196,6 @@ def _prune(store: RemoteStore, args: argparse.Namespace) -> int:
 
 
 def _pull(store: RemoteStore, args: argparse.Namespace) -> int:
-    from verl_ckpt.cli import _CliError, _locked
-
     step = args.step if args.step is not None else newest_remote_step(store)
     if step is None:
         raise _CliError(f"{store.url} holds no committed step", EXIT_BAD_CHECKPOINT)

@@ -34,8 +34,9 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-# s3 defaults when storage_options do not say: a stopped or unreachable endpoint fails a
-# call after seconds, not after botocore's 60 s read timeout times its retries.
+# s3 defaults when storage_options' config_kwargs do not say: an unreachable endpoint fails
+# a connection after 10 s (botocore: 60 s), a stopped one a request after 60 s, with 3
+# attempts (s3fs retries timeouts a few more times on top).
 _S3_CONFIG_DEFAULTS = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
 
 
