@@ -154,10 +154,26 @@ def report(args: argparse.Namespace, found: dict[str, Any], endpoint: str) -> st
             f"- verl_ckpt / plain s3fs time: {found['ratio']:.2f}x (median of paired ratios)",
             f"- a CPU training step (one thread) while an upload runs: {found['slowdown']:.2f}x "
             f"as long as without ({found['alone_step_s'] * 1e3:.1f} ms -> "
-            f"{found['during_step_s'] * 1e3:.1f} ms; median of paired ratios)",
+            f"{found['during_step_s'] * 1e3:.1f} ms; median of paired ratios; the local S3 "
+            "server competes for the same cores)",
+            "",
+            "| machine | |",
+            "|---|---|",
+            *(f"| {key} | {value} |" for key, value in machine().items()),
             "",
         ]
     )
+
+
+def machine() -> dict[str, str]:
+    from importlib.metadata import version
+
+    from benchmarks.report import machine_description
+
+    described = machine_description()
+    for package in ("fsspec", "s3fs", "moto"):
+        described[package] = version(package)
+    return described
 
 
 def main(argv: list[str] | None = None) -> int:
