@@ -5,6 +5,7 @@ without).
 
     python -m benchmarks.remote_tier                   # 3 files x 128 MiB, 3 pairs
     python -m benchmarks.remote_tier --files 4 --mib 64 --pairs 5
+    python -m benchmarks.remote_tier --recipe          # + recipes.ppo_toy with and without
 
 The S3 endpoint is moto's server on 127.0.0.1 (tests/s3_server.py; `pip install -e
 '.[test]'`), which keeps objects in its memory and parses every request in Python: on this
@@ -44,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=4, help="verl_ckpt upload threads")
     parser.add_argument("--endpoint-url", help="an S3 endpoint instead of a local moto server")
     parser.add_argument("--bucket", help="with --endpoint-url: an existing bucket")
+    parser.add_argument(
+        "--recipe",
+        action="store_true",
+        help="also: step times of recipes.ppo_toy saving every step, without and with the "
+        "remote tier (benchmarks/recipe_bench.py's runs)",
+    )
+    parser.add_argument("--recipe-steps", type=int, default=24)
     parser.add_argument("--out", type=Path, default=OUT)
     return parser.parse_args(argv)
 
@@ -134,6 +142,38 @@ def measure(args: argparse.Namespace, store: RemoteStore, workdir: Path) -> dict
     }
 
 
+def recipe_slowdown(bucket: str, workdir: Path, steps: int) -> str:
+    """recipes.ppo_toy (enlarged as in recipe_bench) without saves, saving every step, and
+    saving every step with every step uploaded; the endpoint comes from the AWS_* variables."""
+    from benchmarks.recipe_bench import MODEL, SKIP_STEPS, _figures, _run_once
+
+    variants = [
+        ("no saves", ["checkpoint.save_freq=0"]),
+        ("save every step", ["checkpoint.save_freq=1"]),
+        (
+            "save every step, uploaded to the remote tier",
+            ["checkpoint.save_freq=1", f"checkpoint.remote.url=s3://{bucket}/recipe"]
+            + ["checkpoint.remote.keep=2"],
+        ),
+    ]
+    rows = []
+    for index, (name, overrides) in enumerate(variants):
+        figures = _figures(_run_once(workdir / f"recipe_{index}", steps, overrides, print))
+        rows.append((name, figures))
+    base, saving = rows[0][1]["median"], rows[1][1]["median"]
+    lines = [
+        f"recipes.ppo_toy, {steps} steps per run, {' '.join(MODEL)}; steps {SKIP_STEPS + 1}.."
+        f"{steps}; a save of {(rows[1][1]['bytes'] or 0) / 1e6:.1f} MB after every step",
+        "",
+        "| run | step s (median) | vs no saves | vs saving without upload |",
+        "|---|---|---|---|",
+    ]
+    for name, figures in rows:
+        median = figures["median"]
+        lines.append(f"| {name} | {median:.3f} | {median / base:.2f}x | {median / saving:.2f}x |")
+    return "\n".join(lines)
+
+
 def report(args: argparse.Namespace, found: dict[str, Any], endpoint: str) -> str:
     mb = found["bytes"] / 1e6
     plain, ours = statistics.median(found["plain_s"]), statistics.median(found["verl_s"])
@@ -193,10 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             store = RemoteStore(f"s3://{bucket}/bench_{uuid.uuid4().hex[:8]}", options)
             found = measure(args, store, workdir)
+            if args.recipe:
+                if server is not None:
+                    os.environ.update(server.env())
+                recipe = recipe_slowdown(bucket, workdir, args.recipe_steps)
         finally:
             if server is not None:
                 server.stop()
     text = report(args, found, args.endpoint_url or "moto_server on 127.0.0.1")
+    if args.recipe:
+        text += "\n## Training while uploading: the PPO recipe\n\n" + recipe + "\n"
     args.out.write_text(text)
     print(text)
     return 0

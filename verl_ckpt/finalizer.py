@@ -86,7 +86,7 @@ class CheckpointFinalizer:
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
         self._remote_settings = dict(remote) if remote else None
         self._remote = _open_remote_tier(
-            remote, self._root, participants, self._local_failed, self._retain_after_upload
+            remote, self._root, participants, self._ledger.status, self._retain_after_upload
         )
 
     # ---- queries -------------------------------------------------------------------------
@@ -297,9 +297,6 @@ class CheckpointFinalizer:
         if outcome.errors:
             logger.error("retention after an upload failed: %s", "; ".join(outcome.errors))
 
-    def _local_failed(self, step: int) -> bool:
-        return self._ledger.status(step) in (StepStatus.FAILED, StepStatus.LOST)
-
     # ---- internals -----------------------------------------------------------------------
 
     def _not_committed(self, step: int, status: StepStatus) -> StepNotCommittedError:
@@ -364,14 +361,14 @@ class CheckpointFinalizer:
             )
 
 
-def _open_remote_tier(remote, root, participants, local_failed, on_upload_end):
+def _open_remote_tier(remote, root, participants, local_status, on_upload_end):
     """The remote tier of this root (protocol steps 8-11), or None without one; fsspec is
     imported only when there is one."""
     if not remote or not remote.get("url"):
         return None
     from verl_ckpt.remote.finalizer_tier import RemoteTier
 
-    return RemoteTier(remote, root, participants, local_failed, on_upload_end)
+    return RemoteTier(remote, root, participants, local_status, on_upload_end)
 
 
 def _was_restarted() -> bool:

@@ -78,6 +78,8 @@ protocol with the same guarantees, run after the local one and never delaying it
                       save() waits only while remote.max_in_flight uploads are pending.
                       Local retention skips steps being uploaded and runs again after.
                       Crash or failure: the finalizer uploads what no rank confirmed (9).
+                      Finalizer restart: steps committed before it are not uploaded by the
+                      ranks; a newer step, or the end of the run, catches up.
  9. remote record     finalizer, a thread, one remote commit at a time, once every rank
                       reported (or at the deadline). Uploads the files no rank confirmed
                       (driver state, each role's .metadata and metadata.json, a failed

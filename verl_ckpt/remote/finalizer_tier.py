@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt.commit_record import committed_steps
+from verl_ckpt.commit_record import committed_steps, is_committed
 from verl_ckpt.errors import CommitTimeoutError
-from verl_ckpt.layout import DRIVER_ROLE
+from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.ledger import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.store import RemoteStore, call_with_deadline, describe_store_error
 from verl_ckpt.remote.tier import (
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 class RemoteTier:
     """Uploads of one checkpoint root to one remote tier URL. `settings` are the fields of
-    `RemoteConfig` plus `timeout_s`; `local_failed(step)` tells whether the local commit of
-    a step failed (its ranks then have nothing to upload); `on_upload_end()` is called when
+    `RemoteConfig` plus `timeout_s`; `local_status(step)` is the step's state in the local
+    ledger (ledger.StepLedger.status); `on_upload_end()` is called when
     an upload ended, either way (the finalizer re-runs local retention)."""
 
     def __init__(
@@ -44,7 +45,7 @@ class RemoteTier:
         settings: dict[str, Any],
         root: Path,
         participants: dict[str, int],
-        local_failed: Callable[[int], bool],
+        local_status: Callable[[int], StepStatus | None],
         on_upload_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.url: str = settings["url"]
@@ -60,7 +61,7 @@ class RemoteTier:
             if role != DRIVER_ROLE
             for rank in range(size)
         }
-        self._local_failed = local_failed
+        self._local_status = local_status
         # Local retention skipped the steps being uploaded: it runs again once one ended.
         self._on_upload_end = on_upload_end
         self._changed = asyncio.Event()
@@ -101,7 +102,16 @@ class RemoteTier:
         locally (a report-based wait, no collective: I6). False when the step is skipped
         (`every`), its local commit failed, or the remote commit no longer waits for ranks."""
         deadline = time.monotonic() + timeout_s
-        while self._ledger.status(step) is None and not self._local_failed(step):
+        while (decided := self._ledger.status(step)) is None:
+            local = self._local_status(step)
+            if local in (StepStatus.FAILED, StepStatus.LOST):
+                return False
+            # Unknown to both ledgers yet committed: committed before this finalizer started
+            # (it restarted). Nobody decides it now; the end of the run or a newer step
+            # catches up. (A step committing now is known to the local ledger until after
+            # its decision.)
+            if local is None and await asyncio.to_thread(is_committed, step_dir(self._root, step)):
+                return False
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommitTimeoutError(
@@ -109,7 +119,7 @@ class RemoteTier:
                     f"upload to {self.url}"
                 )
             await self._changed_or_timeout(remaining)
-        return self._ledger.status(step) is UploadStatus.UPLOADING
+        return decided is UploadStatus.UPLOADING
 
     async def report(self, report: UploadReport) -> None:
         """Step 8 ends for one rank: what it uploaded and verified."""
