@@ -273,7 +273,7 @@ def test_I1_s3_server_stopped_mid_upload_local_commits_go_on_and_the_next_upload
     server = own_s3_server
     cfg = remote_config(tmp_path, server, server.new_bucket(), remote={"max_in_flight": 2})
     # A stopped server fails a call after the read timeout (s3fs retries it a few times).
-    cfg["remote"]["storage_options"] = server.storage_options(read_timeout_s=2.0)
+    cfg["remote"]["storage_options"] = server.storage_options(read_timeout_s=1.0)
     store = store_of(cfg)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)

@@ -170,13 +170,13 @@ def apply_remote_retention(
     leftovers = [
         s for s in listing.uncommitted() if newest is not None and s < newest and s not in protected
     ]
-    for step, bucket in [
-        (s, outcome.deleted) for s in steps_to_delete(committed, keep, protected)
-    ] + [(s, outcome.purged) for s in leftovers]:
+    doomed = [(step, outcome.deleted) for step in steps_to_delete(committed, keep, protected)]
+    doomed += [(step, outcome.purged) for step in leftovers]
+    for step, done in doomed:
         try:
             if not dry_run:
                 delete_remote_step(store, step)
-            bucket.append(step)
+            done.append(step)
         except Exception as exc:  # noqa: BLE001 - retried after the next remote commit
             outcome.errors.append(f"{store.uri(step_dir('', step).name)}: {exc}")
     return outcome
