@@ -503,6 +503,8 @@ class PPOToyTrainer:
                 summary["tracker"],
             )
         self.report_exports()
+        if self.cfg.checkpoint.remote.url is not None:
+            self.wait_for_uploads()
 
     def report_exports(self) -> None:
         """Wait (checkpoint.timeout_s) for the exports; a failed one is an error line that
@@ -523,6 +525,25 @@ class PPOToyTrainer:
                 outcome["state"],
                 where,
                 outcome["message"],
+            )
+
+    def wait_for_uploads(self) -> None:
+        """A finished run has its last committed step in the remote tier too (within the
+        checkpoint deadline); a remote tier that fails is logged, the local tier stands."""
+        remote = self.coordinator.wait_for_uploads()
+        if remote["status"] == "committed" or remote["step"] is None:
+            log.info(
+                "remote tier %s: step %s committed; remote tracker names step %s",
+                remote["url"],
+                remote["step"],
+                remote["tracker"],
+            )
+        else:
+            log.error(
+                "remote tier %s: step %s is not uploaded (%s); the next run uploads it",
+                remote["url"],
+                remote["step"],
+                remote["error"] or remote["status"],
             )
 
     def shutdown(self) -> None:

@@ -64,3 +64,24 @@ def ranks(ray_local):
     yield workers
     for w in everyone:
         ray.kill(w)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 endpoint on loopback for the session (moto's server; tests/s3_server.py);
+    each test makes a bucket of its own."""
+    from tests.s3_server import MotoServer
+
+    server = MotoServer(tmp_path_factory.mktemp("moto")).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_s3_server(tmp_path):
+    """A moto S3 server for one test, which may stop (SIGSTOP) and continue it."""
+    from tests.s3_server import MotoServer
+
+    server = MotoServer(tmp_path).wait_ready()
+    yield server
+    server.stop()

@@ -9,13 +9,16 @@ import sys
 import ray
 
 
-def main(address: str, root: str) -> None:
+def main(address: str, root: str, remote: str | None = None) -> None:
+    """`remote`: the JSON of checkpoint.remote (a remote tier the ranks upload to)."""
     ray.init(address=address, namespace="verl_ckpt_multinode", log_to_driver=False)
     from tests.conftest import free_port
     from tests.rank_worker import RankWorker
     from verl_ckpt import CheckpointCoordinator, read_tracker
 
     cfg = {"root_dir": root, "timeout_s": 60.0}
+    if remote:
+        cfg["remote"] = json.loads(remote)
     coordinator = CheckpointCoordinator(cfg, {"actor": 2})
     port = free_port()
     ranks = [
@@ -41,6 +44,8 @@ def main(address: str, root: str) -> None:
         coordinator.wait_for_commit(1)
         ray.get([r.close.remote() for r in ranks])
         outcome["tracker"] = read_tracker(root)
+        if remote:
+            outcome["remote"] = coordinator.wait_for_uploads()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         outcome["error"] = str(exc).splitlines()[-1]
     coordinator.close()
@@ -48,4 +53,4 @@ def main(address: str, root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

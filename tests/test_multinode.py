@@ -84,9 +84,9 @@ def two_nodes(tmp_path, request):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def run_job(address: str, root: Path, env: dict) -> dict:
+def run_job(address: str, root: Path, env: dict, *extra: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.multinode_job", address, str(root)],
+        [sys.executable, "-m", "tests.multinode_job", address, str(root), *extra],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -119,3 +119,29 @@ def test_root_not_shared_by_every_node_fails_clearly(two_nodes):
     assert "actor rank 1 on node" in failed["1"], outcome
     assert "must be one filesystem shared by every node" in failed["1"], outcome
     assert not (root / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.parametrize("two_nodes", ["shared"], indirect=True)
+def test_I1_ranks_of_each_node_upload_their_own_files_to_the_remote_tier(two_nodes, s3_server):
+    """Remote tier (a real S3 endpoint on loopback): each rank uploads its own files from its
+    own node (the finalizer records who reported what from where), and step 1 commits in the
+    remote tier with every file verified."""
+    from verl_ckpt.remote.store import RemoteStore
+    from verl_ckpt.remote.tier import read_remote_record
+    from verl_ckpt.remote.transfer import verify_remote_files
+
+    address, root, env = two_nodes
+    remote = {
+        "url": f"s3://{s3_server.new_bucket()}/run",
+        "storage_options": s3_server.storage_options(),
+    }
+    outcome = run_job(address, root, env, json.dumps(remote))
+    assert outcome.get("error") is None and outcome["tracker"] == 1, outcome
+    uploads = outcome["remote"]
+    assert uploads["status"] == "committed" and uploads["tracker"] == 1, uploads
+    assert uploads["uploaders"] == {"actor rank 0": "127.0.0.2", "actor rank 1": "127.0.0.3"}
+    store = RemoteStore(remote["url"], remote["storage_options"])
+    record = read_remote_record(store, 1)
+    assert (
+        verify_remote_files(store, 1, record.files, record.checksum_algorithm, 4, 60).errors == []
+    )

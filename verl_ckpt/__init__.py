@@ -8,7 +8,8 @@ Users import from here only:
   model description saved with each step, for Hugging Face exports);
 - Hugging Face weights: `export_role`, `verify_export`, mappings (`HFMapping`, `TensorRule`,
   `register_mapping`);
-- config: `CheckpointConfig` and friends, `register_configs()` for Hydra.
+- config: `CheckpointConfig` and friends (`RemoteConfig`: the remote tier on object storage,
+  verl_ckpt/remote/), `register_configs()` for Hydra.
 The order of a save, step by step, is on one page: verl_ckpt/protocol.py.
 """
 
@@ -23,6 +24,7 @@ _EXPORTS = {
     "CheckpointConfig": "verl_ckpt.config",
     "HFExportConfig": "verl_ckpt.config",
     "PreemptionConfig": "verl_ckpt.config",
+    "RemoteConfig": "verl_ckpt.config",
     "StagingConfig": "verl_ckpt.config",
     "WriterConfig": "verl_ckpt.config",
     "register_configs": "verl_ckpt.config",
@@ -83,6 +85,7 @@ __all__ = [
     "PreemptionConfig",
     "PreemptionError",
     "PreemptionGuard",
+    "RemoteConfig",
     "ResumeConflictError",
     "ResumeVerificationError",
     "RootLockedError",

@@ -1,4 +1,6 @@
-"""`verl-ckpt`: list, verify, inspect, prune, roll back and export a checkpoint root.
+"""`verl-ckpt`: list, verify, inspect, prune, roll back and export a checkpoint root; ls,
+verify, inspect and prune take a remote tier URL too, and `pull` fetches a step from one
+(remote/cli.py).
 
 Exit status: 0 success; 1 the checkpoint is bad (not committed, corrupt record, unreadable
 tracker, files failing verification); 2 a usage error (ROOT missing or not a directory, a bad
@@ -36,6 +38,7 @@ from verl_ckpt.layout import (
     step_dir,
     step_of_dir,
 )
+from verl_ckpt.remote.store import is_remote_url
 from verl_ckpt.resume_check import QUARANTINE_DIRNAME
 from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, steps_to_delete
 from verl_ckpt.rollback import (
@@ -256,7 +259,7 @@ def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
 
 
 def _verify_exports(path: Path, record: CommitRecord, problems: list[str]) -> list[str]:
-    """Check every role's Hugging Face export that exists (step 8): problems go to
+    """Check every role's Hugging Face export that exists (step E): problems go to
     `problems`; a line per export that verified is returned."""
     lines = []
     for role in sorted(record.participants):
@@ -287,12 +290,12 @@ def _role_entries(role_dir: Path) -> list[TensorEntry]:
 
 
 def _print_inspection(
-    root: Path, record: CommitRecord, roles: dict[str, list[TensorEntry]]
+    root: str, step_location: str, record: CommitRecord, roles: dict[str, list[TensorEntry]]
 ) -> None:
     print(f"step {record.step} under {root}: committed, format version {record.format_version}")
     print("participants: " + ", ".join(f"{r} x{n}" for r, n in sorted(record.participants.items())))
     for role, entries in roles.items():
-        print(f"\nrole {role} ({step_dir(root, record.step) / role}):")
+        print(f"\nrole {role} ({step_location}/{role}):")
         rows = [("  KEY", "DTYPE", "SHAPE", "BYTES")]
         for e in entries:
             shape = str(e.shape) if e.kind == "tensor" else "-"
@@ -317,17 +320,25 @@ def _cmd_inspect(root: Path, args: argparse.Namespace) -> int:
         for role in sorted(record.participants)
         if role != DRIVER_ROLE
     }
-    if not args.json:
-        _print_inspection(root, record, roles)
-        return 0
+    _inspection_output(str(root), str(path), record, roles, args.json)
+    return 0
+
+
+def _inspection_output(
+    root: str, step_location: str, record: CommitRecord, roles: dict, as_json: bool
+) -> None:
+    """`inspect`'s output, for a local root or a remote tier URL (remote/cli.py)."""
+    if not as_json:
+        _print_inspection(root, step_location, record, roles)
+        return
     report = {
-        "root": str(root),
-        "step": step,
+        "root": root,
+        "step": record.step,
         "format_version": record.format_version,
         "participants": record.participants,
         "roles": {
             role: {
-                "path": str(path / role),
+                "path": f"{step_location}/{role}",
                 "entries": [asdict(e) for e in entries],
                 "total_bytes": sum(e.nbytes for e in entries),
             }
@@ -337,7 +348,6 @@ def _cmd_inspect(root: Path, args: argparse.Namespace) -> int:
     }
     json.dump(report, sys.stdout, indent=1)
     print()
-    return 0
 
 
 def _cmd_prune(root: Path, args: argparse.Namespace) -> int:
@@ -461,7 +471,8 @@ _EPILOG = (
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="verl-ckpt",
-        description="List, verify, inspect, prune and roll back a verl_ckpt checkpoint root.",
+        description="List, verify, inspect, prune and roll back a verl_ckpt checkpoint root "
+        "(ls, verify, inspect and prune also take a remote tier URL); pull a step from one.",
         epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
@@ -473,8 +484,13 @@ def _build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name, help=summary, description=f"{summary} {details}".strip(), epilog=_EPILOG
         )
-        sub.add_argument("root", metavar="ROOT", type=Path, help="the checkpoint root directory")
+        sub.add_argument(
+            "root",
+            metavar="ROOT",
+            help="the checkpoint root directory, or a remote tier URL (s3://bucket/prefix, ...)",
+        )
         sub.set_defaults(handler=handler)
+        _storage_options_flag(sub)
         return sub
 
     command("ls", _cmd_ls, "List every global_step_<N> directory and the tracker.")
@@ -546,7 +562,30 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-mb", type=_keep_count, default=2048, help="largest safetensors file"
     )
+    pull = commands.add_parser(
+        "pull",
+        help="Fetch a committed step from a remote tier URL into a local root.",
+        description="Fetch a committed step from a remote tier URL into a local root: every "
+        "file downloaded in parallel and verified against the step's commit record, the "
+        "record written last. The next job start on ROOT resumes from it when it is the "
+        "newest committed step.",
+        epilog=_EPILOG,
+    )
+    pull.add_argument("root", metavar="URL", help="the remote tier URL (s3://bucket/prefix)")
+    pull.add_argument("--step", type=_step_number, help="default: the newest committed step")
+    pull.add_argument("dest", metavar="ROOT", help="the local checkpoint root to pull into")
+    pull.set_defaults(handler=None)
+    _storage_options_flag(pull)
     return parser
+
+
+def _storage_options_flag(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help='for a URL: fsspec storage options, e.g. \'{"endpoint_url": "http://..."}\' '
+        "(the AWS_* environment variables work too)",
+    )
 
 
 class _Formatter(logging.Formatter):
@@ -586,7 +625,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     logger.debug("running %s on %s", args.command, args.root)
     try:
-        return args.handler(_check_root(args.root), args)
+        if is_remote_url(args.root):
+            from verl_ckpt.remote.cli import run_remote_command
+
+            return run_remote_command(args)
+        if args.handler is None:
+            raise _CliError(f"{args.command} needs a remote tier URL, not {args.root}", EXIT_USAGE)
+        return args.handler(_check_root(Path(args.root)), args)
     except _CliError as exc:
         logger.error("%s", exc)
         return exc.code

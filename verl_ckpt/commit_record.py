@@ -25,6 +25,7 @@ __all__ = [
     "FileEntry",
     "committed_steps",
     "is_committed",
+    "parse_commit_record",
     "read_commit_record",
     "write_commit_record",
 ]
@@ -89,12 +90,20 @@ def read_commit_record(step_path: str | Path) -> CommitRecord:
     if not Path(step_path).is_dir():
         raise CommitRecordError(f"step directory {step_path} does not exist")
     try:
-        raw = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CommitRecordError(
             f"{step_path} is not a committed step: its commit record {path.name} is missing "
             "(the save did not finish on every rank, or the step is being deleted)"
         ) from None
+    return parse_commit_record(data, path)
+
+
+def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
+    """Parse and validate the bytes of a commit record read from `path` (named in errors);
+    the remote tier reads its records through this too."""
+    try:
+        raw = json.loads(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CommitRecordError(f"commit record {path} is corrupt: {exc}") from None
     if not isinstance(raw, dict) or raw.get("format_version") != COMMIT_FORMAT_VERSION:

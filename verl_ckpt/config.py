@@ -24,6 +24,7 @@ __all__ = [
     "RESUME_VERIFY_MODES",
     "SAVE_CONTENTS",
     "SNAPSHOT_MODES",
+    "RemoteConfig",
     "StagingConfig",
     "WRITER_MODES",
     "WriterConfig",
@@ -148,6 +149,37 @@ class PreemptionConfig:
 
 
 @dataclass
+class RemoteConfig:
+    """The remote tier: committed steps uploaded to object storage (verl_ckpt/remote/)."""
+
+    # An fsspec URL (s3://bucket/prefix, file:///path, ...); null: no remote tier, and
+    # nothing of fsspec is imported.
+    url: str | None = None
+    # Passed to fsspec (s3fs: endpoint_url, key, secret, client_kwargs, config_kwargs, ...);
+    # the usual environment variables (AWS_*) work too.
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    # Committed steps kept in the remote tier, independent of max_ckpt_to_keep; null: all.
+    keep: int | None = None
+    # Upload every Nth committed step (the last committed step of a run always).
+    every: int = 1
+    # Uploads per rank that may be pending at once; save() waits beyond that.
+    max_in_flight: int = 1
+    # Files uploaded (or downloaded) in parallel per rank.
+    threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.url is not None and (not isinstance(self.url, str) or "://" not in self.url):
+            _fail("remote.url", self.url, "must be an fsspec URL such as s3://bucket/prefix")
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            _fail("remote.keep", self.keep, "must be null (keep all) or >= 1")
+        for key in ("every", "max_in_flight", "threads"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                _fail(f"remote.{key}", value, "must be an integer >= 1")
+        self.storage_options = dict(self.storage_options or {})
+
+
+@dataclass
 class CheckpointConfig:
     """Everything a trainer sets about checkpoints (Hydra group `checkpoint`)."""
 
@@ -198,6 +230,7 @@ class CheckpointConfig:
     staging: StagingConfig = field(default_factory=StagingConfig)
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root_dir, str) or not self.root_dir.strip():
@@ -252,6 +285,8 @@ class CheckpointConfig:
             _fail("resume_fallback", self.resume_fallback, "choose error or previous")
         if isinstance(self.preemption, dict):
             self.preemption = PreemptionConfig(**self.preemption)
+        if isinstance(self.remote, dict):
+            self.remote = RemoteConfig(**self.remote)
 
     @property
     def writes_in_background(self) -> bool:

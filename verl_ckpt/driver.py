@@ -6,6 +6,7 @@ startup.prepare_start) and takes part in every step as one more participant.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -68,7 +69,7 @@ class CheckpointCoordinator:
         # Exports whose outcome a caller of wait_for_exports already got (close() logs the rest).
         self._exports_seen: set[tuple[int, str]] = set()
         try:
-            # Which roles get Hugging Face weights after each commit (step 8).
+            # Which roles get Hugging Face weights after each commit (step E).
             hf_exports = plan_exports(self.config, list(roles))
             # Starting an actor is a process start: give it a minute even when saves have a
             # short deadline.
@@ -79,6 +80,7 @@ class CheckpointCoordinator:
                 max(60.0, self.config.timeout_s),
                 self.config.max_in_flight,
                 hf_exports,
+                self._remote_settings(),
             )
             check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
         except BaseException:
@@ -164,6 +166,25 @@ class CheckpointCoordinator:
         )
         self._exports_seen.update((o["step"], o["role"]) for o in outcomes)
         return outcomes
+
+    def wait_for_uploads(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """With a remote tier: make sure the newest committed step is uploaded (whole, if its
+        ranks skipped it or failed), wait up to `timeout_s` for every upload under way, and
+        return where the remote tier stands ("tracker", "step", "status", "error")."""
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        return self._call(
+            "drain_uploads", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
+        )
+
+    def remote_status(self, step: int | None = None) -> dict[str, Any]:
+        """The remote tier's state as the finalizer knows it (for `step`, when given)."""
+        return self._call("remote_status", step)
+
+    def _remote_settings(self) -> dict[str, Any] | None:
+        remote = self.config.remote
+        if remote.url is None:
+            return None
+        return {**dataclasses.asdict(remote), "timeout_s": self.config.timeout_s}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Let commits already under way finish (within `timeout_s`), stop the finalizer and

@@ -11,7 +11,8 @@ tracker's temporary file, before the rename), `delete` (the finalizer, retention
 step left the `global_step_<N>` namespace and before its files are removed), `export` (a
 Hugging Face export, with the role, after its checks and before it writes), `rollback`
 (`verl-ckpt rollback`, after each step directory moved into the archive, before the next
-move and before the tracker).
+move and before the tracker), `upload` (a rank, remote tier: after the finalizer said the step
+committed locally, before the rank uploads its files).
 actions: `hang` (sleep for an hour: a hung participant), `sleep=<seconds>` (a slow one),
 `raise` (raise InjectedFault), `enospc` (raise OSError ENOSPC, a full disk at that exact
 moment), `exit` (the process exits at once with status 17, a crash).

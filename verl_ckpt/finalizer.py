@@ -60,6 +60,7 @@ class CheckpointFinalizer:
         max_ckpt_to_keep: int | None,
         max_in_flight: int = 1,
         hf_exports: ExportPlan | None = None,
+        remote: dict[str, Any] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
@@ -95,12 +96,16 @@ class CheckpointFinalizer:
         # One commit or retention at a time: two would race on the tracker and the listing.
         self._file_work = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
-        # Step 8: Hugging Face exports of committed steps, off the commit path.
+        # Step E: Hugging Face exports of committed steps, off the commit path.
         self._hf_plan = hf_exports
         self._exports = ExportQueue(self._root, hf_exports)
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
+        self._remote_settings = dict(remote) if remote else None
+        self._remote = _open_remote_tier(
+            remote, self._root, participants, self._ledger.status, self._retain_after_upload
+        )
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -111,6 +116,7 @@ class CheckpointFinalizer:
             "max_ckpt_to_keep": self._keep,
             "max_in_flight": self._ledger.max_in_flight,
             "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
+            "remote": self._remote_settings,
         }
 
     def marker_token(self) -> str:
@@ -216,6 +222,13 @@ class CheckpointFinalizer:
             # Waiters learn of the commit before retention runs: deleting old steps need not
             # delay wait_for_commit.
             self._notify()
+            # Step 8 starts (in the background): the remote tier never delays a local commit.
+            if self._remote is not None:
+                self._remote.after_local_commit(step)
+            # Steps still being uploaded are read by the uploads: not deleted yet.
+            protected = self._ledger.in_flight()
+            if self._remote is not None:
+                protected += self._remote.protected()
             try:
                 protected = [*self._ledger.in_flight(), *self._exports.protected()]
                 outcome = await asyncio.to_thread(
@@ -286,12 +299,46 @@ class CheckpointFinalizer:
 
     async def wait_for_exports(self, timeout_s: float) -> list[dict[str, Any]]:
         """Wait (up to `timeout_s`) for the Hugging Face exports queued or running; return
-        the outcome of every export of this finalizer (step 8)."""
+        the outcome of every export of this finalizer (step E)."""
         return await self._exports.wait(timeout_s)
 
     def cancel_exports(self) -> None:
         """Stop the running export and drop the waiting ones (the coordinator is closing)."""
         self._exports.cancel()
+
+    # ---- protocol steps 8-11: the remote tier (verl_ckpt/remote/finalizer_tier.py) ---------
+
+    async def upload_turn(self, step: int, timeout_s: float) -> bool:
+        """A rank asks whether to upload its files of `step` (once committed locally)."""
+        return await self._remote_tier().upload_turn(step, timeout_s)
+
+    async def report_upload(self, report: Any) -> None:
+        await self._remote_tier().report(report)
+
+    async def drain_uploads(self, timeout_s: float) -> dict[str, Any]:
+        """Upload the newest committed step if it is not in the remote tier yet, and wait for
+        every upload under way; where the remote tier stands."""
+        return await self._remote_tier().drain(timeout_s)
+
+    def remote_status(self, step: int | None = None) -> dict[str, Any]:
+        return self._remote_tier().status(step)
+
+    def _remote_tier(self):
+        if self._remote is None:
+            raise CheckpointError(f"no remote tier is configured for {self._root}")
+        return self._remote
+
+    def _retain_after_upload(self) -> None:
+        """Local retention left the steps being uploaded; one upload ended: run it again."""
+        if self._keep is not None:
+            self._spawn(self._retain_again())
+
+    async def _retain_again(self) -> None:
+        async with self._file_work:
+            protected = self._ledger.in_flight() + self._remote.protected()
+            outcome = await asyncio.to_thread(apply_retention, self._root, self._keep, protected)
+        if outcome.errors:
+            logger.error("retention after an upload failed: %s", "; ".join(outcome.errors))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -338,6 +385,8 @@ class CheckpointFinalizer:
         # the step was retired; bounded, like everything the finalizer keeps.
         self._recent: OrderedDict[int, CommitSummary] = OrderedDict()
         self._changed = asyncio.Event()
+        if getattr(self, "_remote", None) is not None:
+            self._remote.notify()  # ranks waiting for an upload turn see a failed step
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -356,6 +405,16 @@ class CheckpointFinalizer:
                 f"{role} rank {rank} of world size {world_size} does not match the finalizer "
                 f"of {self._root}, which expects {expected} ranks of role {role!r}"
             )
+
+
+def _open_remote_tier(remote, root, participants, local_status, on_upload_end):
+    """The remote tier of this root (protocol steps 8-11), or None without one; fsspec is
+    imported only when there is one."""
+    if not remote or not remote.get("url"):
+        return None
+    from verl_ckpt.remote.finalizer_tier import RemoteTier
+
+    return RemoteTier(remote, root, participants, local_status, on_upload_end)
 
 
 def _was_restarted() -> bool:

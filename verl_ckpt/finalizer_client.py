@@ -67,6 +67,7 @@ def start_finalizer(
     timeout_s: float = 120.0,
     max_in_flight: int = 1,
     hf_exports: ExportPlan | None = None,
+    remote: dict[str, Any] | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
@@ -81,7 +82,7 @@ def start_finalizer(
     actor = (
         ray.remote(CheckpointFinalizer)
         .options(**actor_options(root))
-        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight, hf_exports)
+        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight, hf_exports, remote)
     )
     try:
         found = ray.get(actor.describe.remote(), timeout=timeout_s)
@@ -95,6 +96,7 @@ def start_finalizer(
         "max_ckpt_to_keep": max_ckpt_to_keep,
         "max_in_flight": max_in_flight,
         "hf_exports": asdict(hf_exports) if hf_exports else None,
+        "remote": dict(remote) if remote else None,
     }
     if found != wanted:
         raise CheckpointError(

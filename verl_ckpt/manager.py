@@ -201,6 +201,8 @@ class CheckpointManager:
         self._save_thread = (
             DaemonPool(1, f"verl_ckpt_{role}{rank}_save", writer.nice) if mode != "inline" else None
         )
+        # Step 8: this rank uploads its own files to the remote tier, if there is one.
+        self._uploads = self._make_uploader()
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -270,6 +272,8 @@ class CheckpointManager:
         self.fence()  # the previous save's snapshot must be complete
         # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
         self._in_flight.wait_for_room()
+        if self._uploads is not None:
+            self._uploads.wait_for_room()  # at most remote.max_in_flight uploads pending
         layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1
         deferred = deferred and layout.reuse_plan
         job = self._new_job(layout, self._acquire_copy(layout, deferred))
@@ -407,6 +411,8 @@ class CheckpointManager:
         finally:
             self._unfenced = None  # drained: every snapshot was taken or failed
             try:
+                if self._uploads is not None:
+                    self._uploads.close(deadline)
                 if self._save_thread is not None:
                     self._save_thread.close(max(0.0, deadline - time.monotonic()))
                 self._writer.close(max(0.0, deadline - time.monotonic()))
@@ -637,6 +643,8 @@ class CheckpointManager:
             if report.failure is None:
                 report.failure = Failure.from_exception(self.role, self.rank, Phase.REPORT, exc)
         job.stats.report_s = time.perf_counter() - reporting
+        if report.failure is None and self._uploads is not None:
+            self._uploads.submit(job.step, report.files)
         if report.failure is not None:
             job.stats.error = report.failure.describe()
             raise CheckpointWriteError(
@@ -727,6 +735,20 @@ class CheckpointManager:
     def _extra_sharded(self, extra: Any) -> ShardedObject:
         # One object per rank: its global "shape" is the role's world size.
         return ShardedObject(EXTRA_STATE_KEY, extra, (self.world_size,), (self.rank,), replica_id=0)
+
+    def _make_uploader(self) -> Any:
+        if self.config.remote.url is None:
+            return None
+        from verl_ckpt.remote.rank_uploader import RankUploader
+
+        return RankUploader(
+            self.config.remote,
+            self._root,
+            self.role,
+            self.rank,
+            self._timeout_s,
+            self._call_finalizer,
+        )
 
     def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
         deadline = deadline or time.monotonic() + self._timeout_s + _RPC_SLACK_S

@@ -66,7 +66,7 @@ after a whole-job restart (everything killed, the job started again).
                       stays committed. Crash: the `.deleting_*` leftover is removed by the
                       next retention.
 
- 8. export            finalizer's export queue (hf/scheduler.py), queued when the commit is
+ E. export            finalizer's export queue (hf/scheduler.py), queued when the commit is
                       recorded (before retention, which keeps queued and exporting steps);
                       the work runs in a Ray task of its own (hf/export.py), one at a time,
                       for each role in checkpoint.hf_export.architectures when save_contents
@@ -92,10 +92,53 @@ after a whole-job restart (everything killed, the job started again).
                       point: the step is an uncommitted leftover (as in 1); the previous
                       committed step stays the tracker's.
 
+The remote tier (only with checkpoint.remote.url; verl_ckpt/remote/) is a second commit
+protocol with the same guarantees, run after the local one and never delaying it:
+
+ 0'. start (remote)   driver, before Ray starts (`remote/startup.py`, from prepare_start).
+                      The URL takes a write (probe object put and removed) within 60 s, or
+                      one line names it. Its newest committed step is read; resume_mode=auto
+                      downloads it into the root when it is newer than the root's newest
+                      (`remote/pull.py`: files verified into `.pulling_global_step_<N>/`,
+                      record last, one rename), and recovery rolls the tracker forward to it.
+                      The finalizer rolls the remote tracker forward at every start.
+ 8. upload            each rank, its upload thread (never the training or save thread), after
+                      its report (4). Fault phase `upload`. Deadline: timeout_s.
+                      Waits for the finalizer's word that the step committed locally
+                      (`upload_turn`, report-based: I6) and whether it is uploaded
+                      (remote.every), then uploads the rank's own files in parallel,
+                      multipart, each completed only if the bytes sent match its reported
+                      checksum, and reports the paths it confirmed (`UploadReport`).
+                      save() waits only while remote.max_in_flight uploads are pending.
+                      Local retention skips steps being uploaded and runs again after.
+                      Crash or failure: the finalizer uploads what no rank confirmed (9).
+                      Finalizer restart: steps committed before it are not uploaded by the
+                      ranks; a newer step, or the end of the run, catches up.
+ 9. remote record     finalizer, a thread, one remote commit at a time, once every rank
+                      reported (or at the deadline). Uploads the files no rank confirmed
+                      (driver state, each role's .metadata and metadata.json, a failed
+                      rank's), lists the step and checks every file's size, then uploads the
+                      commit record: THE REMOTE COMMIT POINT.
+                      Failure before: logged, nothing remote looks committed (no record);
+                      the next upload catches up (a newer step, or the last committed step,
+                      uploaded whole by `drain_uploads` at the end of a run).
+10. remote tracker    finalizer, after the record: one PUT of "N\n" (atomic on object
+                      stores; tmp + rename on file://), never backwards.
+                      Crash before: rolled forward by the next finalizer start.
+11. remote retention  finalizer, after the remote tracker: committed steps beyond remote.keep
+                      lose their record, then their objects; leftovers of failed uploads
+                      older than the newest remote commit are removed. Never the remote
+                      tracker's target, never a step being uploaded. Failures are logged and
+                      retried after the next remote commit.
+    end of a run      driver (`CheckpointCoordinator.wait_for_uploads`): the newest committed
+                      step is uploaded (whole, if its ranks skipped or failed it), and every
+                      upload under way awaited, within timeout_s.
+
 The finalizer's bookkeeping (which reports arrived, which step is committing) is
-`ledger.StepLedger`; steps 5-7 and the recovery of step 0 are plain functions on a
-directory in `commit.py` and `recovery.py`, step 8 lives in `hf/`; the actor (`finalizer.py`)
-only connects them.
+`ledger.StepLedger` (`remote.ledger.UploadLedger` for uploads); steps 5-7 and the recovery
+of step 0 are plain functions on a directory in `commit.py` and `recovery.py` (9-11 on a
+store in `remote/tier.py`), step E lives in `hf/`; the actor (`finalizer.py`) only connects
+them.
 """
 
 from __future__ import annotations
@@ -118,6 +161,7 @@ class Phase(StrEnum):
     TRACKER = "tracker"
     RETENTION = "delete"
     EXPORT = "export"
+    UPLOAD = "upload"
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ committed step, another job on the same root) is one line naming the key or path
 run has written and deleted nothing. `CheckpointCoordinator` calls it itself when it is not
 handed a plan.
 
-Order: read-only checks first (a failure leaves the disk as it was), then the root lock
-(another job on this root is refused), then recovery (recovery.py: roll-forward) and the
-same resume decision once more under the lock, where nobody else can change the root; then
-the resume step is verified (resume_check.py: `resume_verify`, and the quarantine and
-fallback of `resume_fallback=previous`), before any state is touched.
+Order: read-only checks first (a failure leaves the disk as it was; a remote tier's URL is
+checked here too), then the root lock (another job on this root is refused), then recovery
+(recovery.py: roll-forward), the download of a newer step from the remote tier
+(remote/startup.py), and the same resume decision once more under the lock, where nobody
+else can change the root; then the resume step is verified (resume_check.py:
+`resume_verify`, and the quarantine and fallback of `resume_fallback=previous`), before any
+state is touched.
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     check_root_dir(root)
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     check_deadline_env(config.preemption)
+    remote = _check_remote(config)
     check_resume_before_lock(config, read_root_state(root), choose_resume_dir)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
+        if remote is not None and _fetch_newer_remote_step(config, remote, state):
+            state = recover_root(root)  # rolls the tracker forward to the downloaded step
         resume = settle_resume_step(config, state, choose_resume_dir)
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root)  # the fallback moved steps and the tracker
@@ -152,6 +157,22 @@ def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None
 
 
 # ---- helpers -------------------------------------------------------------------------------
+
+
+def _check_remote(config: CheckpointConfig) -> Any:
+    """The remote tier's start-up check (verl_ckpt/remote/startup.py); None without one, and
+    then nothing of fsspec is imported."""
+    if config.remote.url is None:
+        return None
+    from verl_ckpt.remote.startup import check_remote_start
+
+    return check_remote_start(config)
+
+
+def _fetch_newer_remote_step(config: CheckpointConfig, remote: Any, state: RootState) -> bool:
+    from verl_ckpt.remote.startup import fetch_newer_remote_step
+
+    return fetch_newer_remote_step(config, remote, state) is not None
 
 
 def _checked_resume_path(value: str | None) -> Path:

@@ -13,7 +13,7 @@ from verl_ckpt.errors import TrackerError
 from verl_ckpt.fsio import atomic_write_bytes
 from verl_ckpt.layout import TRACKER_FILENAME
 
-__all__ = ["read_tracker", "tracker_path", "write_tracker"]
+__all__ = ["parse_tracker", "read_tracker", "tracker_path", "write_tracker"]
 
 
 _ASCII_WHITESPACE = " \t\n\r\v\f"
@@ -39,16 +39,22 @@ def read_tracker(root: str | Path) -> int | None:
         raise TrackerError(f"tracker {path} is a directory, not a file holding a step") from None
     except OSError as exc:
         raise TrackerError(f"tracker {path} cannot be read: {exc.strerror or exc}") from None
+    return parse_tracker(raw, str(path))
+
+
+def parse_tracker(raw: bytes, where: str) -> int:
+    """The step in a tracker's bytes (read from `where`, named in errors): the rules of
+    read_tracker, shared by the remote tier's tracker object."""
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
         raise TrackerError(
-            f"tracker {path} is not plain ASCII (a byte-order mark or binary data?): {raw[:20]!r}"
+            f"tracker {where} is not plain ASCII (a byte-order mark or binary data?): {raw[:20]!r}"
         ) from None
     body = text.strip(_ASCII_WHITESPACE)
     if not body.isdigit():
         raise TrackerError(
-            f"tracker {path} must hold one non-negative integer step, found {text[:40]!r}"
+            f"tracker {where} must hold one non-negative integer step, found {text[:40]!r}"
         )
     return int(body)
 

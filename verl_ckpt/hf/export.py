@@ -1,4 +1,4 @@
-"""Protocol step 8 (export), the work itself: Hugging Face weights from a committed step.
+"""Protocol step E (export), the work itself: Hugging Face weights from a committed step.
 
 Reads the role's committed torch_dist directory with no ranks (torch.distributed.checkpoint
 with no_dist: every tensor comes back whole, tensor-parallel shards merged), converts it with

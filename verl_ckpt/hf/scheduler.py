@@ -1,4 +1,4 @@
-"""Protocol step 8 (export), the scheduling: which roles export, and the finalizer's queue.
+"""Protocol step E (export), the scheduling: which roles export, and the finalizer's queue.
 
 After a step commits, the finalizer hands it to `ExportQueue`; one export runs at a time, in a
 Ray task of its own (no CPU slot, the finalizer's node), never on a rank, never in the

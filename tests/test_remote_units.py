@@ -1,0 +1,226 @@
+"""The remote tier's pieces without Ray: the upload ledger (pure), and the commit, tracker,
+retention, recovery and pull functions on a real `file://` tier and a real local root with
+a committed step (files, checksums and commit record written as the finalizer writes them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verl_ckpt.commit_record import CommitRecord, FileEntry, read_commit_record, write_commit_record
+from verl_ckpt.config import to_checkpoint_config
+from verl_ckpt.errors import CheckpointConfigError, CheckpointError
+from verl_ckpt.fsio import file_checksum
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
+from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
+from verl_ckpt.remote.pull import pull_step
+from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.remote.tier import (
+    advance_remote_tracker,
+    apply_remote_retention,
+    commit_remote_step,
+    read_remote_record,
+    read_remote_tracker,
+    recover_remote,
+)
+from verl_ckpt.remote.transfer import upload_file
+
+RANKS = {("actor", 0), ("actor", 1)}
+
+
+def committed_step(root: Path, step: int) -> CommitRecord:
+    """A local committed step: three files of some bytes and their commit record."""
+    path = step_dir(root, step)
+    files = []
+    for rel, size in (("actor/__0_0.distcp", 3000), ("actor/__1_0.distcp", 2000), ("d.pt", 10)):
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(bytes((step + i) % 251 for i in range(size)))
+        files.append(FileEntry(rel, *file_checksum(path / rel)))
+    record = CommitRecord(step=step, participants={"actor": 2, "driver": 1}, files=files)
+    write_commit_record(path, record)
+    return record
+
+
+@pytest.fixture
+def tier(tmp_path) -> RemoteStore:
+    return RemoteStore(f"file://{tmp_path / 'remote'}")
+
+
+# ---- the upload ledger ---------------------------------------------------------------------
+
+
+def test_ledger_uploads_every_nth_commit_and_counts_expected_reports_once():
+    ledger = UploadLedger(every=2)
+    assert ledger.decide(1, RANKS) is UploadStatus.UPLOADING
+    assert ledger.decide(2, RANKS) is UploadStatus.SKIPPED
+    assert ledger.decide(3, RANKS) is UploadStatus.UPLOADING
+    assert ledger.in_flight() == [1, 3]
+    assert not ledger.record(UploadReport(2, "actor", 0))  # skipped step: not counted
+    assert ledger.record(UploadReport(1, "actor", 0, paths=["actor/a"]))
+    assert not ledger.record(UploadReport(1, "actor", 0, paths=["actor/b"]))  # a duplicate
+    assert not ledger.record(UploadReport(1, "critic", 0))  # not a participant
+    assert not ledger.all_reported(1) and ledger.missing(1) == [("actor", 1)]
+    assert ledger.record(UploadReport(1, "actor", 1, errors=["actor/c: failed"]))
+    assert ledger.all_reported(1) and ledger.confirmed_paths(1) == {"actor/a"}
+    ledger.begin_commit(1)
+    assert not ledger.record(UploadReport(1, "actor", 1))  # committing: too late
+    ledger.finish_commit(1, "store down")
+    assert ledger.status(1) is UploadStatus.FAILED and ledger.entry(1).error == "store down"
+    assert ledger.in_flight() == [3]
+    ledger.upload_whole(2)  # the last step of a run, uploaded by the finalizer alone
+    assert ledger.all_reported(2) and ledger.in_flight() == [2, 3]
+
+
+def test_ledger_forgets_old_decided_steps_but_never_one_in_flight():
+    ledger = UploadLedger(every=1, remembered=3)
+    ledger.decide(1, RANKS)  # stays uploading
+    for step in range(2, 8):
+        ledger.decide(step, set())
+        ledger.begin_commit(step)
+        ledger.finish_commit(step)
+    assert ledger.status(1) is UploadStatus.UPLOADING
+    assert [s for s in range(1, 8) if ledger.status(s) is not None] == [1, 6, 7]
+
+
+# ---- commit, tracker, retention, recovery on a file:// tier --------------------------------
+
+
+def test_I1_remote_commit_uploads_what_no_rank_confirmed_then_record_then_tracker(tmp_path, tier):
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 1)
+    summary = commit_remote_step(tier, root, 1, {"actor/__0_0.distcp"}, 2, 60)
+    # The confirmed file was not there: a confirmation without the object is not trusted.
+    assert summary.uploaded_here == 3 and summary.tracker == 1
+    assert read_remote_record(tier, 1).files == record.files
+    assert read_remote_tracker(tier) == 1
+    assert tier.listing().committed() == [1]
+    # Confirmed by a rank and present with its size: not sent again.
+    committed_step(root, 2)
+    for rel in ("actor/__0_0.distcp", "actor/__1_0.distcp"):
+        tier.fs.put_file(str(step_dir(root, 2) / rel), tier.key("global_step_2", rel))
+    summary = commit_remote_step(tier, root, 2, {"actor/__0_0.distcp", "actor/__1_0.distcp"}, 2, 60)
+    assert summary.uploaded_here == 1 and read_remote_tracker(tier) == 2
+
+
+def test_I2_remote_tracker_never_moves_backwards_and_is_rolled_forward(tmp_path, tier):
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        committed_step(root, step)
+        commit_remote_step(tier, root, step, (), 2, 60)
+    assert advance_remote_tracker(tier, 1) == 2 and read_remote_tracker(tier) == 2
+    # A remote commit interrupted between its record and the tracker: rolled forward.
+    committed_step(root, 3)
+    commit_remote_step(tier, root, 3, (), 2, 60)
+    tier.put_bytes(TRACKER_FILENAME, b"2\n")
+    assert recover_remote(tier) == 3 and read_remote_tracker(tier) == 3
+
+
+def test_I1_a_file_changed_on_disk_after_its_commit_is_never_uploaded(tmp_path, tier):
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 1)
+    entry = record.files[0]
+    local = step_dir(root, 1) / entry.path
+    local.write_bytes(b"\0" * entry.size)  # same size, other bytes
+    with pytest.raises(CheckpointError, match="checksum"):
+        upload_file(tier, local, f"global_step_1/{entry.path}", entry, record.checksum_algorithm)
+    assert not tier.fs.exists(tier.key("global_step_1", entry.path))
+    with pytest.raises(CheckpointError, match="upload of step 1"):
+        commit_remote_step(tier, root, 1, (), 2, 60)
+    assert read_remote_record(tier, 1) is None and read_remote_tracker(tier) is None
+
+
+def test_I3_remote_retention_keeps_n_the_tracker_and_steps_in_flight(tmp_path, tier):
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3, 4):
+        committed_step(root, step)
+        commit_remote_step(tier, root, step, (), 2, 60)
+    # What an interrupted upload of an older step leaves: objects without a record.
+    tier.put_bytes("global_step_0/actor/__0_0.distcp", b"partial")
+    outcome = apply_remote_retention(tier, keep=2, protected=[1], dry_run=True)
+    assert outcome.deleted == [2] and outcome.purged == [0]
+    assert tier.listing().committed() == [1, 2, 3, 4]  # a dry run deletes nothing
+    outcome = apply_remote_retention(tier, keep=2, protected=[1])
+    assert outcome.deleted == [2] and outcome.purged == [0] and outcome.errors == []
+    assert sorted(tier.listing().steps) == [1, 3, 4]
+    tier.put_bytes(TRACKER_FILENAME, b"1\n")  # the tracker's target is never deleted
+    assert apply_remote_retention(tier, keep=1).deleted == [3]
+
+
+def test_pull_verifies_every_file_and_writes_the_record_last(tmp_path, tier):
+    source, dest = tmp_path / "ckpt", tmp_path / "fresh"
+    record = committed_step(source, 5)
+    commit_remote_step(tier, source, 5, (), 2, 60)
+    summary = pull_step(tier, 5, dest, 2, 60)
+    assert summary.files == 3 and read_commit_record(step_dir(dest, 5)).files == record.files
+    assert pull_step(tier, 5, dest, 2, 60).downloaded is False
+    # A damaged object: the pull fails naming it, and leaves no step (nor staging) behind.
+    tier.put_bytes("global_step_5/d.pt", b"X" * 10)
+    other = tmp_path / "other"
+    with pytest.raises(CheckpointError, match=r"global_step_5/d\.pt: checksum"):
+        pull_step(tier, 5, other, 2, 60)
+    assert list(other.iterdir()) == []
+    assert not (step_dir(other, 5) / COMMIT_RECORD_FILENAME).exists()
+
+
+# ---- config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("remote", "key"),
+    [
+        ({"url": "bucket/prefix"}, "checkpoint.remote.url"),
+        ({"url": "s3://b/p", "every": 0}, "checkpoint.remote.every"),
+        ({"url": "s3://b/p", "keep": 0}, "checkpoint.remote.keep"),
+        ({"url": "s3://b/p", "max_in_flight": 0}, "checkpoint.remote.max_in_flight"),
+    ],
+)
+def test_remote_config_errors_name_the_key(remote, key):
+    with pytest.raises(CheckpointConfigError, match=key.replace(".", r"\.")):
+        to_checkpoint_config({"remote": remote})
+
+
+def test_without_a_remote_url_nothing_of_fsspec_is_imported():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, verl_ckpt.startup, verl_ckpt.finalizer, verl_ckpt.cli;"
+        "from verl_ckpt import prepare_start;"
+        "print('fsspec' in sys.modules, 's3fs' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
+
+
+def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing(
+    s3_server, tmp_path, monkeypatch
+):
+    """Against the real S3 endpoint on loopback: a file larger than a part is sent as a
+    multipart upload whose parts go in parallel, and arrives byte for byte; when the bytes
+    read differ from the commit record, the multipart upload is aborted: no object, and no
+    incomplete upload left in the bucket. (PART_SIZE lowered to S3's minimum, 5 MiB, so that
+    a 12 MiB file has 3 parts.)"""
+    from verl_ckpt.remote import transfer
+
+    monkeypatch.setattr(transfer, "PART_SIZE", 5 << 20)
+    bucket = s3_server.new_bucket()
+    store = RemoteStore(f"s3://{bucket}/run", s3_server.storage_options())
+    good = step_dir(tmp_path, 1)
+    good.mkdir(parents=True)
+    (good / "big.bin").write_bytes(bytes(range(256)) * (12 << 12))
+    entry = FileEntry("big.bin", *file_checksum(good / "big.bin"))
+    outcome = transfer.upload_files(store, good, 1, [entry], "xxh3_64", 4, 60)
+    assert outcome.errors == [] and outcome.nbytes == 12 << 20
+    assert store.fs.cat_file(store.key("global_step_1/big.bin")) == (good / "big.bin").read_bytes()
+
+    wrong = FileEntry("big.bin", entry.size, "0" * 16)
+    bad = step_dir(tmp_path, 2)
+    bad.mkdir()
+    (bad / "big.bin").write_bytes((good / "big.bin").read_bytes())
+    outcome = transfer.upload_files(store, bad, 2, [wrong], "xxh3_64", 4, 60)
+    assert len(outcome.errors) == 1 and "checksum" in outcome.errors[0], outcome.errors
+    assert not store.fs.exists(store.key("global_step_2/big.bin"))
+    uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert uploads == [], uploads

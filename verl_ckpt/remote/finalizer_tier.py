@@ -1,0 +1,272 @@
+"""The finalizer's side of the remote tier (protocol.py, steps 8-11): decide which locally
+committed steps are uploaded, collect the ranks' upload reports, then upload what no rank
+confirmed, the commit record, the tracker, and run remote retention.
+
+It lives inside the finalizer actor and runs on its event loop (no lock needed for the
+ledger); store calls run in threads, one remote commit at a time, and never while holding
+the local tier's lock: a local commit never waits for the remote tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from verl_ckpt.commit_record import committed_steps, is_committed
+from verl_ckpt.errors import CommitTimeoutError
+from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.ledger import StepStatus
+from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
+from verl_ckpt.remote.store import RemoteStore, call_with_deadline, describe_store_error
+from verl_ckpt.remote.tier import (
+    apply_remote_retention,
+    commit_remote_step,
+    read_remote_record,
+    recover_remote,
+)
+
+__all__ = ["RemoteTier"]
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteTier:
+    """Uploads of one checkpoint root to one remote tier URL. `settings` are the fields of
+    `RemoteConfig` plus `timeout_s`; `local_status(step)` is the step's state in the local
+    ledger (ledger.StepLedger.status); `on_upload_end()` is called when
+    an upload ended, either way (the finalizer re-runs local retention)."""
+
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        root: Path,
+        participants: dict[str, int],
+        local_status: Callable[[int], StepStatus | None],
+        on_upload_end: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.url: str = settings["url"]
+        self._store = RemoteStore(self.url, settings.get("storage_options"))
+        self._root = root
+        self._keep = settings.get("keep")
+        self._threads = int(settings.get("threads", 4))
+        self._timeout_s = float(settings.get("timeout_s", 600.0))
+        self._ledger = UploadLedger(int(settings.get("every", 1)))
+        self._ranks = {
+            (role, rank)
+            for role, size in participants.items()
+            if role != DRIVER_ROLE
+            for rank in range(size)
+        }
+        self._local_status = local_status
+        # Local retention skipped the steps being uploaded: it runs again once one ended.
+        self._on_upload_end = on_upload_end
+        self._changed = asyncio.Event()
+        # One remote commit at a time: two would race on the remote tracker and listing.
+        self._work = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self._tracker: int | None = None
+        self._uploaders: dict[int, dict[str, str]] = {}
+        # A remote commit interrupted between record and tracker is rolled forward; a store
+        # that does not answer now does not stop the local tier (start-up checked it).
+        try:
+            self._tracker = call_with_deadline(
+                lambda: recover_remote(self._store), min(60.0, self._timeout_s), self.url
+            )
+        except Exception as exc:  # noqa: BLE001 - logged; the next remote commit retries
+            logger.error("remote tier %s: recovery failed: %s", self.url, describe_store_error(exc))
+
+    # ---- hooks called by the finalizer ---------------------------------------------------
+
+    def after_local_commit(self, step: int) -> None:
+        """Step 8 starts: decide whether `step` (committed locally) goes to the remote tier."""
+        if self._ledger.decide(step, self._ranks) is UploadStatus.UPLOADING:
+            self._spawn(self._commit(step))
+        self.notify()
+
+    def protected(self) -> list[int]:
+        """Steps being uploaded: local retention must not delete them yet."""
+        return self._ledger.in_flight()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ---- actor methods -------------------------------------------------------------------
+
+    async def upload_turn(self, step: int, timeout_s: float) -> bool:
+        """Whether a rank uploads its files of `step`: waits until the step committed
+        locally (a report-based wait, no collective: I6). False when the step is skipped
+        (`every`), its local commit failed, or the remote commit no longer waits for ranks."""
+        deadline = time.monotonic() + timeout_s
+        while (decided := self._ledger.status(step)) is None:
+            local = self._local_status(step)
+            if local in (StepStatus.FAILED, StepStatus.LOST):
+                return False
+            # Unknown to both ledgers yet committed: committed before this finalizer started
+            # (it restarted). Nobody decides it now; the end of the run or a newer step
+            # catches up. (A step committing now is known to the local ledger until after
+            # its decision.)
+            if local is None and await asyncio.to_thread(is_committed, step_dir(self._root, step)):
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommitTimeoutError(
+                    f"step {step} did not commit locally within {timeout_s:g}s: nothing to "
+                    f"upload to {self.url}"
+                )
+            await self._changed_or_timeout(remaining)
+        return decided is UploadStatus.UPLOADING
+
+    async def report(self, report: UploadReport) -> None:
+        """Step 8 ends for one rank: what it uploaded and verified."""
+        if report.errors:
+            logger.warning(
+                "%s rank %d could not upload %d files of step %d to %s (the finalizer uploads "
+                "them): %s",
+                report.role,
+                report.rank,
+                len(report.errors),
+                report.step,
+                self.url,
+                report.errors[0],
+            )
+        if self._ledger.record(report):
+            self._uploaders.setdefault(report.step, {})[f"{report.role} rank {report.rank}"] = (
+                report.node
+            )
+            self.notify()
+
+    async def drain(self, timeout_s: float) -> dict[str, Any]:
+        """Make sure the newest locally committed step reaches the remote tier (upload it
+        whole if it was skipped, failed, or never tried: a catch-up), wait for every upload
+        under way, and say where the remote tier stands."""
+        steps = await asyncio.to_thread(committed_steps, self._root)
+        newest = steps[-1] if steps else None
+        if newest is not None and await self._needs_whole_upload(newest):
+            self._ledger.upload_whole(newest)
+            self._spawn(self._commit(newest))
+        # The tasks, not just the ledger: a task ends after its remote retention, which a
+        # job that stops right after this must not cut short.
+        pending = [task for task in self._tasks if not task.done()]
+        if pending:
+            _, unfinished = await asyncio.wait(pending, timeout=timeout_s)
+            if unfinished:
+                raise CommitTimeoutError(
+                    f"uploads of steps {self._ledger.in_flight()} to {self.url} not finished "
+                    f"within {timeout_s:g}s"
+                )
+        return self.status(newest)
+
+    def status(self, step: int | None = None) -> dict[str, Any]:
+        entry = self._ledger.entry(step) if step is not None else None
+        return {
+            "url": self.url,
+            "tracker": self._tracker,
+            "step": step,
+            "status": entry.status.value if entry is not None else None,
+            "error": entry.error if entry is not None else None,
+            "in_flight": self._ledger.in_flight(),
+            "uploaders": dict(self._uploaders.get(step, {})) if step is not None else {},
+        }
+
+    # ---- steps 9-11 ----------------------------------------------------------------------
+
+    async def _commit(self, step: int) -> None:
+        try:
+            await self._commit_step(step)
+        finally:
+            self._on_upload_end()
+
+    async def _commit_step(self, step: int) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        # The ranks' reports, up to the deadline; what a missing rank did not confirm is
+        # uploaded here, so a dead rank delays the remote tier but never blocks it.
+        while not self._ledger.all_reported(step) and time.monotonic() < deadline:
+            await self._changed_or_timeout(deadline - time.monotonic())
+        missing = self._ledger.missing(step)
+        if missing:
+            logger.warning(
+                "step %d: no upload report from %s; the finalizer uploads their files",
+                step,
+                ", ".join(f"{role} rank {rank}" for role, rank in missing),
+            )
+        async with self._work:
+            self._ledger.begin_commit(step)
+            self.notify()
+            confirmed = self._ledger.confirmed_paths(step)
+            try:
+                summary = await asyncio.to_thread(
+                    commit_remote_step,
+                    self._store,
+                    self._root,
+                    step,
+                    confirmed,
+                    self._threads,
+                    self._timeout_s,
+                )
+            except Exception as exc:  # noqa: BLE001 - the remote tier never fails the local one
+                error = describe_store_error(exc)
+                logger.error(
+                    "step %d is not committed in the remote tier %s (the next upload catches "
+                    "up): %s",
+                    step,
+                    self.url,
+                    error,
+                )
+                self._ledger.finish_commit(step, error)
+                self.notify()
+                return
+            self._ledger.finish_commit(step)
+            self._tracker = summary.tracker
+            logger.info(
+                "step %d committed in the remote tier %s: %d files, %d bytes (%d uploaded by the "
+                "finalizer); remote tracker names step %s",
+                step,
+                self.url,
+                summary.files,
+                summary.bytes,
+                summary.uploaded_here,
+                summary.tracker,
+            )
+            self.notify()
+            try:
+                outcome = await asyncio.to_thread(
+                    apply_remote_retention, self._store, self._keep, self._ledger.in_flight()
+                )
+                errors = outcome.errors
+            except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
+                errors = [describe_store_error(exc)]
+        if errors:
+            logger.error(
+                "remote retention after step %d failed (retried after the next remote commit): %s",
+                step,
+                "; ".join(errors),
+            )
+
+    async def _needs_whole_upload(self, step: int) -> bool:
+        status = self._ledger.status(step)
+        if status in (UploadStatus.UPLOADING, UploadStatus.COMMITTING, UploadStatus.COMMITTED):
+            return False
+        if status is None:
+            try:
+                record = await asyncio.to_thread(read_remote_record, self._store, step)
+            except Exception:  # noqa: BLE001 - unreadable: upload it again
+                return True
+            return record is None
+        return True
+
+    async def _changed_or_timeout(self, timeout_s: float) -> None:
+        changed = self._changed
+        try:
+            await asyncio.wait_for(changed.wait(), max(0.0, timeout_s))
+        except TimeoutError:
+            pass
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,86 @@
+"""Fetch a committed step from the remote tier into a local root (resume from the remote tier,
+`verl-ckpt pull`), with the local tier's guarantees.
+
+Order: every file is downloaded in parallel into `.pulling_global_step_<N>/`, verified against
+the remote commit record and fsynced; then the record is written there, last; then the
+directory takes its `global_step_<N>` name by one atomic rename, made durable. A crash at any
+point leaves no `global_step_<N>` that looks committed, only a `.pulling_*` directory that the
+next pull replaces. The step is then a committed step newer than the tracker, which start-up
+recovery rolls the tracker forward to, as it does for an interrupted commit (I2).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from verl_ckpt.commit_record import is_committed, parse_commit_record
+from verl_ckpt.errors import CheckpointError, CommitRecordError
+from verl_ckpt.fsio import atomic_write_bytes, fsync_dir
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, step_dir
+from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.remote.transfer import download_files
+from verl_ckpt.retention import delete_step_dir
+
+__all__ = ["PULLING_PREFIX", "PullSummary", "pull_step"]
+
+logger = logging.getLogger(__name__)
+
+PULLING_PREFIX = ".pulling_"
+
+
+@dataclass(frozen=True)
+class PullSummary:
+    step: int
+    path: Path
+    files: int
+    bytes: int
+    seconds: float
+    # False when the step was committed locally already (nothing downloaded).
+    downloaded: bool = True
+
+
+def pull_step(
+    store: RemoteStore, step: int, root: Path, threads: int, timeout_s: float
+) -> PullSummary:
+    """Download the remote committed `step` into `root` (see the module docstring)."""
+    target = step_dir(root, step)
+    if is_committed(target):
+        return PullSummary(step, target, 0, 0, 0.0, downloaded=False)
+    record_rel = f"{target.name}/{COMMIT_RECORD_FILENAME}"
+    data = store.read_bytes(record_rel)
+    if data is None:
+        raise CommitRecordError(
+            f"{store.uri(target.name)} is not a committed step of the remote tier: its commit "
+            f"record {COMMIT_RECORD_FILENAME} is missing"
+        )
+    record = parse_commit_record(data, store.uri(record_rel))
+    if record.step != step:
+        raise CommitRecordError(f"{store.uri(record_rel)} names step {record.step}, not {step}")
+    staging = root / f"{PULLING_PREFIX}{target.name}"
+    if staging.exists():
+        shutil.rmtree(staging)  # an earlier pull interrupted: never mixed with this one
+    staging.mkdir(parents=True)
+    outcome = download_files(
+        store, step, record.files, record.checksum_algorithm, staging, threads, timeout_s
+    )
+    if outcome.errors:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"download of step {step} from {store.url} failed ({len(outcome.errors)} of "
+            f"{len(record.files)} files): " + "; ".join(outcome.errors[:3])
+        )
+    for directory in {staging / Path(e.path).parent for e in record.files} | {staging}:
+        fsync_dir(directory)
+    # The record last: a staging directory without it is never mistaken for a step.
+    atomic_write_bytes(staging / COMMIT_RECORD_FILENAME, data)
+    if target.exists():
+        # An uncommitted leftover of the same step (a save that never finished).
+        logger.warning("replacing uncommitted leftover %s by the remote tier's step", target)
+        delete_step_dir(target)
+    os.replace(staging, target)
+    fsync_dir(root)
+    return PullSummary(step, target, len(record.files), outcome.nbytes, outcome.seconds)

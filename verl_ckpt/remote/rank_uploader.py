@@ -1,0 +1,145 @@
+"""A rank's side of the remote tier (protocol.py, step 8): after its report, each rank
+uploads its own files of the step, so that upload bandwidth grows with the nodes.
+
+The upload runs on a thread of its own, never on the training thread nor the save thread
+(the next save's write does not wait for an upload): wait for the finalizer's word that the
+step committed locally, upload the rank's files in parallel, verified against the checksums
+the rank reported, report what went up. A failure is reported and logged, never raised to
+training: the finalizer uploads what no rank confirmed, and the next upload catches up.
+Training waits only when `remote.max_in_flight` uploads are already pending.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
+from pathlib import Path
+from typing import Any
+
+from verl_ckpt import faults
+from verl_ckpt.commit_record import FileEntry
+from verl_ckpt.config import RemoteConfig
+from verl_ckpt.errors import CommitTimeoutError
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM
+from verl_ckpt.layout import step_dir
+from verl_ckpt.remote.ledger import UploadReport
+from verl_ckpt.remote.store import RemoteStore, describe_store_error
+from verl_ckpt.remote.transfer import upload_files
+from verl_ckpt.threads import DaemonPool
+
+__all__ = ["RankUploader"]
+
+logger = logging.getLogger(__name__)
+
+
+class RankUploader:
+    """The uploads of one rank. `call(method, *args, deadline=...)` calls the finalizer."""
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        root: Path,
+        role: str,
+        rank: int,
+        timeout_s: float,
+        call: Any,
+    ) -> None:
+        self._config = config
+        self._store = RemoteStore(config.url, config.storage_options)
+        self._root = root
+        self._role, self._rank = role, rank
+        self._timeout_s = timeout_s
+        self._call = call
+        self._who = f"{role} rank {rank}"
+        self._pool = DaemonPool(1, f"verl_ckpt_{role}{rank}_upload")
+        self._pending: deque[tuple[int, float, Future]] = deque()
+
+    def submit(self, step: int, files: list[FileEntry]) -> None:
+        """Upload `files` (this rank's, as reported) of `step` once it committed locally."""
+        deadline = time.monotonic() + self._timeout_s
+        future = self._pool.submit(self._upload, step, list(files), label=f"upload of step {step}")
+        self._pending.append((step, deadline, future))
+
+    def wait_for_room(self) -> None:
+        """Back-pressure before a save: wait (with the upload's deadline) while
+        `remote.max_in_flight` uploads are pending; raise naming the step and the URL."""
+        self._collect()
+        while len(self._pending) >= self._config.max_in_flight:
+            step, deadline, future = self._pending[0]
+            done, _ = wait_for_futures([future], timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise CommitTimeoutError(
+                    f"{self._who}: the upload of step {step} to {self._config.url} is still "
+                    f"running after checkpoint.timeout_s={self._timeout_s:g}s; not starting "
+                    f"another save (checkpoint.remote.max_in_flight={self._config.max_in_flight})"
+                )
+            self._collect()
+
+    def pending_steps(self) -> list[int]:
+        self._collect()
+        return [step for step, _, _ in self._pending]
+
+    def close(self, deadline: float) -> None:
+        """Let pending uploads finish until `deadline`; an upload still running then is
+        named in a warning and left (the finalizer uploads what it did not confirm)."""
+        for step, _, future in list(self._pending):
+            done, _ = wait_for_futures([future], timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                logger.warning(
+                    "%s: the upload of step %d to %s did not end before close()'s deadline",
+                    self._who,
+                    step,
+                    self._config.url,
+                )
+                break
+        self._collect()
+        self._pool.close(max(0.0, deadline - time.monotonic()))
+
+    # ---- the upload (its own thread) ----------------------------------------------------
+
+    def _upload(self, step: int, files: list[FileEntry]) -> None:
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            turn = self._call("upload_turn", step, self._timeout_s, deadline=deadline + 30.0)
+        except Exception as exc:  # noqa: BLE001 - no word from the finalizer: nothing to do
+            logger.warning("%s: no upload of step %d: %s", self._who, step, exc)
+            return
+        if not turn:
+            return
+        report = UploadReport(step, self._role, self._rank, node=_node_address())
+        try:
+            faults.inject("upload", self._role, self._rank)
+            outcome = upload_files(
+                self._store,
+                step_dir(self._root, step),
+                step,
+                files,
+                CHECKSUM_ALGORITHM,
+                self._config.threads,
+                max(0.0, deadline - time.monotonic()),
+            )
+            report.paths = [entry.path for entry in outcome.done]
+            report.errors = outcome.errors
+            report.nbytes, report.seconds = outcome.nbytes, outcome.seconds
+        except Exception as exc:  # noqa: BLE001 - reported: the finalizer uploads the files
+            report.errors = [describe_store_error(exc)]
+        try:
+            self._call("report_upload", report, deadline=deadline + 30.0)
+        except Exception as exc:  # noqa: BLE001 - the finalizer's deadline covers a lost report
+            logger.warning("%s: could not report the upload of step %d: %s", self._who, step, exc)
+
+    def _collect(self) -> None:
+        while self._pending and self._pending[0][2].done():
+            self._pending.popleft()
+
+
+def _node_address() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests of the uploader alone)
+        return ""

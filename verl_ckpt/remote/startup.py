@@ -1,0 +1,97 @@
+"""Protocol step 0 for the remote tier, before Ray starts (called by startup.prepare_start).
+
+Before the root lock (read-only for the local root): the URL takes a write (a wrong scheme,
+a missing bucket, wrong credentials or an unreachable endpoint is one line naming the URL),
+and its newest committed step is read. A run that would start from an older step than the
+remote tier's newest (resume_mode=disable, or a resume_path older than it) is refused: its
+uploads would collide with the remote tier's steps.
+
+Under the lock, for resume_mode=auto: when the remote tier holds a committed step newer than
+the local root's newest (a fresh machine, a lost local root), it is downloaded into the root
+(pull.py); recovery then rolls the tracker forward to it, and the run loads it as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from verl_ckpt.config import CheckpointConfig
+from verl_ckpt.errors import CheckpointConfigError, ResumeConflictError
+from verl_ckpt.layout import step_of_dir
+from verl_ckpt.recovery import RootState
+from verl_ckpt.remote.pull import PullSummary, pull_step
+from verl_ckpt.remote.store import (
+    RemoteStore,
+    call_with_deadline,
+    check_store,
+    describe_store_error,
+)
+from verl_ckpt.remote.tier import newest_remote_step
+
+__all__ = ["RemoteStart", "check_remote_start", "fetch_newer_remote_step"]
+
+logger = logging.getLogger(__name__)
+
+# Start-up's checks of the store are short: a user waits for them before anything runs.
+_CHECK_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RemoteStart:
+    store: RemoteStore
+    # The newest step committed in the remote tier (None: nothing committed there).
+    newest: int | None
+
+
+def check_remote_start(config: CheckpointConfig) -> RemoteStart:
+    """The read-only part (see the module docstring); CheckpointError naming the URL."""
+    remote = config.remote
+    timeout = min(_CHECK_TIMEOUT_S, config.timeout_s)
+    store = check_store(remote.url, remote.storage_options, timeout)
+    try:
+        newest = call_with_deadline(lambda: newest_remote_step(store), timeout, remote.url)
+    except Exception as exc:  # noqa: BLE001 - one line naming the URL
+        raise CheckpointConfigError(
+            f"checkpoint.remote.url={remote.url!r} cannot be listed: {describe_store_error(exc)}"
+        ) from None
+    if config.resume_mode != "auto" and newest is not None:
+        if config.resume_mode == "disable":
+            start, what = None, "checkpoint.resume_mode=disable starts from step 0"
+        else:
+            start = step_of_dir(config.resume_from_path)
+            what = f"checkpoint.resume_from_path resumes from step {start}"
+        if start is None or newest > start:
+            raise ResumeConflictError(
+                f"{what}, but checkpoint.remote.url {remote.url} holds committed step {newest}: "
+                "this run's uploads would collide with it. Use a new checkpoint.remote.url, or "
+                f"remove the newer steps first (verl-ckpt prune {remote.url} ...)"
+            )
+    return RemoteStart(store, newest)
+
+
+def fetch_newer_remote_step(
+    config: CheckpointConfig, remote: RemoteStart, state: RootState
+) -> PullSummary | None:
+    """resume_mode=auto, under the root lock: download the remote tier's newest committed
+    step into the root when it is newer than the root's newest; None when nothing was."""
+    local = state.effective_tracker
+    if config.resume_mode != "auto" or remote.newest is None:
+        return None
+    if local is not None and local >= remote.newest:
+        return None
+    summary = pull_step(
+        remote.store, remote.newest, state.root, config.remote.threads, config.timeout_s
+    )
+    logger.warning(
+        "step %d of the remote tier %s is newer than the newest committed step of %s (%s): "
+        "downloaded %d files, %d bytes in %.2f s, verified against its commit record",
+        remote.newest,
+        remote.store.url,
+        state.root,
+        local,
+        summary.files,
+        summary.bytes,
+        summary.seconds,
+    )
+    return summary

@@ -1,0 +1,190 @@
+"""Protocol steps 9 (remote commit record), 10 (remote tracker) and 11 (remote retention), and
+the remote tier's recovery, as plain functions on a `RemoteStore`: no Ray, no bookkeeping.
+The finalizer calls them in this order, one step at a time (protocol.py).
+
+The remote tier keeps invariant I1 the way the local one does: the commit record is uploaded
+only after every file it names is there with its size, the tracker object only after the
+record, and retention removes a step's record before its files. A step without a record is
+never taken as committed, whatever else of it was uploaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verl_ckpt.commit_record import CommitRecord, parse_commit_record
+from verl_ckpt.errors import CheckpointError, CommitRecordError, TrackerError
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
+from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.remote.transfer import upload_files
+from verl_ckpt.retention import steps_to_delete
+from verl_ckpt.tracker import parse_tracker
+
+__all__ = [
+    "RemoteCommitSummary",
+    "RemoteRetention",
+    "advance_remote_tracker",
+    "apply_remote_retention",
+    "commit_remote_step",
+    "delete_remote_step",
+    "newest_remote_step",
+    "read_remote_record",
+    "read_remote_tracker",
+    "recover_remote",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteCommitSummary:
+    step: int
+    files: int
+    bytes: int
+    # Files the finalizer uploaded itself (those no rank confirmed: its own, or a rank's
+    # whose upload failed or never came).
+    uploaded_here: int
+    tracker: int | None
+
+
+def read_remote_record(store: RemoteStore, step: int) -> CommitRecord | None:
+    """The commit record of remote step `step`, or None when it has none (not committed)."""
+    rel = f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
+    data = store.read_bytes(rel)
+    return None if data is None else parse_commit_record(data, store.uri(rel))
+
+
+def read_remote_tracker(store: RemoteStore) -> int | None:
+    data = store.tracker_bytes()
+    return None if data is None else parse_tracker(data, store.uri(TRACKER_FILENAME))
+
+
+def newest_remote_step(store: RemoteStore) -> int | None:
+    """The newest remote step with a readable commit record: what a resume would load."""
+    for step in reversed(store.listing().committed()):
+        try:
+            if read_remote_record(store, step) is not None:
+                return step
+        except CommitRecordError as exc:
+            logger.warning("skipping remote step %d: %s", step, exc)
+    return None
+
+
+def commit_remote_step(
+    store: RemoteStore,
+    root: Path,
+    step: int,
+    confirmed: Iterable[str],
+    threads: int,
+    timeout_s: float,
+) -> RemoteCommitSummary:
+    """Steps 9 and 10 for the locally committed `step`: upload every file of its record that
+    no rank `confirmed` (sent and verified against the record), check that every file is
+    there with its size, upload the record, then move the remote tracker."""
+    local = step_dir(root, step)
+    record_bytes = (local / COMMIT_RECORD_FILENAME).read_bytes()
+    record = parse_commit_record(record_bytes, local / COMMIT_RECORD_FILENAME)
+    confirmed = set(confirmed)
+    present = store.listing().steps.get(step, {})
+    # A file a rank confirmed is trusted (it hashed what it sent); anything else is sent
+    # again, even if an object of the right size is there: an earlier, interrupted upload
+    # may have left other bytes.
+    missing = [e for e in record.files if e.path not in confirmed or present.get(e.path) != e.size]
+    outcome = upload_files(
+        store, local, step, missing, record.checksum_algorithm, threads, timeout_s
+    )
+    if outcome.errors:
+        raise CheckpointError(
+            f"upload of step {step} to {store.url} failed: " + "; ".join(outcome.errors[:3])
+        )
+    # One more listing before the record: the record must never name an absent object (I1).
+    present = store.listing().steps.get(step, {})
+    absent = [e.path for e in record.files if present.get(e.path) != e.size]
+    if absent:
+        raise CheckpointError(
+            f"step {step} under {store.url}: {len(absent)} files missing or of the wrong size "
+            f"after the upload (e.g. {absent[0]}); its commit record is not uploaded"
+        )
+    # THE REMOTE COMMIT POINT: from here the remote step is committed.
+    store.put_bytes(f"{local.name}/{COMMIT_RECORD_FILENAME}", record_bytes)
+    # The tracker goes after the record: the other order could name a step that a failure
+    # leaves without one.
+    tracker = advance_remote_tracker(store, step)
+    return RemoteCommitSummary(
+        step, len(record.files), sum(e.size for e in record.files), len(missing), tracker
+    )
+
+
+def advance_remote_tracker(store: RemoteStore, step: int) -> int | None:
+    """Point the remote tracker at `step` (one PUT) unless it names a newer step: it never
+    moves backwards. Returns what it names afterwards."""
+    try:
+        current = read_remote_tracker(store)
+    except TrackerError as exc:
+        logger.warning("unreadable remote tracker (replaced now): %s", exc)
+        current = None
+    if current is not None and current >= step:
+        return current
+    store.put_bytes(TRACKER_FILENAME, f"{step}\n".encode("ascii"))
+    return step
+
+
+def recover_remote(store: RemoteStore) -> int | None:
+    """Roll the remote tracker forward to the newest remote step with a record (a remote
+    commit interrupted between record and tracker). Deletes nothing. Returns the tracker."""
+    newest = newest_remote_step(store)
+    if newest is None:
+        return read_remote_tracker(store)
+    return advance_remote_tracker(store, newest)
+
+
+@dataclass
+class RemoteRetention:
+    deleted: list[int] = field(default_factory=list)
+    # Uncommitted leftovers older than the newest committed step (interrupted uploads).
+    purged: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def apply_remote_retention(
+    store: RemoteStore, keep: int | None, protected: Iterable[int] = (), dry_run: bool = False
+) -> RemoteRetention:
+    """Step 11, after a remote commit only: delete committed steps beyond the newest `keep`
+    and the leftovers of interrupted uploads older than the newest committed step. Never the
+    remote tracker's target nor a `protected` step (an upload in flight). Failures are
+    collected, not raised: the next remote commit retries."""
+    outcome = RemoteRetention()
+    listing = store.listing()
+    committed = listing.committed()
+    protected = set(protected)
+    try:
+        tracker = read_remote_tracker(store)
+    except TrackerError:
+        tracker = None
+    if tracker is not None:
+        protected.add(tracker)
+    newest = committed[-1] if committed else None
+    leftovers = [
+        s for s in listing.uncommitted() if newest is not None and s < newest and s not in protected
+    ]
+    doomed = [(step, outcome.deleted) for step in steps_to_delete(committed, keep, protected)]
+    doomed += [(step, outcome.purged) for step in leftovers]
+    for step, done in doomed:
+        try:
+            if not dry_run:
+                delete_remote_step(store, step)
+            done.append(step)
+        except Exception as exc:  # noqa: BLE001 - retried after the next remote commit
+            outcome.errors.append(f"{store.uri(step_dir('', step).name)}: {exc}")
+    return outcome
+
+
+def delete_remote_step(store: RemoteStore, step: int) -> None:
+    """Delete a remote step: its commit record first, so that a failure halfway never leaves
+    a committed-looking step with files missing (I3)."""
+    name = step_dir("", step).name
+    store.remove(f"{name}/{COMMIT_RECORD_FILENAME}")
+    store.remove_tree(name)
