@@ -45,6 +45,61 @@ def ray_local():
     ray.shutdown()
 
 
+# Steps of the session's uninterrupted recipe run (the `uninterrupted` fixture).
+UNINTERRUPTED_STEPS = 30
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """One uninterrupted `python -m recipes.ppo_toy` run of UNINTERRUPTED_STEPS steps, with no
+    scheduled save before its last step, started in the background at first use: the tests
+    that interrupt and resume runs compare every step with it, bit for bit (nothing in the
+    recipe's training depends on trainer.total_steps or on when it saves). Its value is a
+    function returning {step: metrics} once the run ended."""
+    from tests.test_recipe import Output, read_metrics, start_recipe
+
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = start_recipe(
+        out,
+        "checkpoint.save_freq=100",
+        f"trainer.total_steps={UNINTERRUPTED_STEPS}",
+        f"checkpoint.root_dir={out / 'ckpt'}",
+    )
+    output = Output(proc)
+    done: dict[int, dict] = {}
+
+    def metrics() -> dict[int, dict]:
+        if not done:
+            output.wait_exit()
+            assert proc.returncode == 0, output.text[-4000:]
+            done.update(read_metrics(out / "metrics.jsonl"))
+        return done
+
+    yield metrics
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def four_step_run(tmp_path_factory) -> Path:
+    """A recipe run of 4 steps with saves at 2 and 4, both kept (its root `ckpt/`, its
+    `metrics.jsonl`): tests that need committed steps of the real recipe work on copies."""
+    from tests.test_recipe import finish, start_recipe
+
+    out = tmp_path_factory.mktemp("four_step_run")
+    finish(
+        start_recipe(
+            out,
+            "trainer.total_steps=4",
+            "checkpoint.save_freq=2",
+            "checkpoint.max_ckpt_to_keep=null",
+            f"checkpoint.root_dir={out / 'ckpt'}",
+        )
+    )
+    return out
+
+
 # The roles of the shared rank workers: actor with 2 ranks at TP=2, critic with 1 rank.
 ROLES = {"actor": 2, "critic": 1}
 

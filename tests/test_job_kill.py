@@ -8,6 +8,7 @@ hook only holds the critic's write open so that the kill lands mid-save.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -60,49 +61,48 @@ def wait_while_running(proc, condition, what: str, timeout_s: float = 240) -> No
     assert condition(), what
 
 
-def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path):
-    root = tmp_path / "ckpt"
-    finish(recipe(tmp_path / "run1", root, "trainer.total_steps=2", env=recipe_env()))
-    assert read_tracker(root) == 2
+def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path, four_step_run):
+    # A copy of a run of 4 steps that committed steps 2 and 4.
+    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
+    assert read_tracker(root) == 4
 
-    # Run 2 resumes at step 2; its save of step 4 hangs in the critic's write: kill it all.
+    # Run 2 resumes at step 4; its save of step 6 hangs in the critic's write: kill it all.
     hung = recipe(
         tmp_path / "run2",
         root,
-        "trainer.total_steps=6",
+        "trainer.total_steps=8",
         env=recipe_env(**{ENV_VAR: "write:critic=hang"}),
         new_session=True,
     )
     try:
-        actor_files = step_dir(root, 4) / "actor"
-        wait_while_running(hung, lambda: any(actor_files.glob("*.distcp")), "step 4 never started")
+        actor_files = step_dir(root, 6) / "actor"
+        wait_while_running(hung, lambda: any(actor_files.glob("*.distcp")), "step 6 never started")
     finally:
         kill_session(hung.pid)
         hung.communicate()
-    assert read_tracker(root) == 2
-    assert not is_committed(step_dir(root, 4))
-    stale = step_dir(root, 4) / "critic" / "__stale_from_the_killed_run.distcp"
+    assert read_tracker(root) == 4
+    assert not is_committed(step_dir(root, 6))
+    stale = step_dir(root, 6) / "critic" / "__stale_from_the_killed_run.distcp"
     stale.write_bytes(b"stale")
 
-    # Run 3 resumes from the tracker (step 2), ignores and reports the partial step 4, and
-    # saves step 4 again with none of the killed run's files mixed in.
+    # Run 3 resumes from the tracker (step 4), ignores and reports the partial step 6, and
+    # saves step 6 again with none of the killed run's files mixed in.
     keep_all = "checkpoint.max_ckpt_to_keep=null"
     out = finish(
-        recipe(tmp_path / "run3", root, "trainer.total_steps=6", keep_all, env=recipe_env())
+        recipe(tmp_path / "run3", root, "trainer.total_steps=8", keep_all, env=recipe_env())
     )
-    assert "global_step_2 (step 2)" in out
-    assert "uncommitted step directories [4]" in out or "uncommitted leftover" in out
-    assert read_tracker(root) == 6
-    assert sorted(read_metrics(tmp_path / "run3" / "metrics.jsonl")) == [3, 4, 5, 6]
-    record = read_commit_record(step_dir(root, 6))
-    assert record.step == 6
-    step4 = step_dir(root, 4)
-    if step4.exists():  # kept or not depending on max_ckpt_to_keep
-        assert not stale.exists()
-        on_disk = {str(p.relative_to(step4)) for p in step4.rglob("*") if p.is_file()} - {
-            "verl_ckpt_commit.json"
-        }
-        assert on_disk == {f.path for f in read_commit_record(step4).files}
+    assert "global_step_4 (step 4)" in out
+    assert "uncommitted step directories [6]" in out or "uncommitted leftover" in out
+    assert read_tracker(root) == 8
+    assert sorted(read_metrics(tmp_path / "run3" / "metrics.jsonl")) == [5, 6, 7, 8]
+    record = read_commit_record(step_dir(root, 8))
+    assert record.step == 8
+    step6 = step_dir(root, 6)
+    assert not stale.exists()
+    on_disk = {str(p.relative_to(step6)) for p in step6.rglob("*") if p.is_file()} - {
+        "verl_ckpt_commit.json"
+    }
+    assert on_disk == {f.path for f in read_commit_record(step6).files}
 
 
 def test_I2_whole_job_killed_between_the_record_and_the_tracker_resumes_from_that_step(tmp_path):

@@ -9,20 +9,22 @@ the signals and kills are real. The documented hook VERL_CKPT_FAULT only holds a
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import subprocess
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import UNINTERRUPTED_STEPS
 from tests.test_job_kill import kill_session
 from tests.test_recipe import (
     COMPARED,
     REPO_ROOT,
     RUN_TIMEOUT_S,
+    Output,
     RayHead,
     finish,
     read_metrics,
@@ -38,47 +40,11 @@ pytestmark = pytest.mark.slow
 
 # Enough steps (about 0.3 s each) that a stop requested after step 2 arrives well before the
 # end, even through `ray job stop` on a loaded machine.
-TOTAL = 30
+# The session's uninterrupted run (conftest) has as many, with the same overrides.
+TOTAL = UNINTERRUPTED_STEPS
 # No scheduled save before the last step: whatever is committed was saved on preemption.
 UNSCHEDULED = ("checkpoint.save_freq=100", f"trainer.total_steps={TOTAL}")
 _LOG_TIME = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[ppo_toy\]\[INFO\] - "
-
-
-class Output:
-    """A process's combined output, read by a thread as it comes (a full pipe would block
-    the process), and searchable while the process runs."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        self._lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.append(line)
-
-    @property
-    def text(self) -> str:
-        return "".join(self._lines)
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while (match := re.search(pattern, self.text)) is None:
-            assert time.monotonic() < deadline, (
-                f"no {pattern!r} in {timeout_s}s:\n{self.text[-3000:]}"
-            )
-            time.sleep(0.1)
-        return match
-
-    def wait_exit(self, timeout_s: float = RUN_TIMEOUT_S) -> str:
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"still running after {timeout_s}s:\n{self.text[-4000:]}")
-        self._reader.join(30)
-        return self.text
 
 
 def wait_for_steps(metrics: Path, count: int, output: Output, timeout_s: float = 240) -> int:
@@ -115,28 +81,6 @@ def step_the_signal_arrived_in(text: str) -> tuple[int, int]:
     return under_way, int(stopped.group(2))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted run of TOTAL steps, started once and in the background: the tests
-    compare their preempted-then-resumed runs with it, step by step, bit for bit."""
-    out = tmp_path_factory.mktemp("reference")
-    proc = start_recipe(out, *UNSCHEDULED, f"checkpoint.root_dir={out / 'ckpt'}")
-    output = Output(proc)
-    done: dict[int, dict] = {}
-
-    def metrics() -> dict[int, dict]:
-        if not done:
-            output.wait_exit()
-            assert proc.returncode == 0, output.text[-4000:]
-            done.update(read_metrics(out / "metrics.jsonl"))
-        return done
-
-    yield metrics
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
 def assert_resumes_bit_exactly(tmp_path: Path, root: Path, stopped_at: int, first_run: Path, ref):
     """The stopped step verifies; a run on the same root resumes from it, and every step of
     both runs equals the uninterrupted run's."""
@@ -153,7 +97,7 @@ def assert_resumes_bit_exactly(tmp_path: Path, root: Path, stopped_at: int, firs
 
 
 def test_I1_I4_sigterm_to_the_recipe_saves_the_step_under_way_exits_75_and_resumes_exactly(
-    tmp_path, reference
+    tmp_path, uninterrupted
 ):
     """SIGTERM (twice: the second must not abort anything) to the embedded-Ray recipe
     process: the step under way finishes, is saved out of schedule and committed, one line
@@ -174,12 +118,12 @@ def test_I1_I4_sigterm_to_the_recipe_saves_the_step_under_way_exits_75_and_resum
     line = output.wait_for(rf"preemption \(SIGTERM received\): step {stopped_at} committed .*", 1)
     assert "exiting with status 75" in line.group(0) and "Traceback" not in text
     assert_resumes_bit_exactly(
-        tmp_path, root, stopped_at, tmp_path / "run" / "metrics.jsonl", reference
+        tmp_path, root, stopped_at, tmp_path / "run" / "metrics.jsonl", uninterrupted
     )
 
 
 def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exactly(
-    tmp_path, reference
+    tmp_path, uninterrupted
 ):
     """recipes/submit_job.sh submits the recipe to a head on 127.0.0.1; `ray job stop`
     SIGTERMs the driver. The commit is slowed to 5 s (VERL_CKPT_FAULT=commit=sleep=5, in every
@@ -223,21 +167,20 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
     assert stopped_at is not None and seen < stopped_at < TOTAL, (seen, stopped_at, text[-3000:])
     under_way, committed = step_the_signal_arrived_in(text)
     assert stopped_at == committed and stopped_at in (under_way, under_way + 1)
-    assert_resumes_bit_exactly(tmp_path, root, stopped_at, metrics, reference)
+    assert_resumes_bit_exactly(tmp_path, root, stopped_at, metrics, uninterrupted)
 
 
 def test_I1_I5_a_save_that_outlives_its_grace_is_named_and_a_sigkill_keeps_the_previous_step(
-    tmp_path,
+    tmp_path, four_step_run
 ):
     """The critic's write hangs (VERL_CKPT_FAULT=write:critic=hang), so the out-of-schedule
     save after SIGTERM cannot commit: at checkpoint.preemption.grace_s the driver says so in
     one line naming the critic rank, and the scheduler's SIGKILL of the whole job follows.
     The previous committed step stays the tracker's, verifies, and a new run resumes from it.
     """
-    root = tmp_path / "ckpt"
-    every_2 = (f"checkpoint.root_dir={root}", "checkpoint.save_freq=2")
-    finish(start_recipe(tmp_path / "run1", *every_2, "trainer.total_steps=2"))
-    assert read_tracker(root) == 2
+    # A copy of a run of 4 steps that committed steps 2 and 4.
+    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
+    assert read_tracker(root) == 4
     hung = start_recipe(
         tmp_path / "run2",
         *UNSCHEDULED,
@@ -256,9 +199,13 @@ def test_I1_I5_a_save_that_outlives_its_grace_is_named_and_a_sigkill_keeps_the_p
         output.wait_exit(60)
     assert "checkpoint.preemption.grace_s=4" in line and "critic rank 0" in line, line
     assert "Traceback" not in output.text
-    assert read_tracker(root) == 2
-    assert not any(is_committed(p) for p in root.glob("global_step_*") if p.name != "global_step_2")
-    assert verl_ckpt_cli(["verify", str(root)]) == 0
-    resumed = finish(start_recipe(tmp_path / "run3", *every_2, "trainer.total_steps=4"))
-    assert f"resumed from {step_dir(root, 2)} (step 2)" in resumed
     assert read_tracker(root) == 4
+    assert sorted(p.name for p in root.glob("global_step_*") if is_committed(p)) == [
+        "global_step_2",
+        "global_step_4",
+    ]
+    assert verl_ckpt_cli(["verify", str(root)]) == 0
+    every_2 = (f"checkpoint.root_dir={root}", "checkpoint.save_freq=2")
+    resumed = finish(start_recipe(tmp_path / "run3", *every_2, "trainer.total_steps=6"))
+    assert f"resumed from {step_dir(root, 4)} (step 4)" in resumed
+    assert read_tracker(root) == 6

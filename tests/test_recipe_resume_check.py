@@ -32,26 +32,9 @@ pytestmark = pytest.mark.slow
 SHARD = "actor/__1_0.distcp"  # the second actor rank's first file: real tensor bytes
 
 
-@pytest.fixture(scope="module")
-def produced(tmp_path_factory) -> Path:
-    """A recipe run of 4 steps with saves at 2 and 4, both kept. Tests work on copies."""
-    out = tmp_path_factory.mktemp("produced")
-    finish(
-        start_recipe(
-            out,
-            "trainer.total_steps=4",
-            "checkpoint.save_freq=2",
-            "checkpoint.max_ckpt_to_keep=null",
-            f"checkpoint.root_dir={out / 'ckpt'}",
-        )
-    )
-    assert sorted(list_step_dirs(out / "ckpt")) == [2, 4]
-    return out
-
-
 @pytest.fixture
-def root(produced, tmp_path) -> Path:
-    return Path(shutil.copytree(produced / "ckpt", tmp_path / "ckpt"))
+def root(four_step_run, tmp_path) -> Path:
+    return Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
 
 
 def flip_bit(path: Path) -> None:
@@ -85,7 +68,7 @@ def test_I1_a_damaged_real_shard_is_quarantined_and_start_up_falls_back(root, da
 
 
 def test_I1_I4_the_recipe_refuses_a_bit_flip_then_falls_back_and_continues_exactly(
-    root, produced, tmp_path
+    root, four_step_run, tmp_path
 ):
     damage = step_dir(root, 4) / SHARD
     flip_bit(damage)
@@ -123,7 +106,7 @@ def test_I1_I4_the_recipe_refuses_a_bit_flip_then_falls_back_and_continues_exact
     warning = next(x for x in out.splitlines() if "resume_fallback=previous" in x)
     assert f"{damage}: checksum " in warning and "resuming from step 2" in warning
     assert f"resumed from {step_dir(root, 2)} (step 2)" in out
-    first = read_metrics(produced / "metrics.jsonl")
+    first = read_metrics(four_step_run / "metrics.jsonl")
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):

@@ -27,7 +27,7 @@ from verl_ckpt.remote.transfer import verify_remote_files
 def remote_config(tmp_path, server, bucket, **overrides):
     remote = {"url": f"s3://{bucket}/run", "storage_options": server.storage_options()}
     remote.update(overrides.pop("remote", {}))
-    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "remote": remote, **overrides}
+    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "remote": remote} | overrides
 
 
 def store_of(cfg) -> RemoteStore:
@@ -271,7 +271,11 @@ def test_I1_s3_server_stopped_mid_upload_local_commits_go_on_and_the_next_upload
     what step 2 left remotely has no commit record. After SIGCONT the next upload (step 4)
     commits remotely, verified, and remote retention removes the leftover of step 2."""
     server = own_s3_server
-    cfg = remote_config(tmp_path, server, server.new_bucket(), remote={"max_in_flight": 2})
+    # The uploads' deadline is checkpoint.timeout_s: 15 s fails them sooner than the default
+    # of these tests (60 s), for the same outcome.
+    cfg = remote_config(
+        tmp_path, server, server.new_bucket(), remote={"max_in_flight": 2}, timeout_s=15.0
+    )
     # A stopped server fails a call after the read timeout (s3fs retries it a few times).
     cfg["remote"]["storage_options"] = server.storage_options(read_timeout_s=1.0)
     store = store_of(cfg)

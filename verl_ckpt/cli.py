@@ -243,18 +243,23 @@ def _cmd_verify(root: Path, args: argparse.Namespace) -> int:
     if record.step != step:
         problems.insert(0, f"{path / COMMIT_RECORD_FILENAME}: names step {record.step}, not {step}")
     exports = _verify_exports(path, record, problems)
+    speed = f" in {result.seconds:.3f} s ({result.gb_per_s:.2f} GB/s, {result.threads} threads)"
+    status = _print_verify_verdict(step, record, problems, speed)
+    if status == 0:
+        for line in exports:
+            print(line)
+    return status
+
+
+def _print_verify_verdict(step: int, record: CommitRecord, problems: list[str], speed: str) -> int:
+    """Print `verify`'s verdict on a step (local or remote); its exit status."""
     if problems:
         print(f"FAILED step {step}: {len(problems)} problem(s) in {len(record.files)} files")
         for problem in problems:
             print(problem)
         return EXIT_BAD_CHECKPOINT
     total = sum(entry.size for entry in record.files)
-    print(
-        f"OK step {step}: {len(record.files)} files, {total} bytes verified in "
-        f"{result.seconds:.3f} s ({result.gb_per_s:.2f} GB/s, {result.threads} threads)"
-    )
-    for line in exports:
-        print(line)
+    print(f"OK step {step}: {len(record.files)} files, {total} bytes verified{speed}")
     return 0
 
 

@@ -18,6 +18,7 @@ from verl_ckpt.fsio import (
     atomic_write_bytes,
 )
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.versioned_json import parse_versioned_json
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
@@ -102,16 +103,9 @@ def read_commit_record(step_path: str | Path) -> CommitRecord:
 def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
     """Parse and validate the bytes of a commit record read from `path` (named in errors);
     the remote tier reads its records through this too."""
-    try:
-        raw = json.loads(data.decode())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CommitRecordError(f"commit record {path} is corrupt: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format_version") != COMMIT_FORMAT_VERSION:
-        version = raw.get("format_version") if isinstance(raw, dict) else None
-        raise CommitRecordError(
-            f"commit record {path} has format_version {version!r}; this verl_ckpt reads "
-            f"version {COMMIT_FORMAT_VERSION} only"
-        )
+    raw = parse_versioned_json(
+        data, f"commit record {path}", COMMIT_FORMAT_VERSION, CommitRecordError
+    )
     try:
         files = [FileEntry(**entry) for entry in raw.pop("files")]
         record = CommitRecord(files=files, **raw)

@@ -44,6 +44,7 @@ from verl_ckpt.errors import CheckpointError, CommitRecordError, TrackerError
 from verl_ckpt.fsio import atomic_write_bytes, fsync_dir, remove_stale_temporaries
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
 from verl_ckpt.tracker import read_tracker, write_tracker
+from verl_ckpt.versioned_json import parse_versioned_json
 
 __all__ = [
     "ARCHIVE_PREFIX",
@@ -90,17 +91,12 @@ def read_rollback_intent(root: str | os.PathLike) -> RollbackIntent | None:
     """The pending rollback of `root`, None when there is none. Reads only."""
     path = intent_path(root)
     try:
-        raw = json.loads(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except ValueError as exc:
-        raise RollbackError(f"rollback intent {path} is corrupt: {exc}") from None
-    version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version != ROLLBACK_FORMAT_VERSION:
-        raise RollbackError(
-            f"rollback intent {path} has format_version {version!r}; this verl_ckpt reads "
-            f"version {ROLLBACK_FORMAT_VERSION} only"
-        )
+    raw = parse_versioned_json(
+        data, f"rollback intent {path}", ROLLBACK_FORMAT_VERSION, RollbackError
+    )
     steps = raw.get("steps")
     intent = RollbackIntent(
         raw.get("to"),

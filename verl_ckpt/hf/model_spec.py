@@ -14,6 +14,7 @@ from typing import Any
 
 from verl_ckpt.config import HF_MODEL, CheckpointConfig
 from verl_ckpt.errors import CheckpointError
+from verl_ckpt.versioned_json import parse_versioned_json
 
 __all__ = [
     "MODEL_SPEC_FILENAME",
@@ -106,21 +107,15 @@ def read_model_spec(role_dir: Path) -> dict[str, Any]:
     """The description of the model saved in `role_dir`; ModelSpecError naming the file."""
     path = Path(role_dir) / MODEL_SPEC_FILENAME
     try:
-        spec = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ModelSpecError(
             f"{path} is missing: the step was saved without a model description (its ranks "
             "must pass model_spec=verl_ckpt.describe_gpt_model(model) to save())"
         ) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise ModelSpecError(f"{path} is unreadable: {exc}") from None
-    if not isinstance(spec, dict) or spec.get("format_version") != MODEL_SPEC_VERSION:
-        version = spec.get("format_version") if isinstance(spec, dict) else None
-        raise ModelSpecError(
-            f"{path} has format_version {version!r}; this verl_ckpt reads version "
-            f"{MODEL_SPEC_VERSION} only"
-        )
-    return spec
+    return parse_versioned_json(data, str(path), MODEL_SPEC_VERSION, ModelSpecError)
 
 
 def _plain(value: Any) -> Any:

@@ -15,6 +15,7 @@ from pathlib import Path
 from verl_ckpt.commit_record import FileEntry
 from verl_ckpt.errors import CommitRecordError
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
+from verl_ckpt.versioned_json import parse_versioned_json
 
 __all__ = [
     "EXPORT_DIRNAME",
@@ -59,20 +60,17 @@ def read_export_record(directory: Path) -> ExportRecord:
     """The record of the export in `directory`; CommitRecordError naming the file."""
     path = Path(directory) / EXPORT_RECORD_FILENAME
     try:
-        raw = json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CommitRecordError(
             f"{path} is missing: {directory} is not a complete Hugging Face export "
             "(run `verl-ckpt export` again)"
         ) from None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise CommitRecordError(f"export record {path} is unreadable: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format_version") != EXPORT_FORMAT_VERSION:
-        version = raw.get("format_version") if isinstance(raw, dict) else None
-        raise CommitRecordError(
-            f"export record {path} has format_version {version!r}; this verl_ckpt reads "
-            f"version {EXPORT_FORMAT_VERSION} only"
-        )
+    raw = parse_versioned_json(
+        data, f"export record {path}", EXPORT_FORMAT_VERSION, CommitRecordError
+    )
     try:
         files = [FileEntry(**entry) for entry in raw.pop("files")]
         return ExportRecord(files=files, **raw)

@@ -23,6 +23,7 @@ from verl_ckpt.cli import (
     _inspection_output,
     _locked,
     _print_table,
+    _print_verify_verdict,
     _role_entries,
 )
 from verl_ckpt.commit_record import CommitRecord
@@ -154,14 +155,7 @@ def _verify(store: RemoteStore, args: argparse.Namespace) -> int:
     if record.step != step:
         where = store.uri(step_dir("", step).name, COMMIT_RECORD_FILENAME)
         problems.insert(0, f"{where}: names step {record.step}, not {step}")
-    if problems:
-        print(f"FAILED step {step}: {len(problems)} problem(s) in {len(record.files)} files")
-        for problem in problems:
-            print(problem)
-        return EXIT_BAD_CHECKPOINT
-    total = sum(entry.size for entry in record.files)
-    print(f"OK step {step}: {len(record.files)} files, {total} bytes verified")
-    return 0
+    return _print_verify_verdict(step, record, problems, speed="")
 
 
 def _inspect(store: RemoteStore, args: argparse.Namespace) -> int:
