@@ -43,7 +43,14 @@ from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
-from verl_ckpt.staging import StagingPool, StagingSlot, copy_into, device_ready_events
+from verl_ckpt.snapshot_plan import (
+    SnapshotPlan,
+    check_copied_unchanged,
+    check_live_unchanged,
+    nbytes,
+    split_live,
+)
+from verl_ckpt.staging import StagingPool, copy_into, device_ready_events
 from verl_ckpt.structure import structure_hash
 from verl_ckpt.threads import DaemonPool
 from verl_ckpt.verification import verify_files
@@ -86,15 +93,6 @@ class SaveStats:
 
 
 @dataclass
-class _LiveTensor:
-    """A host tensor written without a copy, with its version counter at save() time."""
-
-    key: str
-    tensor: torch.Tensor
-    version: int
-
-
-@dataclass
 class _Layout:
     """Step 1 on the training thread: what the save group agreed (every collective of a
     save happens here, so that nothing after it may not run on another thread)."""
@@ -110,23 +108,11 @@ class _Layout:
 
 
 @dataclass
-class _Copy:
-    """Step 2's work: the tensors to copy into the slot (with their version counters at
-    save(), to detect a change before a deferred copy), and those written live."""
-
-    slot: StagingSlot
-    items: list[ShardedTensor]
-    versions: list[int]
-    live: list[_LiveTensor]
-    ready: dict = field(default_factory=dict)  # CUDA device -> event, for a deferred copy
-
-
-@dataclass
 class _SaveJob:
     """One save from step 1 to step 4; the save thread takes it over from save()."""
 
     layout: _Layout
-    copy: _Copy
+    copy: SnapshotPlan
     save_id: str
     common_bytes: bytes | None
     stats: SaveStats
@@ -486,16 +472,18 @@ class CheckpointManager:
 
     # ---- step 2: stage -------------------------------------------------------------------
 
-    def _acquire_copy(self, layout: _Layout, deferred: bool = False) -> _Copy:
+    def _acquire_copy(self, layout: _Layout, deferred: bool = False) -> SnapshotPlan:
         """Which tensors to copy (and into which reused buffers), which to write live."""
         tensors = [item for item in layout.items if isinstance(item, ShardedTensor)]
-        live, staged = self._split_live(tensors, layout.sharded.get("optimizer"))
+        # A writer process reads only shared memory: it cannot write live host tensors.
+        offload_aware = self.config.staging.offload_aware and not self._writer.shares_memory
+        live, staged = split_live(tensors, layout.sharded.get("optimizer"), offload_aware)
         sources = [item.data for item in staged]
         slot, dropped = self._pool.acquire([item.key for item in staged], sources)
         for old in dropped:
             self._writer.forget_slot(old)
         ready = device_ready_events(sources) if deferred else {}
-        return _Copy(slot, staged, [t._version for t in sources], live, ready)
+        return SnapshotPlan(slot, staged, [t._version for t in sources], live, ready)
 
     def _snapshot(self, job: _SaveJob) -> None:
         """Steps 1-2 that may run on the save thread: begin the step on the finalizer, copy,
@@ -512,7 +500,7 @@ class CheckpointManager:
         sources = [item.data for item in copy.items]
         job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None)
         if job.stats.snapshot == "deferred":
-            _check_unchanged_before_copy(copy, sources)
+            check_copied_unchanged(copy, sources)
         # From here on the save references the snapshot, never the live tensors.
         for item, buffer in zip(copy.items, copy.slot.buffers, strict=True):
             item.data = buffer
@@ -535,37 +523,9 @@ class CheckpointManager:
         job.stats.plan_s = job.layout.seconds + (time.perf_counter() - copied)
         job.snapshot_taken.set()
 
-    def _split_live(
-        self, tensors: list[ShardedTensor], optimizer_part: dict | None
-    ) -> tuple[list[_LiveTensor], list[ShardedTensor]]:
-        """Offload-aware staging: which optimizer tensors are written live, which are copied.
-
-        Only optimizer state qualifies: an offloading trainer replaces its storage between
-        updates, while parameters are updated in place by every step. A tensor is written
-        live only if it is a whole host tensor (not a view, which megatron-core would clone
-        anyway) and the writer reads this process's memory.
-        """
-        if (
-            not self.config.staging.offload_aware
-            or self._writer.shares_memory
-            or not optimizer_part
-        ):
-            return [], tensors
-        candidates = {id(item) for item in megatron_compat.sharded_items(optimizer_part)}
-        live, staged = [], []
-        for item in tensors:
-            data = item.data
-            whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == _nbytes(data)
-            host = data.device.type == "cpu" and data.is_contiguous() and whole
-            if id(item) in candidates and host:
-                live.append(_LiveTensor(item.key, data, data._version))
-            else:
-                staged.append(item)
-        return live, staged
-
     # ---- steps 3-4: write and report (background) ----------------------------------------
 
-    def _new_job(self, layout: _Layout, copy: _Copy) -> _SaveJob:
+    def _new_job(self, layout: _Layout, copy: SnapshotPlan) -> _SaveJob:
         try:
             # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
             # requires common.pt even when it holds nothing): serialised now, the snapshot.
@@ -580,7 +540,7 @@ class CheckpointManager:
             stage_s=0.0,
             plan_reused=layout.reuse_plan,
             bytes_staged=0,
-            bytes_zero_copy=sum(_nbytes(t.tensor) for t in copy.live),
+            bytes_zero_copy=sum(nbytes(t.tensor) for t in copy.live),
         )
         deadline = time.monotonic() + self._timeout_s
         return _SaveJob(layout, copy, uuid.uuid4().hex, common_bytes, stats, deadline)
@@ -664,7 +624,7 @@ class CheckpointManager:
                 job.deadline,
                 (self.role, self.rank),
             )
-            _check_unchanged(job.copy.live)
+            check_live_unchanged(job.copy.live)
             files = [written for _, written in outcomes]
             if job.common_bytes is not None:
                 files.append(write_common(job.common_bytes, job.directory))
@@ -777,43 +737,10 @@ class _Hooks:
             handle.remove()
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _done_future() -> Future:
     future: Future = Future()
     future.set_result(None)
     return future
-
-
-def _check_unchanged_before_copy(copy: _Copy, sources: list[torch.Tensor]) -> None:
-    """A deferred snapshot is valid only if nothing changed its tensors in place between
-    save() and the end of the copy: the copy may hold a mix of old and new values (I4)."""
-    changed = [
-        item.key
-        for item, tensor, version in zip(copy.items, sources, copy.versions, strict=True)
-        if tensor._version != version
-    ]
-    if changed:
-        raise CheckpointError(
-            f"{len(changed)} tensors were modified in place before the deferred snapshot was "
-            f"taken (e.g. {changed[0]}); the save is discarded. Call manager.fence() (or "
-            "register manager.fence_before(optimizer)) before changing the state"
-        )
-
-
-def _check_unchanged(live: list[_LiveTensor]) -> None:
-    """Fail the save if a tensor written without a copy was changed in place meanwhile:
-    its file may then hold a mix of old and new values (invariant I4)."""
-    changed = [t.key for t in live if t.tensor._version != t.version]
-    if changed:
-        raise CheckpointError(
-            f"{len(changed)} host tensors written without a copy were modified in place before "
-            f"their write ended (e.g. {changed[0]}); the save is discarded. With "
-            "checkpoint.staging.offload_aware=true the trainer must replace offloaded storage "
-            "instead of writing into it, or set offload_aware=false"
-        )
 
 
 def torch_rng_state() -> dict[str, Any]:
