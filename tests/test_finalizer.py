@@ -107,3 +107,25 @@ def test_I5_finalizer_memory_is_flat_over_10000_commits(tmpfs_root):
     assert grown < 256 * 1024, f"finalizer memory grew by {grown} bytes over 9,900 commits"
     assert read_tracker(tmpfs_root) == 10_000
     assert sorted(list_step_dirs(tmpfs_root)) == [9_999, 10_000]
+
+
+def test_wait_for_commit_returns_the_commit_timings_after_the_step_retired(tmp_path):
+    """Regression: every notification of a waiter emptied the summaries of recent commits,
+    so a caller asking once retention had run got the record's summary, with no timings
+    (the benchmark's time-to-durable breakdown read zeros for half of the saves)."""
+
+    async def run() -> dict:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=1)
+        for step in (1, 2):
+            await save_driver_step(finalizer, step)
+        # Retention after step 2 ran and the step left the ledger: it is retired.
+        for _ in range(1000):
+            if finalizer.status()["ledger_size"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert finalizer.status()["ledger_size"] == 0, "step 2 was not retired within 10 s"
+        return await finalizer.wait_for_commit(2, 10.0)
+
+    summary = asyncio.run(run())
+    assert summary["step"] == 2 and summary["tracker"] == 2, summary
+    assert 0 < summary["ready_at"] <= summary["record_at"] <= summary["tracker_at"], summary

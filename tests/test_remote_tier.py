@@ -337,6 +337,49 @@ def test_I1_s3_server_stopped_mid_upload_local_commits_go_on_and_the_next_upload
     close_all(ranks, coordinator)
 
 
+def test_I3_local_retention_keeps_a_step_until_its_upload_ended(
+    lone_rank,  # noqa: F811 - the fixture
+    s3_server,
+    tmp_path,
+):
+    """Regression: with a Hugging Face export queue beside the remote tier, local retention
+    after a commit protected the steps being exported but no longer the steps being uploaded:
+    max_ckpt_to_keep=1 deleted step 1 while its rank was still uploading it, and its upload
+    failed. The rank's upload of step 1 is slowed (the fault hook: no real store can be made
+    slow at will) while step 2 commits: step 1 stays on disk until its upload committed
+    remotely, and only then goes."""
+    cfg = remote_config(
+        tmp_path, s3_server, s3_server.new_bucket(), max_ckpt_to_keep=1, remote={"max_in_flight": 2}
+    )
+    coordinator = CheckpointCoordinator(cfg, {"victim": 1})
+    marker = tmp_path / "upload_slowed"
+    try:
+        ray.get(lone_rank.open_manager.remote(cfg))
+        ray.get(lone_rank.set_env.remote(ONCE_ENV_VAR, str(marker)))
+        ray.get(lone_rank.set_env.remote(ENV_VAR, "upload:victim=sleep=5"))
+        for step in (1, 2):
+            ray.get(lone_rank.save.remote(step))
+            coordinator.save_driver_state(step, {"step": step})
+            coordinator.wait_for_commit(step)
+            if step == 1:
+                wait_for(marker.exists, 60, "the rank did not reach its upload of step 1")
+        assert 1 in list_step_dirs(cfg["root_dir"]), "step 1 deleted while being uploaded"
+        wait_for(
+            lambda: coordinator.remote_status(1)["status"] in ("committed", "failed"),
+            60,
+            "the upload of step 1 did not end",
+        )
+        assert coordinator.remote_status(1)["status"] == "committed", coordinator.remote_status(1)
+        assert coordinator.wait_for_uploads()["tracker"] == 2
+        wait_for(
+            lambda: sorted(list_step_dirs(cfg["root_dir"])) == [2], 30, "local step 1 not deleted"
+        )
+    finally:
+        ray.get(lone_rank.set_env.remote(ENV_VAR, None))
+        ray.get(lone_rank.close.remote(5.0))
+        coordinator.close()
+
+
 def test_I5_a_save_waits_beyond_max_in_flight_uploads_then_names_step_and_url(
     lone_rank,  # noqa: F811 - the fixture
     s3_server,

@@ -225,14 +225,9 @@ class CheckpointFinalizer:
             # Step 8 starts (in the background): the remote tier never delays a local commit.
             if self._remote is not None:
                 self._remote.after_local_commit(step)
-            # Steps still being uploaded are read by the uploads: not deleted yet.
-            protected = self._ledger.in_flight()
-            if self._remote is not None:
-                protected += self._remote.protected()
             try:
-                protected = [*self._ledger.in_flight(), *self._exports.protected()]
                 outcome = await asyncio.to_thread(
-                    apply_retention, self._root, self._keep, protected
+                    apply_retention, self._root, self._keep, self._retention_keeps()
                 )
                 errors = outcome.errors
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
@@ -335,8 +330,9 @@ class CheckpointFinalizer:
 
     async def _retain_again(self) -> None:
         async with self._file_work:
-            protected = self._ledger.in_flight() + self._remote.protected()
-            outcome = await asyncio.to_thread(apply_retention, self._root, self._keep, protected)
+            outcome = await asyncio.to_thread(
+                apply_retention, self._root, self._keep, self._retention_keeps()
+            )
         if outcome.errors:
             logger.error("retention after an upload failed: %s", "; ".join(outcome.errors))
 
@@ -379,11 +375,18 @@ class CheckpointFinalizer:
         except TimeoutError:
             pass
 
+    def _retention_keeps(self) -> list[int]:
+        """Steps that retention must not delete whatever their age: steps in flight, steps
+        queued for or under a Hugging Face export, and steps being uploaded (each is read
+        by whoever works on it). One list for every retention run, so that none forgets one."""
+        keep = {*self._ledger.in_flight(), *self._exports.protected()}
+        if self._remote is not None:
+            keep.update(self._remote.protected())
+        return sorted(keep)
+
     def _notify(self) -> None:
+        # Waiters hold the event they waited on: set it, and give later waits a fresh one.
         self._changed.set()
-        # The summaries of the last commits (with their timings), for waiters that ask after
-        # the step was retired; bounded, like everything the finalizer keeps.
-        self._recent: OrderedDict[int, CommitSummary] = OrderedDict()
         self._changed = asyncio.Event()
         if getattr(self, "_remote", None) is not None:
             self._remote.notify()  # ranks waiting for an upload turn see a failed step
