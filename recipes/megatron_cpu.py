@@ -188,6 +188,9 @@ class TinyGPTConfig:
     ffn_hidden_size: int = 64
     # None: learned_absolute on CPU (rotary needs CUDA), rope on CUDA.
     position_embedding_type: str | None = None
+    # The output layer reuses the word embeddings (GPT-2's layout); megatron-core's default
+    # is an output layer of its own.
+    share_embeddings_and_output_weights: bool = False
 
 
 def build_tiny_gpt(cfg: TinyGPTConfig, seed: int) -> GPTModel:
@@ -218,6 +221,7 @@ def build_tiny_gpt(cfg: TinyGPTConfig, seed: int) -> GPTModel:
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.seq_length,
             position_embedding_type=pos,
+            share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         )
     if _cuda():
         model.cuda(torch.cuda.current_device())

@@ -48,11 +48,14 @@ class RankWorker:
         self.generator = torch.Generator().manual_seed(seed)
         self.manager = None
 
-    def rebuild(self, hidden_size: int, seed: int = 7) -> None:
-        """A new model of another shape (and its optimizer): the saved structure changes."""
+    def rebuild(self, hidden_size: int, seed: int = 7, tied_embeddings: bool = False) -> None:
+        """A new model of another shape (and its optimizer): the saved structure changes.
+        `tied_embeddings`: the output layer reuses the word embeddings (GPT-2's layout)."""
         import dataclasses
 
-        self.cfg = dataclasses.replace(self.cfg, hidden_size=hidden_size)
+        self.cfg = dataclasses.replace(
+            self.cfg, hidden_size=hidden_size, share_embeddings_and_output_weights=tied_embeddings
+        )
         self.model = self.mc.build_tiny_gpt(self.cfg, seed=seed)
         self.optimizer = self.mc.make_adam(self.model)
         self.train(1)

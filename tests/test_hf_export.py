@@ -16,8 +16,9 @@ import pytest
 import ray
 import torch
 
-from tests.conftest import ROLES
+from tests.conftest import ROLES, free_port
 from tests.helpers import close_all, every_rank, open_all, save_everyone
+from tests.rank_worker import RankWorker
 from verl_ckpt import CheckpointCoordinator, export_role, read_tracker, step_dir
 from verl_ckpt.cli import main as verl_ckpt_cli
 from verl_ckpt.commit_record import is_committed
@@ -26,6 +27,7 @@ from verl_ckpt.hf.record import EXPORT_RECORD_FILENAME, export_dir, verify_expor
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never the hub: every model comes from a local directory
 import transformers  # noqa: E402 - the test extra; imported once the hub is off
+from safetensors import safe_open  # noqa: E402 - with transformers
 
 BOTH_GPT = {"actor": "gpt2", "critic": "gpt2"}
 
@@ -93,6 +95,36 @@ def test_step8_export_after_commit_loads_in_transformers_with_megatron_logits_tp
     assert code == 0, out
     assert "OK Hugging Face export of actor (gpt2)" in out
     assert "OK Hugging Face export of critic (gpt2)" in out
+
+
+def test_step8_tied_embeddings_export_as_gpt2_ties_them_tp2(ray_local, tmp_path):
+    """GPT-2 ties lm_head to the word embeddings: a megatron-core GPT built that way
+    (share_embeddings_and_output_weights, no output layer of its own) at TP=2 exports without
+    an lm_head tensor, with tie_word_embeddings set, and transformers' logits equal the
+    megatron-core model's at that step."""
+    port = free_port()
+    ranks = {"actor": [RankWorker.remote("actor", r, 2, port, 2) for r in range(2)]}
+    cfg = config(tmp_path, hf_export={"architectures": {"actor": "gpt2"}})
+    try:
+        ray.get([w.rebuild.remote(32, tied_embeddings=True) for w in ranks["actor"]])
+        coordinator = CheckpointCoordinator(cfg, {"actor": 2})
+        open_all(ranks, cfg)
+        tokens = batch()
+        save_everyone(ranks, coordinator, 1)
+        expected = megatron_logits(ranks, "actor", tokens)
+        coordinator.wait_for_commit(1)
+        outcomes = coordinator.wait_for_exports()
+        assert [(o["step"], o["role"], o["state"]) for o in outcomes] == [(1, "actor", "done")]
+        directory = export_dir(step_dir(cfg["root_dir"], 1), "actor")
+        assert verify_export(directory)[1] == []
+        assert json.loads((directory / "config.json").read_text())["tie_word_embeddings"] is True
+        with safe_open(directory / "model.safetensors", "pt") as exported:
+            assert "lm_head.weight" not in exported.keys()
+        torch.testing.assert_close(hf_logits(directory, tokens), expected, atol=1e-5, rtol=0)
+        close_all(ranks, coordinator)
+    finally:
+        for worker in ranks["actor"]:
+            ray.kill(worker)
 
 
 def test_verl_ckpt_export_writes_a_step_saved_without_hf_model(ranks, tmp_path, capsys):
