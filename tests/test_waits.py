@@ -25,8 +25,18 @@ def interrupt_soon(delay_s: float = 0.3) -> threading.Timer:
     return timer
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT handled as in a trainer started from a terminal (KeyboardInterrupt). A test
+    run started in the background of a shell inherits SIGINT ignored, and Python keeps it
+    so: without this, such a run would wait out the deadline whatever the code does."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("wait", ["wait_for_room", "drain"])
-def test_I5_ctrl_c_while_waiting_for_a_save_is_never_swallowed(wait):
+def test_I5_ctrl_c_while_waiting_for_a_save_is_never_swallowed(wait, ctrl_c_raises):
     """The rank's wait loops caught BaseException around each wait and carried on, so
     Ctrl-C during save() back-pressure, wait() or close() was lost until the deadline."""
     saves = InFlightSaves(limit=1, owner="actor rank 0", timeout_s=60)
