@@ -86,6 +86,9 @@ class DaemonPool:
     def _work(self) -> None:
         lower_priority(self._nice)
         while True:
+            # An idle worker's wait, deliberately without a deadline: every caller bounds
+            # its own wait on the future it was handed, and close() posts _STOP for each
+            # thread and joins them within its timeout (the threads are daemons).
             item = self._tasks.get()
             if item is _STOP:
                 return
