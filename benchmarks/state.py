@@ -56,7 +56,9 @@ class RankState:
     consumes them: verl_ckpt points them at its staging buffers).
     """
 
-    def __init__(self, spec: StateSpec, rank: int, seed: int = 0) -> None:
+    def __init__(self, spec: StateSpec, rank: int, seed: int = 0, device: str = "cpu") -> None:
+        """`device`: where the state lives ("cuda" for the CUDA benchmark); the values are
+        drawn on the host either way, so that every device holds the same state."""
         self.spec, self.rank = spec, rank
         h, tp = spec.hidden, spec.world_size
         if h % tp:
@@ -77,17 +79,18 @@ class RankState:
             ]
         self.layout = layout
         self._originals: dict[tuple[int, str], torch.Tensor] = {}
-        self.params = [
-            torch.nn.Parameter(torch.empty(shape).uniform_(-0.1, 0.1, generator=generator))
-            for _, shape, _ in layout
-        ]
+
+        def drawn(shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+            return torch.empty(shape).uniform_(low, high, generator=generator).to(device)
+
+        self.params = [torch.nn.Parameter(drawn(shape, -0.1, 0.1)) for _, shape, _ in layout]
         self.optimizer = torch.optim.Adam(self.params, lr=1e-4)
         for p in self.params:
             # What Adam holds after some steps; filled so that every page is resident.
             self.optimizer.state[p] = {
                 "step": torch.tensor(10.0),
-                "exp_avg": torch.empty_like(p).uniform_(-1e-3, 1e-3, generator=generator),
-                "exp_avg_sq": torch.empty_like(p).uniform_(0, 1e-6, generator=generator),
+                "exp_avg": drawn(p.shape, -1e-3, 1e-3),
+                "exp_avg_sq": drawn(p.shape, 0, 1e-6),
             }
 
     # ---- what a training step does to this memory -----------------------------------------

@@ -11,6 +11,10 @@ from pathlib import Path
 # this variable does; it must be set before ray is imported, and Ray's own processes
 # inherit it. Multi-node tests still run several nodes, all on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# On a GPU machine, actors that ask for no GPU must not see one: the CPU tests' ranks would
+# otherwise build NCCL groups of several ranks on one device (refused by NCCL). Ray hid the
+# GPUs from such actors until 2.4x; this variable, read by each worker, restores that.
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
@@ -38,7 +42,13 @@ def ray_local():
         num_cpus=4,
         include_dashboard=False,
         namespace="verl_ckpt_tests",
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}},
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": pythonpath,
+                "OMP_NUM_THREADS": "1",
+                "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1",
+            }
+        },
         log_to_driver=False,
     )
     yield

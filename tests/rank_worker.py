@@ -60,6 +60,17 @@ class RankWorker:
         self.optimizer = self.mc.make_adam(self.model)
         self.train(1)
 
+    def placement(self) -> dict[str, str]:
+        """Where this rank's state lives and which backend its group has (the CUDA tests)."""
+        import torch.distributed as dist
+
+        moments = [s["exp_avg"] for s in self.optimizer.state.values()]
+        return {
+            "backend": str(dist.get_backend(self.group)),
+            "parameters": str(next(self.model.parameters()).device),
+            "optimizer": str(moments[0].device),
+        }
+
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -88,16 +99,17 @@ class RankWorker:
         return losses
 
     def state_copy(self) -> dict[str, torch.Tensor]:
-        """Every tensor of model and optimizer, cloned (what a correct load must restore)."""
+        """Every tensor of model and optimizer, copied to host memory (what a correct load must
+        restore)."""
         state = {
-            f"model.{k}": v.detach().clone()
+            f"model.{k}": v.detach().to("cpu", copy=True)
             for k, v in self.model.state_dict().items()
             if isinstance(v, torch.Tensor)
         }
         for i, (param, s) in enumerate(self.optimizer.state.items()):
             del param
             for name, value in s.items():
-                state[f"optim.{i}.{name}"] = value.detach().clone()
+                state[f"optim.{i}.{name}"] = value.detach().to("cpu", copy=True)
         return state
 
     def save(
@@ -247,7 +259,7 @@ class RankWorker:
         template = {"model": self.model.sharded_state_dict()}
         loaded = dist_checkpointing.load(template, role_dir)
         return {
-            f"model.{k}": v.clone()
+            f"model.{k}": v.to("cpu", copy=True)
             for k, v in loaded["model"].items()
             if isinstance(v, torch.Tensor)
         }

@@ -1,8 +1,10 @@
 """The CUDA staging path: pinned host buffers and asynchronous device-to-host copies.
 
 These run only where torch sees a GPU (they are skipped, by marker, on CPU-only machines and
-in CI). On a GPU they check the snapshot semantics of invariant I4 for device tensors and
-print the device-to-host throughput next to the pinned-copy limit measured the same way.
+in CI). On a GPU they check the snapshot semantics of invariant I4 for device tensors, print
+the device-to-host throughput next to the pinned-copy limit measured the same way, and run a
+real Megatron rank on the GPU in a Ray actor, with the NCCL process group a GPU trainer has:
+a saved step (copied now, and deferred onto a side stream) loads back bit-exact.
 """
 
 from __future__ import annotations
@@ -10,8 +12,18 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 import torch
 
+from tests.conftest import free_port
+from tests.helpers import close_all, open_all, save_everyone
+from verl_ckpt import (
+    CheckpointCoordinator,
+    CheckpointWriteError,
+    StepNotCommittedError,
+    read_tracker,
+)
+from verl_ckpt.faults import ENV_VAR
 from verl_ckpt.staging import StagingPool, copy_into
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -22,10 +34,14 @@ def device_tensors(total_mib: int = 256, parts: int = 16) -> list[torch.Tensor]:
     return [torch.randn(numel, device="cuda") for _ in range(parts)]
 
 
+def keys(tensors: list[torch.Tensor]) -> list[str]:
+    return [f"tensor.{i}" for i in range(len(tensors))]
+
+
 def test_I4_pinned_buffers_hold_the_snapshot_of_device_tensors():
     tensors = device_tensors(64)
     pool = StagingPool(slots=1, pin_memory=True)
-    slot, _ = pool.acquire("structure", tensors)
+    slot, _ = pool.acquire(keys(tensors), tensors)
     assert all(b.is_pinned() for b in slot.buffers)
     expected = [t.cpu() for t in tensors]
     copy_into(slot, tensors)
@@ -43,12 +59,12 @@ def test_I4_pinned_buffers_hold_the_snapshot_of_device_tensors():
 def test_staging_buffers_are_reused_across_saves():
     tensors = device_tensors(16)
     pool = StagingPool(slots=1, pin_memory=True)
-    first, _ = pool.acquire("structure", tensors)
+    first, _ = pool.acquire(keys(tensors), tensors)
     pool.release(first)
-    second, dropped = pool.acquire("structure", tensors)
+    second, dropped = pool.acquire(keys(tensors), tensors)
     assert second is first and dropped == []
     pool.release(second)
-    third, dropped = pool.acquire("changed", tensors[:-1])
+    third, dropped = pool.acquire(keys(tensors[:-1]), tensors[:-1])
     assert third is not first and dropped == [first]
 
 
@@ -56,7 +72,7 @@ def test_device_to_host_throughput_against_the_pinned_copy_limit(capsys):
     tensors = device_tensors(512)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     pool = StagingPool(slots=1, pin_memory=True)
-    slot, _ = pool.acquire("structure", tensors)
+    slot, _ = pool.acquire(keys(tensors), tensors)
     copy_into(slot, tensors)  # warm up
     flat_pinned = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
     flat_device = torch.cat(tensors)
@@ -76,3 +92,68 @@ def test_device_to_host_throughput_against_the_pinned_copy_limit(capsys):
             best = min(values)
             print(f"\n{name}: {nbytes / best / 1e9:.1f} GB/s ({nbytes >> 20} MiB in {best:.4f} s)")
     assert all(torch.equal(b, t.cpu()) for b, t in zip(slot.buffers, tensors, strict=True))
+
+
+@pytest.fixture(scope="module")
+def gpu_rank(ray_local):
+    """One Megatron rank on the GPU (num_gpus=1: Ray hides the GPUs from other actors), its
+    process group NCCL, as megatron_cpu.init_distributed makes it when CUDA is present."""
+    from tests.rank_worker import RankWorker
+
+    worker = RankWorker.options(num_gpus=1).remote("actor", 0, 1, free_port(), 1)
+    ray.get(worker.train.remote(1))
+    yield {"actor": [worker]}
+    ray.kill(worker)
+
+
+def gpu_config(tmp_path, **overrides):
+    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 120.0, **overrides}
+
+
+def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(gpu_rank, tmp_path):
+    placement = ray.get(gpu_rank["actor"][0].placement.remote())
+    assert placement == {"backend": "nccl", "parameters": "cuda:0", "optimizer": "cuda:0"}
+    cfg = gpu_config(tmp_path, snapshot="deferred")
+    coordinator = CheckpointCoordinator(cfg, {"actor": 1})
+    open_all(gpu_rank, cfg)
+    first = save_everyone(gpu_rank, coordinator, 1)
+    assert {s["snapshot"] for s in first} == {"now"}  # the first save plans: copied at once
+    coordinator.wait_for_commit(1)
+    before = ray.get(gpu_rank["actor"][0].state_copy.remote())
+    # The copy of step 2 runs on a side stream after save() returns; the trainer fences,
+    # then changes every parameter and optimizer tensor in place on the GPU.
+    second = save_everyone(gpu_rank, coordinator, 2, after="fence, inplace")
+    assert {s["snapshot"] for s in second} == {"deferred"}
+    coordinator.wait_for_commit(2)
+    assert read_tracker(cfg["root_dir"]) == 2
+    ray.get(gpu_rank["actor"][0].load.remote(2))
+    after = ray.get(gpu_rank["actor"][0].state_copy.remote())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before)
+    # I7: megatron-core alone reads the step written from device tensors.
+    plain = ray.get(
+        gpu_rank["actor"][0].plain_megatron_load.remote(f"{cfg['root_dir']}/global_step_2/actor")
+    )
+    assert all(torch.equal(plain[k].cpu(), before[k]) for k in plain if k in before)
+    close_all(gpu_rank, coordinator)
+
+
+def test_I4_a_device_change_before_the_fence_fails_the_deferred_save(gpu_rank, tmp_path):
+    cfg = gpu_config(tmp_path, snapshot="deferred")
+    coordinator = CheckpointCoordinator(cfg, {"actor": 1})
+    open_all(gpu_rank, cfg)
+    save_everyone(gpu_rank, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    rank = gpu_rank["actor"][0]
+    ray.get(rank.set_env.remote(ENV_VAR, "stage:actor=sleep=1"))
+    try:
+        # No fence: the trainer's in-place update is queued on the GPU before the copy.
+        save_everyone(gpu_rank, coordinator, 2, after="inplace")
+        with pytest.raises(CheckpointWriteError, match="modified in place before the deferred"):
+            ray.get(rank.wait.remote())
+        with pytest.raises(StepNotCommittedError, match="in place"):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(rank.set_env.remote(ENV_VAR, None))
+    assert read_tracker(cfg["root_dir"]) == 1
+    close_all(gpu_rank, coordinator)

@@ -1,10 +1,11 @@
 """CheckpointManager: the per-rank half of verl_ckpt, living inside each Megatron worker.
 
 `save()` runs protocol steps 1 (plan) and 2 (stage) in the training thread and returns;
-steps 3 (write) and 4 (report) run on the rank's save thread (protocol.py). With
-`snapshot="deferred"`, step 2 moves to the save thread as well, and the trainer calls
-`fence()` before it next changes the state. Completion is never polled with collectives
-(I6): the finalizer learns it from the report.
+steps 3 (write) and 4 (report) run on the rank's save thread (protocol.py). A save whose
+plan is cached leaves only the agreement and the copy to the training thread: begin_step
+and the plan follow on the save thread. With `snapshot="deferred"`, the copy moves to the
+save thread as well, and the trainer calls `fence()` before it next changes the state.
+Completion is never polled with collectives (I6): the finalizer learns it from the report.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from verl_ckpt.errors import (
 )
 from verl_ckpt.file_writer import serialize_common, write_common
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, get_finalizer
+from verl_ckpt.group_agreement import Statement, agree_on_save
 from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
@@ -82,6 +83,9 @@ class SaveStats:
     bytes_zero_copy: int = 0
     # "now", or "deferred": the copy (stage_s) ran in the background, after save() returned.
     snapshot: str = "now"
+    # The finalizer's begin_step round trip (it waits while max_in_flight steps are
+    # uncommitted, retention included); on the save thread when the plan is reused.
+    begin_s: float | None = None
     write_s: float | None = None
     # Of write_s: the fsyncs of this rank's files, and the report's round trip.
     fsync_s: float | None = None
@@ -260,18 +264,27 @@ class CheckpointManager:
         self._in_flight.wait_for_room()
         if self._uploads is not None:
             self._uploads.wait_for_room()  # at most remote.max_in_flight uploads pending
-        layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1
+        layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1: agree
         deferred = deferred and layout.reuse_plan
+        # A save whose plan is reused needs no collective after the agreement: begin_step
+        # (which may wait for an earlier step's commit and retention: back-pressure) and the
+        # plan then run on the save thread, so that the trainer waits for the copy alone. A
+        # save that plans over the group does it all here, as collectives must.
+        background = layout.reuse_plan and self._save_thread is not None
         job = self._new_job(layout, self._acquire_copy(layout, deferred))
         job.stats.snapshot = "deferred" if deferred else "now"
         job.model_spec_bytes = spec_bytes
         if not deferred:
             try:
-                self._snapshot(job)  # steps 1-2: from here on the live tensors are free
+                if not background:
+                    self._begin(job)
+                self._copy(job)  # step 2: from here on the live tensors are free
+                if not background:
+                    self._plan(job)
             except Exception as exc:
                 self._abandon(job, Phase.STAGE, exc)
                 raise
-        self._launch(job, deferred)  # steps 3-4 (and a deferred 2) on the save thread
+        self._launch(job, deferred, background)  # steps 3-4, and what 1-2 left, in the back
         job.stats.blocking_s = time.perf_counter() - started
         return job.stats
 
@@ -437,38 +450,19 @@ class CheckpointManager:
         return _Layout(step, sharded, common, items, digest, reuse, distribution, seconds)
 
     def _agree_with_group(self, step: int, digest: str) -> bool:
-        """Check that every rank saves the same step under the same root; decide plan reuse.
-
-        A monitored barrier first (gloo), so that a rank that never calls save() is named in
-        an error after the deadline instead of hanging the others; then one all-gather of a
-        few bytes. Ranks that disagree fail here together, before anything is written.
-        """
-        if dist.get_backend(self._group) == "gloo":
-            try:
-                dist.monitored_barrier(
-                    self._group, timeout=timedelta(seconds=self._timeout_s), wait_all_ranks=True
-                )
-            except RuntimeError as exc:
-                raise CommitTimeoutError(
-                    f"{self.role} rank {self.rank}: not every rank of the save group called "
-                    f"save({step}) within {self._timeout_s:g}s: {exc}"
-                ) from None
+        """Check that every rank saves the same step under the same root (group_agreement);
+        the cached plan is reused only if every rank's still fits."""
         cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
-        # One all-gather of three integers (not all_gather_object: two collectives and
-        # pickling, milliseconds that a deferred save's blocking time cannot spare).
-        mine = torch.tensor([step, self._root_id, int(cached)], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
-        if len({(int(t[0]), int(t[1])) for t in everyone}) != 1:
-            listing = ", ".join(
-                f"rank {i}: step {int(t[0])}"
-                + ("" if int(t[1]) == self._root_id else " under another checkpoint.root_dir")
-                for i, t in enumerate(everyone)
-            )
-            raise CheckpointError(
-                f"ranks of role {self.role} disagree on what to save under {self._root}: {listing}"
-            )
-        return self.config.assume_constant_structure and all(int(t[2]) for t in everyone)
+        statements = agree_on_save(
+            Statement(step, self._root_id, cached),
+            self._group,
+            self.world_size,
+            self._timeout_s,
+            self.role,
+            self.rank,
+            str(self._root),
+        )
+        return self.config.assume_constant_structure and all(s.plan_cached for s in statements)
 
     # ---- step 2: stage -------------------------------------------------------------------
 
@@ -485,15 +479,19 @@ class CheckpointManager:
         ready = device_ready_events(sources) if deferred else {}
         return SnapshotPlan(slot, staged, [t._version for t in sources], live, ready)
 
-    def _snapshot(self, job: _SaveJob) -> None:
-        """Steps 1-2 that may run on the save thread: begin the step on the finalizer, copy,
-        plan the writes over the copies (no collective: the plan is cached or was gathered
-        in _layout). Sets snapshot_taken."""
+    def _begin(self, job: _SaveJob) -> None:
+        """Step 1's begin_step on the finalizer: the step's directory for this rank."""
+        started = time.perf_counter()
         job.directory = Path(
             self._call_finalizer(
                 "begin_step", job.step, self.role, self.rank, self.world_size, self._timeout_s
             )
         )
+        job.stats.begin_s = time.perf_counter() - started
+
+    def _copy(self, job: _SaveJob) -> None:
+        """Step 2: copy into the staging slot; from then on the save references the copies,
+        never the live tensors. A deferred copy checks that nothing changed them first."""
         faults.inject("stage", self.role, self.rank)
         started = time.perf_counter()
         copy = job.copy
@@ -501,10 +499,14 @@ class CheckpointManager:
         job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None)
         if job.stats.snapshot == "deferred":
             check_copied_unchanged(copy, sources)
-        # From here on the save references the snapshot, never the live tensors.
         for item, buffer in zip(copy.items, copy.slot.buffers, strict=True):
             item.data = buffer
-        copied = time.perf_counter()
+        job.stats.stage_s = time.perf_counter() - started
+
+    def _plan(self, job: _SaveJob) -> None:
+        """Step 1's plan over the copies, into the step's directory: gathered over the group
+        (training thread only) unless the cached plan is reused (no collective)."""
+        started = time.perf_counter()
         job.prepared = megatron_compat.plan_save(
             job.layout.sharded,
             job.directory,
@@ -514,14 +516,9 @@ class CheckpointManager:
             self._plan_cache if job.layout.reuse_plan else None,
             job.layout.distribution,
         )
-        # Before snapshot_taken: the next save() (after fence) reads the cache.
         if self.config.assume_constant_structure:
             self._plan_cache = job.prepared.plan_cache
-        job.stats.stage_s = copied - started
-        # begin_step's round trip is not planning: it may wait for an earlier step to commit
-        # (back-pressure).
-        job.stats.plan_s = job.layout.seconds + (time.perf_counter() - copied)
-        job.snapshot_taken.set()
+        job.stats.plan_s = job.layout.seconds + (time.perf_counter() - started)
 
     # ---- steps 3-4: write and report (background) ----------------------------------------
 
@@ -545,40 +542,49 @@ class CheckpointManager:
         deadline = time.monotonic() + self._timeout_s
         return _SaveJob(layout, copy, uuid.uuid4().hex, common_bytes, stats, deadline)
 
-    def _launch(self, job: _SaveJob, deferred: bool) -> None:
+    def _launch(self, job: _SaveJob, deferred: bool, background: bool) -> None:
         if self._save_thread is None:
             self._write_and_report(job)
             self._in_flight.add(job.step, job.deadline, _done_future(), job.stats)
             self._in_flight.collect()
             return
         label = f"save of step {job.step}"
-        run = self._deferred_then_write if deferred else self._write_and_report
-        future = self._save_thread.submit(run, job, label=label)
+        future = self._save_thread.submit(
+            self._in_background, job, deferred, background, label=label
+        )
         self._in_flight.add(job.step, job.deadline, future, job.stats)
         if deferred:
             self._unfenced = job
 
-    def _deferred_then_write(self, job: _SaveJob) -> None:
+    def _in_background(self, job: _SaveJob, deferred: bool, background: bool) -> None:
+        """On the save thread: a deferred copy (then fence() returns), begin_step and the
+        cached plan if save() left them, then steps 3-4."""
+        phase = Phase.STAGE
         try:
-            self._snapshot(job)
+            if deferred:
+                try:
+                    self._copy(job)
+                finally:
+                    job.snapshot_taken.set()  # fence() returns; a failure is raised below
+            if background:
+                phase = Phase.PLAN
+                self._begin(job)
+                self._plan(job)
         except Exception as exc:
-            self._abandon(job, Phase.STAGE, exc)
+            self._abandon(job, phase, exc)
             job.stats.error = f"{type(exc).__name__}: {exc}"
             raise CheckpointWriteError(
                 f"{self.role} rank {self.rank} failed to save step {job.step} under "
                 f"{self._root}: {type(exc).__name__}: {exc}"
             ) from exc
-        finally:
-            job.snapshot_taken.set()  # fence() returns; a failure is raised by save()/wait()
         self._write_and_report(job)
 
     def _abandon(self, job: _SaveJob, phase: Phase, exc: BaseException) -> None:
         """Steps 1-2 failed after the staging slot was taken: free it, and tell the
-        finalizer (if the step began), so that the step fails now rather than at the
-        deadline."""
+        finalizer, so that the step fails now rather than at the deadline."""
         self._pool.release(job.copy.slot)
-        if job.directory is None:
-            return
+        # Reported even before begin_step (a copy that failed first): the step then fails
+        # for every rank now, instead of at the deadline.
         report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
         report.failure = Failure.from_exception(self.role, self.rank, phase, exc)
         try:

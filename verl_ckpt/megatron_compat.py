@@ -215,7 +215,13 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
     no rank needs the others, and ranks that do not load are never waited for), and whole
     tensors are read straight into place (direct_reader.DirectFileSystemReader)."""
 
-    def load(self, sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
+    def load(
+        self, sharded_state_dict: dict, checkpoint_dir: Path, async_strategy: str = "mcore"
+    ) -> dict:
+        # megatron-core 0.19 passes how the checkpoint was saved asynchronously ("mcore" or
+        # NVRx's "nvrx"; 0.16 passes nothing). Both write the same torch_dist layout, which
+        # is all this reader reads, so the argument changes nothing here.
+        del async_strategy
         from torch.distributed import checkpoint
 
         from verl_ckpt.direct_reader import DirectFileSystemReader

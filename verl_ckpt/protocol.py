@@ -25,11 +25,15 @@ after a whole-job restart (everything killed, the job started again).
                       root the same way and writes the root marker that ranks read back.
 
  1. plan              rank, training thread. Deadline: timeout_s.
-                      Agree with the save group (monitored barrier, one all-gather), then
+                      Agree with the save group (group_agreement: one all-gather, after a
+                      monitored barrier on gloo; none for a group of one rank), then
                       `begin_step` on the finalizer: it waits while max_in_flight steps are
                       uncommitted, removes an uncommitted leftover of the step, creates the
                       directory. Then validate sharding and build the DCP plan (cached while
                       the structure hash holds). Durable: an empty step directory.
+                      With a cached plan (no collective left), begin_step and the plan run
+                      on the save thread after step 2: the trainer never waits for an
+                      earlier step's commit or retention (the back-pressure still holds).
                       Crash: the directory is an uncommitted leftover, removed when the step
                       is saved again.
  2. stage             rank, training thread (the only other blocking part).

@@ -1,0 +1,358 @@
+"""The CUDA staging path, measured on a GPU: `python -m benchmarks.cuda_path`.
+
+One rank in this process holds the benchmark state (benchmarks/state.py) on the GPU, its
+process group "cpu:gloo,cuda:nccl" (world size 1), the finalizer in a local Ray on 127.0.0.1.
+Measured in one run, side by side:
+  floors     one flat device-to-host copy into pinned memory (the pinned peak) and into
+             pageable memory; the write floor (the same bytes from host memory to files,
+             fsynced);
+  staging    verl_ckpt's `copy_into` of the state, tensor by tensor, into its reused pinned
+             slot, on the training thread's stream and on a side stream after an event (the
+             deferred snapshot);
+  saves      verl_ckpt thread writer with snapshot "now" and "deferred" (blocking, fence,
+             time to commit), against DCP `async_save` with a pinned, asynchronous,
+             non-blocking `DefaultStager` (blocking, staging done, durable), same tensors;
+  trainer    a burst of GPU compute (bf16 matrix products, what rollout and log-prob
+             passes do in the idle window) alone, and started right after save() of each
+             kind: the copy on the side stream must leave it alone.
+Writes benchmarks/results_cuda.md and results_cuda.json (or --out-dir). Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.state import RankState, describe, spec_for_size
+
+__all__ = ["main"]
+
+DCP_STAGERS = {
+    "DCP async_save, DefaultStager async": "default async",
+    "DCP async_save, DefaultStager": "default",
+    "DCP async_save, BlockingAsyncStager cached": "blocking",
+}
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+class ComputeBurst:
+    """What the trainer's GPU does in the idle window: matrix products that touch none of the
+    saved state. Timed with CUDA events (the GPU's own time for the burst)."""
+
+    def __init__(self, products: int = 40, size: int = 8192) -> None:
+        self.a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        self.products = products
+
+    def run(self) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.products):
+            torch.mm(self.a, self.b)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
+def floors(state: RankState, reps: int) -> dict[str, list[float]]:
+    tensors = list(state.tensors().values())
+    nbytes = state.nbytes
+    flat_device = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    pinned = torch.empty_like(flat_device, device="cpu").pin_memory()
+    pageable = torch.empty_like(flat_device, device="cpu")
+    pageable.zero_()
+    out: dict[str, list[float]] = {"pinned peak": [], "pageable": [], "write floor": []}
+    workdir = Path(tempfile.mkdtemp(prefix="cuda_floor_"))
+    host = [t.cpu() for t in tensors]
+    for _ in range(reps):
+        out["pinned peak"].append(_seconds(lambda: pinned.copy_(flat_device, non_blocking=True)))
+        out["pageable"].append(_seconds(lambda: pageable.copy_(flat_device)))
+        out["write floor"].append(_write_floor(host, workdir))
+    shutil.rmtree(workdir)
+    return out
+
+
+def _write_floor(tensors: list[torch.Tensor], workdir: Path) -> float:
+    start = time.perf_counter()
+    path = workdir / "floor.bin"
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(memoryview(t.numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+def staging(state: RankState, reps: int) -> dict[str, list[float]]:
+    from verl_ckpt.staging import StagingPool, copy_into, device_ready_events
+
+    tensors = list(state.tensors().values())
+    pool = StagingPool(slots=1, pin_memory=True)
+    slot, _ = pool.acquire([str(i) for i in range(len(tensors))], tensors)
+    copy_into(slot, tensors)  # warm
+    out: dict[str, list[float]] = {"copy_into, training stream": [], "copy_into, side stream": []}
+    for _ in range(reps):
+        out["copy_into, training stream"].append(_seconds(lambda: copy_into(slot, tensors)))
+        out["copy_into, side stream"].append(
+            _seconds(lambda: copy_into(slot, tensors, device_ready_events(tensors)))
+        )
+    assert all(torch.equal(b, t.cpu()) for b, t in zip(slot.buffers, tensors, strict=True))
+    pool.release(slot)
+    return out
+
+
+def verl_saves(
+    state: RankState, root: Path, snapshot: str, reps: int, burst: ComputeBurst
+) -> dict[str, list[float]]:
+    from verl_ckpt import CheckpointCoordinator, CheckpointManager
+
+    config = {
+        "root_dir": str(root),
+        "save_contents": ["model", "optimizer"],
+        "load_contents": ["model", "optimizer"],
+        "timeout_s": 600.0,
+        "snapshot": snapshot,
+        "max_ckpt_to_keep": 2,
+        "writer": {"mode": "thread", "threads": 2},
+    }
+    coordinator = CheckpointCoordinator(config, {"bench": 1}, save_driver_state=False)
+    manager = CheckpointManager(config, "bench", 0, 1)
+    manager.prepare(
+        model=state.model_sharded_state_dict(), optimizer=state.optimizer_sharded_state_dict()
+    )
+    out: dict[str, list[float]] = {
+        "blocking": [],
+        "fence after burst": [],
+        "durable": [],
+        "burst after save": [],
+    }
+    # The rank's own figures (SaveStats), for where the time goes.
+    for key in ("stage_s", "plan_s", "begin_s", "write_s", "fsync_s"):
+        out[key] = []
+    try:
+        for step in range(1, reps + 2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            stats = manager.save(
+                step,
+                model=state.model_sharded_state_dict(),
+                optimizer=state.optimizer_sharded_state_dict(),
+            )
+            blocking = time.perf_counter() - start
+            burst_s = burst.run()  # the idle window's compute, while the snapshot is copied
+            fence_start = time.perf_counter()
+            manager.fence()
+            fence_s = time.perf_counter() - fence_start
+            coordinator.wait_for_commit(step, timeout_s=600)
+            durable = time.perf_counter() - start
+            if step == 1:
+                continue  # the first save of a deferred run copies now (it plans)
+            for key, value in zip(out, (blocking, fence_s, durable, burst_s), strict=False):
+                out[key].append(value)
+            manager.wait()
+            for key in ("stage_s", "plan_s", "begin_s", "write_s", "fsync_s"):
+                out[key].append(getattr(stats, key) or 0.0)
+    finally:
+        manager.close()
+        coordinator.close()
+    return out
+
+
+def dcp_saves(state: RankState, root: Path, reps: int, burst: ComputeBurst, stager: str) -> dict:
+    """DCP `async_save` of the state as DTensors on a CUDA mesh (as torchtitan saves), with a
+    long-lived stager: "default async" (`DefaultStager`, pinned, the device-to-host copy on
+    DCP's staging thread), "default" (the same, copying inside async_save) or "blocking"
+    (`BlockingAsyncStager` with its pinned staged state dict cached: torchtitan's earlier
+    choice)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import (
+        BlockingAsyncStager,
+        DefaultStager,
+        StagingOptions,
+    )
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (1,))
+    if stager == "blocking":
+        stager_obj = BlockingAsyncStager(cache_staged_state_dict=True)
+    else:
+        asynchronous = stager == "default async"
+        stager_obj = DefaultStager(StagingOptions(True, False, asynchronous, asynchronous))
+    out: dict[str, list[float]] = {
+        "blocking": [],
+        "staged after burst": [],
+        "durable": [],
+        "burst after save": [],
+    }
+    try:
+        for step in range(1, reps + 2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            response = dcp.async_save(
+                state.dtensor_state_dict(mesh),
+                checkpoint_id=str(root / f"step_{step}"),
+                async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                async_stager=stager_obj,
+            )
+            blocking = time.perf_counter() - start
+            burst_s = burst.run()
+            staged_start = time.perf_counter()
+            staging = getattr(response, "staging_completion", None)
+            if staging is not None:
+                staging.result()
+            staged_s = time.perf_counter() - staged_start
+            getattr(response, "upload_completion", response).result()
+            durable = time.perf_counter() - start
+            if step == 1:
+                continue  # DCP's stager allocates its pinned buffers on the first save
+            for key, value in zip(out, (blocking, staged_s, durable, burst_s), strict=True):
+                out[key].append(value)
+    finally:
+        stager_obj.close()
+    return out
+
+
+def _init_single_rank() -> None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    # DCP's async_save needs a CPU backend beside NCCL (it refuses an NCCL-only group).
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=store, rank=0, world_size=1)
+    torch.cuda.set_device(0)
+
+
+def _report(results: dict[str, Any], nbytes: int) -> str:
+    lines = [f"# CUDA staging path\n\n{results['meta']['state']}\n"]
+    lines.append(f"Device: {results['meta']['device']}; torch {results['meta']['torch']}.\n")
+    lines.append("| what | median s | GB/s |\n|---|---|---|")
+    for section in ("floors", "staging"):
+        for name, values in results[section].items():
+            seconds = _median(values)
+            lines.append(f"| {name} | {seconds:.4f} | {nbytes / seconds / 1e9:.1f} |")
+    peak = _median(results["floors"]["pinned peak"])
+    for name in ("copy_into, training stream", "copy_into, side stream"):
+        ratio = _median(results["staging"][name]) / peak
+        lines.append(f"\n{name}: {ratio:.2f}x the pinned peak")
+    alone = _median(results["burst alone"])
+    write_floor = _median(results["floors"]["write floor"])
+    lines.append("\n| save | blocking s | snapshot wait s | durable s | burst vs alone |")
+    lines.append("|---|---|---|---|---|")
+    for name, values in results["saves"].items():
+        wait_key = "fence after burst" if "fence after burst" in values else "staged after burst"
+        lines.append(
+            f"| {name} | {_median(values['blocking']):.4f} | {_median(values[wait_key]):.4f} "
+            f"| {_median(values['durable']):.3f} | "
+            f"{_median(values['burst after save']) / alone:.3f}x |"
+        )
+    lines.append(
+        "\n| verl_ckpt (rank's SaveStats, median s) | copy | plan | begin | write | fsync |"
+    )
+    lines.append("|---|---|---|---|---|---|")
+    for name, values in results["saves"].items():
+        if "stage_s" in values:
+            keys = ("stage_s", "plan_s", "begin_s", "write_s", "fsync_s")
+            lines.append(
+                f"| {name} | " + " | ".join(f"{_median(values[k]):.4f}" for k in keys) + " |"
+            )
+    lines.append(f"\nBurst alone: {alone:.4f} s. Write floor {write_floor:.3f} s.")
+    if "verl_ckpt thread, now" not in results["saves"]:
+        return "\n".join(lines + [f"{n} failed: {e}" for n, e in results["errors"].items()])
+    ours = _median(results["saves"]["verl_ckpt thread, now"]["durable"])
+    lines.append(f"verl_ckpt durable: {ours / write_floor:.2f}x the write floor.")
+    for name in DCP_STAGERS:
+        if name in results["saves"]:
+            dcp = _median(results["saves"][name]["durable"])
+            lines.append(f"verl_ckpt durable: {ours / dcp:.2f}x {name}'s.")
+    for name, error in results["errors"].items():
+        lines.append(f"\n{name} failed: {error}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=2.0)
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.cuda_path needs a CUDA device")
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    _init_single_rank()
+    spec = spec_for_size(int(args.size_gib * 2**30), world_size=1)
+    state = RankState(spec, rank=0, device="cuda")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="verl_ckpt_cuda_"))
+    burst = ComputeBurst()
+    burst.run()
+    results: dict[str, Any] = {
+        "meta": {
+            "state": describe(spec),
+            "device": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "bytes": state.nbytes,
+        }
+    }
+    try:
+        results["floors"] = floors(state, args.reps)
+        results["staging"] = staging(state, args.reps)
+        results["burst alone"] = [burst.run() for _ in range(args.reps)]
+        results["saves"], results["errors"] = {}, {}
+        systems = {
+            "verl_ckpt thread, now": lambda d: verl_saves(state, d, "now", args.reps, burst),
+            "verl_ckpt thread, deferred": lambda d: verl_saves(
+                state, d, "deferred", args.reps, burst
+            ),
+        }
+        for name, kind in DCP_STAGERS.items():
+            systems[name] = lambda d, kind=kind: dcp_saves(state, d, args.reps, burst, kind)
+        for index, (name, run) in enumerate(systems.items()):
+            try:
+                results["saves"][name] = run(workdir / f"system_{index}")
+            except Exception as exc:  # reported, and the other systems still run
+                results["errors"][name] = f"{type(exc).__name__}: {exc}"
+                print(f"{name} failed: {results['errors'][name]}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        ray.shutdown()
+    text = _report(results, state.nbytes)
+    out = Path(args.out_dir)
+    (out / "results_cuda.md").write_text(text)
+    (out / "results_cuda.json").write_text(json.dumps(results, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
