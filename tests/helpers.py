@@ -25,3 +25,24 @@ def save_everyone(
 def close_all(ranks: dict, coordinator) -> None:
     ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
+
+
+def save_changed_before_the_fence(ranks: dict, coordinator, slowed, role: str) -> None:
+    """Invariant I4: every rank saves step 2 and at once changes its state in place, with no
+    fence, while the deferred copy of `slowed` (a rank of `role`) starts 1 s late. That
+    rank's save fails loudly, naming the change, and the step does not commit."""
+    import pytest
+
+    from verl_ckpt import CheckpointWriteError, StepNotCommittedError
+    from verl_ckpt.faults import ENV_VAR
+
+    ray.get(slowed.set_env.remote(ENV_VAR, f"stage:{role}=sleep=1"))
+    try:
+        save_everyone(ranks, coordinator, 2, after="inplace")
+        with pytest.raises(CheckpointWriteError, match="modified in place before the deferred"):
+            ray.get(slowed.wait.remote())
+        # Whichever rank's failure reached the finalizer first is named.
+        with pytest.raises(StepNotCommittedError, match=r"rank \d \[stage\] .* in place"):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(slowed.set_env.remote(ENV_VAR, None))

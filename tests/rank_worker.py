@@ -60,6 +60,20 @@ class RankWorker:
         self.optimizer = self.mc.make_adam(self.model)
         self.train(1)
 
+    def save_another_structure(self, step: int) -> dict[str, Any]:
+        """A save whose structure is not save()'s: one more tensor in the model's dict."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        model = self.model.sharded_state_dict()
+        model["probe"] = ShardedTensor.from_rank_offsets("probe", torch.zeros(4))
+        return vars(
+            self.manager.save(
+                step,
+                model=model,
+                optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            )
+        )
+
     def placement(self) -> dict[str, str]:
         """Where this rank's state lives and which backend its group has (the CUDA tests)."""
         import torch.distributed as dist

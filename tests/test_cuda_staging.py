@@ -16,14 +16,11 @@ import ray
 import torch
 
 from tests.conftest import free_port
-from tests.helpers import close_all, open_all, save_everyone
+from tests.helpers import close_all, open_all, save_changed_before_the_fence, save_everyone
 from verl_ckpt import (
     CheckpointCoordinator,
-    CheckpointWriteError,
-    StepNotCommittedError,
     read_tracker,
 )
-from verl_ckpt.faults import ENV_VAR
 from verl_ckpt.staging import StagingPool, copy_into
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -144,16 +141,7 @@ def test_I4_a_device_change_before_the_fence_fails_the_deferred_save(gpu_rank, t
     open_all(gpu_rank, cfg)
     save_everyone(gpu_rank, coordinator, 1)
     coordinator.wait_for_commit(1)
-    rank = gpu_rank["actor"][0]
-    ray.get(rank.set_env.remote(ENV_VAR, "stage:actor=sleep=1"))
-    try:
-        # No fence: the trainer's in-place update is queued on the GPU before the copy.
-        save_everyone(gpu_rank, coordinator, 2, after="inplace")
-        with pytest.raises(CheckpointWriteError, match="modified in place before the deferred"):
-            ray.get(rank.wait.remote())
-        with pytest.raises(StepNotCommittedError, match="in place"):
-            coordinator.wait_for_commit(2)
-    finally:
-        ray.get(rank.set_env.remote(ENV_VAR, None))
+    # No fence: the trainer's in-place update is queued on the GPU before the copy.
+    save_changed_before_the_fence(gpu_rank, coordinator, gpu_rank["actor"][0], "actor")
     assert read_tracker(cfg["root_dir"]) == 1
     close_all(gpu_rank, coordinator)

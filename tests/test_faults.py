@@ -63,6 +63,14 @@ def faulty_coordinator(cfg, roles, fault, disarmed_marker):
     return coordinator
 
 
+def wait_for_file(path: Path, timeout_s: float = 30.0) -> None:
+    """Until `path` exists (a fault's marker: the fault fired) or the deadline passes; the
+    caller asserts on it."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def lone_rank(ray_local):
     """A fresh one-rank role `victim` that a test may kill or hang."""
@@ -166,9 +174,7 @@ def test_a_save_does_not_wait_for_the_retention_of_an_earlier_step(ranks, tmp_pa
     coordinator.wait_for_commit(2)
     root = Path(cfg["root_dir"])
     doomed = root / ".deleting_global_step_1"
-    deadline = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_file(marker)
     assert marker.exists() and doomed.exists(), "retention of step 1 never started"
     stats = ray.get([w.save.remote(3) for w in every_rank(ranks)])
     # Every rank's save() returned while step 1 was still being deleted, before step 3 began.
@@ -196,9 +202,7 @@ def test_I3_finalizer_killed_mid_deletion_leaves_nothing_loadable_and_resumes(ra
     # The fault recreates the marker as it fires, after the rename out of the step namespace
     # and before the recursive delete: waiting for it (not for the tracker, which moves
     # before retention starts) proves the finalizer really died mid-deletion.
-    deadline = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for_file(marker)
     assert marker.exists(), "the finalizer never reached the deletion of step 1"
     assert read_tracker(root) == 2
     # Step 1 left the step namespace at once. The restarted finalizer deletes nothing at

@@ -1,7 +1,16 @@
 """Step 1's agreement (protocol.py): every rank of a save group states what it saves (step,
 root, whether its cached plan still fits), and all of them learn what the others stated.
 
-One all-gather of three integers, on whatever backend the trainer's group has: gloo (CPU
+`SaveAgreement` runs it on a private gloo group of the save group's ranks, from a thread of
+its own, in save order. A rank whose plan is cached states so and goes on at once (its save
+thread checks the outcome before anything is written): its save() never waits for its
+peers to arrive. A rank that must plan over the group (first save, changed structure) waits
+for the outcome, on the training thread. Both ranks see the same statements, so both reach
+the same verdict; a mix (one rank changed its structure, another went ahead) fails on every
+rank, naming them, instead of leaving one rank in a collective the others never join.
+
+`agree_on_save` is the collective itself: one all-gather of four integers, on whatever
+backend the group has: gloo (CPU
 tensors, after a monitored barrier that names a rank that never came), NCCL (the tensors on
 the rank's current CUDA device: NCCL has no CPU path) or a mixed "cpu:gloo,cuda:nccl" group
 (CPU tensors go to its gloo half). Without a monitored barrier the all-gather is issued
@@ -12,15 +21,30 @@ may (invariant I5). A group of one rank has nobody to agree with: no collective 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.threads import DaemonPool
 
-__all__ = ["Statement", "agree_on_save", "collective_device"]
+__all__ = [
+    "SaveAgreement",
+    "Statement",
+    "agree_on_save",
+    "check_went_ahead",
+    "collective_device",
+    "plan_reusable",
+]
+
+# Beyond the agreement's own deadline (the monitored barrier's), before a wait for its
+# outcome gives up: the collective normally ends or fails well within it.
+_RESULT_SLACK_S = 30.0
 
 # Between two polls of an asynchronous all-gather: short against a save's few milliseconds.
 _POLL_S = 0.0002
@@ -33,6 +57,135 @@ class Statement:
     step: int
     root_id: int
     plan_cached: bool
+    # The rank does not wait for the outcome: its plan is cached, and its save thread checks
+    # the outcome before anything is written.
+    goes_ahead: bool = False
+
+
+class SaveAgreement:
+    """The save group's agreement, off the training thread where it can be (module doc)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        role: str,
+        rank: int,
+        root: str,
+        timeout_s: float,
+    ) -> None:
+        self._world_size, self._role, self._rank = world_size, role, rank
+        self._root, self._timeout_s = root, timeout_s
+        self._thread = None
+        if world_size == 1:
+            return  # nobody to agree with
+        members = (
+            dist.get_process_group_ranks(group)
+            if group is not None
+            else list(range(dist.get_world_size()))
+        )
+        self._thread = DaemonPool(1, f"verl_ckpt_{role}{rank}_agree")
+        # Formed on the thread, first in its queue: opening a manager never waits for the
+        # peers (a rank that cannot open is named by its own error), and the first
+        # agreement, queued behind it, fails naming the group if a peer never opened.
+        self._forming = self._thread.submit(
+            _private_group, tuple(members), timeout_s, f"{role} rank {rank}", label="group"
+        )
+
+    def start(self, mine: Statement) -> Future:
+        """Issue this rank's statement; the future holds every rank's, in rank order."""
+        if self._thread is None:
+            done: Future = Future()
+            done.set_result([mine])
+            return done
+        return self._thread.submit(
+            self._agree,
+            mine,
+            label=f"agreement on step {mine.step}",
+        )
+
+    def _agree(self, mine: Statement) -> list[Statement]:
+        # Done by now (the same thread formed it first); raises if forming failed.
+        group = self._forming.result()
+        return agree_on_save(
+            mine,
+            group,
+            self._world_size,
+            self._timeout_s,
+            self._role,
+            self._rank,
+            self._root,
+        )
+
+    def outcome(self, pending: Future) -> list[Statement]:
+        """Every rank's statement; raises what the agreement raised (a missing rank by name,
+        a disagreement on step or root)."""
+        # Waited apart from result(): the agreement's own CommitTimeoutError is a TimeoutError
+        # too, and must reach the caller as it is (it names the missing ranks).
+        done, _ = wait_for_futures([pending], timeout=self._timeout_s + _RESULT_SLACK_S)
+        if not done:
+            raise CommitTimeoutError(
+                f"{self._role} rank {self._rank}: the save group's agreement did not end "
+                f"within {self._timeout_s + _RESULT_SLACK_S:g}s"
+            )
+        return pending.result()
+
+    def close(self, timeout_s: float) -> list[str]:
+        """Stop the thread; returns what did not stop."""
+        if self._thread is None:
+            return []
+        return self._thread.close(timeout_s)
+
+
+def _private_group(members: tuple[int, ...], timeout_s: float, who: str) -> Any:
+    """A new gloo group over `members`, kept until the process exits (never destroyed: with
+    local synchronization a group's name derives from its ranks, and a group made again
+    after a destroy would reuse the name, and the old group's addresses in the store, whose
+    ports are closed). Every manager makes its own, so that no group is shared by two
+    managers' threads, or left in a state a failed agreement put it in."""
+    try:
+        # Only the save group's ranks create it (a rollout rank of the same world never
+        # calls this); a group of its own, so that the agreement thread is the only one
+        # to issue collectives on it, whatever the trainer does on its groups meanwhile.
+        return dist.new_group(
+            list(members),
+            backend="gloo",
+            timeout=timedelta(seconds=timeout_s),
+            use_local_synchronization=True,
+        )
+    except RuntimeError as exc:
+        raise CommitTimeoutError(
+            f"{who}: the ranks of the save group {list(members)} did not all open their "
+            f"checkpoint managers within {timeout_s:g}s: {exc}"
+        ) from None
+
+
+def plan_reusable(statements: list[Statement], role: str) -> bool:
+    """For a rank that waited for the outcome: whether the cached plan is reused (every
+    rank's fits). Ranks that went ahead will not join a planning collective: if any did
+    while another's structure changed, every rank fails here or on its save thread."""
+    if all(s.plan_cached for s in statements):
+        return True
+    if any(s.goes_ahead for s in statements):
+        raise _mixed_structures(statements, role)
+    return False
+
+
+def check_went_ahead(statements: list[Statement], role: str) -> None:
+    """For a rank that went ahead on its cached plan: every rank's must fit too."""
+    if not all(s.plan_cached for s in statements):
+        raise _mixed_structures(statements, role)
+
+
+def _mixed_structures(statements: list[Statement], role: str) -> CheckpointError:
+    changed = [i for i, s in enumerate(statements) if not s.plan_cached]
+    kept = [i for i, s in enumerate(statements) if s.plan_cached]
+    return CheckpointError(
+        f"role {role}: the saved structure changed on ranks {changed} but not on ranks {kept}; "
+        "with checkpoint.assume_constant_structure=true (the default) every rank of a role "
+        "keeps its structure, or all change it for the same save; set it to false for "
+        "trainers whose ranks change it on their own"
+    )
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -67,7 +220,7 @@ def agree_on_save(
     if backend == "gloo":
         _monitored_barrier(group, timeout_s, who, step)
     values = torch.tensor(
-        [mine.step, mine.root_id, int(mine.plan_cached)],
+        [mine.step, mine.root_id, int(mine.plan_cached), int(mine.goes_ahead)],
         dtype=torch.int64,
         device=collective_device(group),
     )
@@ -83,7 +236,9 @@ def agree_on_save(
             f"save({step}) within {timeout_s:g}s (a {backend} group cannot name the ranks that "
             "did not come: look for the rank whose trainer stopped before save)",
         )
-    statements = [Statement(int(t[0]), int(t[1]), bool(t[2])) for t in torch.stack(gathered).cpu()]
+    statements = [
+        Statement(int(t[0]), int(t[1]), bool(t[2]), bool(t[3])) for t in torch.stack(gathered).cpu()
+    ]
     if len({(s.step, s.root_id) for s in statements}) != 1:
         listing = ", ".join(
             f"rank {i}: step {s.step}"

@@ -2,9 +2,10 @@
 
 `save()` runs protocol steps 1 (plan) and 2 (stage) in the training thread and returns;
 steps 3 (write) and 4 (report) run on the rank's save thread (protocol.py). A save whose
-plan is cached leaves only the agreement and the copy to the training thread: begin_step
-and the plan follow on the save thread. With `snapshot="deferred"`, the copy moves to the
-save thread as well, and the trainer calls `fence()` before it next changes the state.
+plan is cached leaves only the copy to the training thread: the group's agreement (issued,
+not awaited), begin_step and the plan follow on the save thread. With
+`snapshot="deferred"`, the copy moves to the save thread as well, and the trainer calls
+`fence()` before it next changes the state.
 Completion is never polled with collectives (I6): the finalizer learns it from the report.
 """
 
@@ -38,7 +39,12 @@ from verl_ckpt.errors import (
 )
 from verl_ckpt.file_writer import serialize_common, write_common
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, get_finalizer
-from verl_ckpt.group_agreement import Statement, agree_on_save
+from verl_ckpt.group_agreement import (
+    SaveAgreement,
+    Statement,
+    check_went_ahead,
+    plan_reusable,
+)
 from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
@@ -83,6 +89,9 @@ class SaveStats:
     bytes_zero_copy: int = 0
     # "now", or "deferred": the copy (stage_s) ran in the background, after save() returned.
     snapshot: str = "now"
+    # The wait, on the save thread, for the save group's agreement (ranks that went ahead
+    # on a cached plan): the peers' arrival, which save() itself no longer waits for.
+    agree_s: float | None = None
     # The finalizer's begin_step round trip (it waits while max_in_flight steps are
     # uncommitted, retention included); on the save thread when the plan is reused.
     begin_s: float | None = None
@@ -109,6 +118,9 @@ class _Layout:
     reuse_plan: bool
     distribution: Any
     seconds: float
+    # Set when this rank went ahead on its cached plan: the save group's statements, which
+    # the save thread checks before begin_step (group_agreement).
+    agreement: Future | None = None
 
 
 @dataclass
@@ -193,6 +205,11 @@ class CheckpointManager:
         )
         # Step 8: this rank uploads its own files to the remote tier, if there is one.
         self._uploads = self._make_uploader()
+        # Step 1's agreement, on a private group and thread (a collective of the save group:
+        # every rank of the role opens its manager at the same time).
+        self._agreement = SaveAgreement(
+            process_group, world_size, role, rank, str(self._root), self._timeout_s
+        )
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -205,7 +222,7 @@ class CheckpointManager:
         save group calls it (it runs the planning collectives). Optional: a save without it
         does the same work itself."""
         self._check_open()
-        layout = self._layout(_PREPARE, self._compose(model, optimizer, extra))
+        layout = self._layout(_PREPARE, self._compose(model, optimizer, extra), go_ahead=False)
         copy = self._acquire_copy(layout)
         try:
             deadline = time.monotonic() + self._timeout_s
@@ -414,6 +431,7 @@ class CheckpointManager:
                     self._uploads.close(deadline)
                 if self._save_thread is not None:
                     self._save_thread.close(max(0.0, deadline - time.monotonic()))
+                self._agreement.close(max(0.0, deadline - time.monotonic()))
                 self._writer.close(max(0.0, deadline - time.monotonic()))
             finally:
                 self._pool.clear()
@@ -430,14 +448,14 @@ class CheckpointManager:
 
     # ---- step 1: plan (the collectives) --------------------------------------------------
 
-    def _layout(self, step: int, state: dict) -> _Layout:
+    def _layout(self, step: int, state: dict, go_ahead: bool = True) -> _Layout:
         started = time.perf_counter()
         sharded, common = megatron_compat.split_common_state(state)
         items = megatron_compat.sharded_items(sharded)
         digest = structure_hash(items)
         # Agreement comes before begin_step: ranks that disagree on the step or the root fail
         # together before any directory or file exists.
-        reuse = self._agree_with_group(step, digest)
+        reuse, agreement = self._agree_with_group(step, digest, go_ahead)
         cache = self._plan_cache if reuse else None
         distribution = None
         if self.config.fully_parallel_save:
@@ -447,22 +465,23 @@ class CheckpointManager:
         if not reuse:
             megatron_compat.validate_sharding(items, self._group)
         seconds = time.perf_counter() - started
-        return _Layout(step, sharded, common, items, digest, reuse, distribution, seconds)
-
-    def _agree_with_group(self, step: int, digest: str) -> bool:
-        """Check that every rank saves the same step under the same root (group_agreement);
-        the cached plan is reused only if every rank's still fits."""
-        cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
-        statements = agree_on_save(
-            Statement(step, self._root_id, cached),
-            self._group,
-            self.world_size,
-            self._timeout_s,
-            self.role,
-            self.rank,
-            str(self._root),
+        return _Layout(
+            step, sharded, common, items, digest, reuse, distribution, seconds, agreement
         )
-        return self.config.assume_constant_structure and all(s.plan_cached for s in statements)
+
+    def _agree_with_group(
+        self, step: int, digest: str, go_ahead: bool
+    ) -> tuple[bool, Future | None]:
+        """State the step, the root and whether the cached plan fits (group_agreement).
+        Returns whether the plan is reused, and the pending outcome if this rank went ahead
+        on its cached plan (then only the save thread waits for the others)."""
+        cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
+        ahead = go_ahead and cached and self._save_thread is not None
+        pending = self._agreement.start(Statement(step, self._root_id, cached, ahead))
+        if ahead:
+            return True, pending
+        statements = self._agreement.outcome(pending)
+        return self.config.assume_constant_structure and plan_reusable(statements, self.role), None
 
     # ---- step 2: stage -------------------------------------------------------------------
 
@@ -568,6 +587,10 @@ class CheckpointManager:
                     job.snapshot_taken.set()  # fence() returns; a failure is raised below
             if background:
                 phase = Phase.PLAN
+                if job.layout.agreement is not None:
+                    waited = time.perf_counter()
+                    check_went_ahead(self._agreement.outcome(job.layout.agreement), self.role)
+                    job.stats.agree_s = time.perf_counter() - waited
                 self._begin(job)
                 self._plan(job)
         except Exception as exc:

@@ -25,8 +25,11 @@ after a whole-job restart (everything killed, the job started again).
                       root the same way and writes the root marker that ranks read back.
 
  1. plan              rank, training thread. Deadline: timeout_s.
-                      Agree with the save group (group_agreement: one all-gather, after a
-                      monitored barrier on gloo; none for a group of one rank), then
+                      Agree with the save group (group_agreement: a monitored barrier and
+                      one all-gather on a private gloo group, from the rank's agreement
+                      thread; none for a group of one rank). A rank whose plan is cached
+                      does not wait for the outcome: its save thread checks it before
+                      begin_step, and every rank fails if one disagrees. Then
                       `begin_step` on the finalizer: it waits while max_in_flight steps are
                       uncommitted, removes an uncommitted leftover of the step, creates the
                       directory. Then validate sharding and build the DCP plan (cached while

@@ -1,0 +1,82 @@
+"""The save group's agreement off the training thread (verl_ckpt/group_agreement.py), on real
+Megatron ranks in Ray actors: a rank whose plan is cached states so and goes on at once, and
+its save thread checks the outcome before anything is written (invariants I4, I5: no save
+waits for a peer without a deadline, and no rank is left in a collective the others never
+join)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from tests.conftest import ROLES
+from tests.helpers import close_all, open_all, save_everyone
+from verl_ckpt import (
+    CheckpointCoordinator,
+    CheckpointError,
+    CheckpointWriteError,
+    StepNotCommittedError,
+    read_tracker,
+)
+
+# A bound on calls that must return at once, far above what they take: before the change,
+# a rank that went ahead waited in the agreement for its peer until checkpoint.timeout_s.
+RETURNS_WITHIN_S = 20.0
+
+
+def config(tmp_path, **overrides):
+    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
+
+
+def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_path):
+    cfg = config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)  # the first save plans over the group
+    coordinator.wait_for_commit(1)
+    first, second = ranks["actor"]
+    alone = ray.get(first.save.remote(2), timeout=RETURNS_WITHIN_S)
+    assert alone["plan_reused"]
+    ray.get([second.save.remote(2), ranks["critic"][0].save.remote(2)])
+    coordinator.save_driver_state(2, {"step": 2})
+    coordinator.wait_for_commit(2)
+    assert read_tracker(cfg["root_dir"]) == 2
+    done = [s for s in ray.get(first.wait.remote()) if s["step"] == 2]
+    assert done and done[0]["agree_s"] is not None  # the save thread waited for the peer
+    close_all(ranks, coordinator)
+
+
+def test_I5_a_peer_that_never_saves_fails_the_save_that_went_ahead_naming_it(ranks, tmp_path):
+    cfg = config(tmp_path, timeout_s=4.0)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    first = ranks["actor"][0]
+    ray.get(first.save.remote(2), timeout=RETURNS_WITHIN_S)
+    # gloo's monitored barrier names rank 1 of the save group, which never called save(2).
+    with pytest.raises(CheckpointWriteError, match=r"(?s)not every rank.*save\(2\).*\b1\b"):
+        ray.get(first.wait.remote(30.0))  # the agreement's own deadline (4 s) fails it first
+    with pytest.raises(StepNotCommittedError, match="not every rank"):
+        coordinator.wait_for_commit(2)
+    assert read_tracker(cfg["root_dir"]) == 1
+    close_all(ranks, coordinator)
+
+
+def test_a_structure_change_on_one_rank_only_fails_every_rank_at_once(ranks, tmp_path):
+    cfg = config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    first, second = ranks["actor"]
+    # Rank 1 saves another structure (one more tensor); rank 0 goes ahead on its cached
+    # plan. Rank 1 must not enter a planning collective that rank 0 will never join.
+    ahead, changed = first.save.remote(2), second.save_another_structure.remote(2)
+    ray.get(ahead, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointError, match=r"changed on ranks \[1\] but not on ranks \[0\]"):
+        ray.get(changed, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointWriteError, match=r"changed on ranks \[1\]"):
+        ray.get(first.wait.remote())
+    assert read_tracker(cfg["root_dir"]) == 1
+    close_all(ranks, coordinator)
