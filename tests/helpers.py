@@ -5,6 +5,11 @@ from __future__ import annotations
 import ray
 
 
+def ckpt_config(tmp_path, **overrides) -> dict:
+    """A checkpoint config on the test's own root, with a one-minute deadline."""
+    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
+
+
 def every_rank(ranks: dict) -> list:
     return [w for group in ranks.values() for w in group]
 

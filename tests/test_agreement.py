@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from tests.conftest import ROLES
-from tests.helpers import close_all, open_all, save_everyone
+from tests.helpers import ckpt_config, close_all, open_all, save_everyone
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -24,12 +24,8 @@ from verl_ckpt import (
 RETURNS_WITHIN_S = 20.0
 
 
-def config(tmp_path, **overrides):
-    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
-
-
 def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     save_everyone(ranks, coordinator, 1)  # the first save plans over the group
@@ -47,7 +43,7 @@ def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_p
 
 
 def test_I5_a_peer_that_never_saves_fails_the_save_that_went_ahead_naming_it(ranks, tmp_path):
-    cfg = config(tmp_path, timeout_s=4.0)
+    cfg = ckpt_config(tmp_path, timeout_s=4.0)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     save_everyone(ranks, coordinator, 1)
@@ -64,7 +60,7 @@ def test_I5_a_peer_that_never_saves_fails_the_save_that_went_ahead_naming_it(ran
 
 
 def test_a_structure_change_on_one_rank_only_fails_every_rank_at_once(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     save_everyone(ranks, coordinator, 1)

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from tests.conftest import ROLES
-from tests.helpers import every_rank, open_all, save_everyone
+from tests.helpers import ckpt_config, every_rank, open_all, save_everyone
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -23,12 +23,8 @@ from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 
 
-def config(tmp_path, **overrides):
-    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
-
-
 def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
@@ -68,7 +64,7 @@ def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
 
 
 def test_I3_retention_keeps_newest_and_survives_finalizer_restart(ranks, tmp_path):
-    cfg = config(tmp_path, max_ckpt_to_keep=2)
+    cfg = ckpt_config(tmp_path, max_ckpt_to_keep=2)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     for step in (1, 2, 3):
@@ -89,7 +85,7 @@ def test_I3_retention_keeps_newest_and_survives_finalizer_restart(ranks, tmp_pat
 
 
 def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     save_everyone(ranks, coordinator, 1)
@@ -120,7 +116,7 @@ def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks
 
 
 def test_I5_commit_deadline_names_the_missing_ranks(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     ray.get(ranks["critic"][0].save.remote(1))
@@ -136,7 +132,7 @@ def test_I5_commit_deadline_names_the_missing_ranks(ranks, tmp_path):
 
 
 def test_I1_finalizer_restart_loses_reports_and_never_half_commits(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     save_everyone(ranks, coordinator, 1)
@@ -162,8 +158,8 @@ def test_I1_finalizer_restart_loses_reports_and_never_half_commits(ranks, tmp_pa
 
 
 def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, tmp_path):
-    async_cfg = config(tmp_path / "a")
-    sync_cfg = config(tmp_path / "s", async_save=False, writer={"mode": "inline"})
+    async_cfg = ckpt_config(tmp_path / "a")
+    sync_cfg = ckpt_config(tmp_path / "s", async_save=False, writer={"mode": "inline"})
     names = {}
     for name, cfg in (("async", async_cfg), ("sync", sync_cfg)):
         coordinator = CheckpointCoordinator(cfg, ROLES)
@@ -188,7 +184,7 @@ def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, t
 
 
 def test_structure_change_replans_and_same_structure_reuses_plan(ranks, tmp_path):
-    cfg = config(tmp_path)
+    cfg = ckpt_config(tmp_path)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     first = save_everyone(ranks, coordinator, 1)

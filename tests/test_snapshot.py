@@ -14,6 +14,7 @@ import torch
 
 from tests.conftest import ROLES
 from tests.helpers import (
+    ckpt_config,
     close_all,
     every_rank,
     open_all,
@@ -28,10 +29,6 @@ from verl_ckpt import (
 from verl_ckpt.faults import ENV_VAR
 
 
-def config(tmp_path, **overrides):
-    return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
-
-
 def assert_restores(ranks, step, before):
     ray.get([w.load.remote(step) for w in every_rank(ranks)])
     after = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
@@ -41,7 +38,7 @@ def assert_restores(ranks, step, before):
 
 
 def test_I4_deferred_snapshot_is_the_state_at_save_whatever_follows_the_fence(ranks, tmp_path):
-    cfg = config(tmp_path, snapshot="deferred")
+    cfg = ckpt_config(tmp_path, snapshot="deferred")
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     first = save_everyone(ranks, coordinator, 1)
@@ -59,7 +56,7 @@ def test_I4_deferred_snapshot_is_the_state_at_save_whatever_follows_the_fence(ra
 
 
 def test_I4_a_change_before_the_fence_fails_the_deferred_save_loudly(ranks, tmp_path):
-    cfg = config(tmp_path, snapshot="deferred")
+    cfg = ckpt_config(tmp_path, snapshot="deferred")
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     save_everyone(ranks, coordinator, 1)
@@ -78,7 +75,7 @@ def test_I4_a_change_before_the_fence_fails_the_deferred_save_loudly(ranks, tmp_
 
 
 def test_I4_fence_before_the_optimizer_makes_its_step_wait_for_the_snapshot(ranks, tmp_path):
-    cfg = config(tmp_path, snapshot="deferred")
+    cfg = ckpt_config(tmp_path, snapshot="deferred")
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     ray.get([w.fence_before_optimizer_steps.remote() for w in every_rank(ranks)])
@@ -99,7 +96,7 @@ def test_I4_fence_before_the_optimizer_makes_its_step_wait_for_the_snapshot(rank
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_prepare_makes_the_first_save_reuse_the_plan_buffers_and_writer(ranks, tmp_path, writer):
-    cfg = config(tmp_path, writer={"mode": writer})
+    cfg = ckpt_config(tmp_path, writer={"mode": writer})
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     ray.get([w.prepare.remote() for w in every_rank(ranks)])
