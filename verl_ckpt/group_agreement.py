@@ -9,18 +9,14 @@ for the outcome, on the training thread. Both ranks see the same statements, so 
 the same verdict; a mix (one rank changed its structure, another went ahead) fails on every
 rank, naming them, instead of leaving one rank in a collective the others never join.
 
-`agree_on_save` is the collective itself: one all-gather of four integers, on whatever
-backend the group has: gloo (CPU
-tensors, after a monitored barrier that names a rank that never came), NCCL (the tensors on
-the rank's current CUDA device: NCCL has no CPU path) or a mixed "cpu:gloo,cuda:nccl" group
-(CPU tensors go to its gloo half). Without a monitored barrier the all-gather is issued
-asynchronously and polled against the deadline, so that it never waits longer than the save
-may (invariant I5). A group of one rank has nobody to agree with: no collective at all.
+`agree_on_save` is the collective itself, on that gloo group: a monitored barrier (which
+names a rank that never came, at the deadline: invariant I5), then one all-gather of four
+integers. The trainer's own group may be gloo, NCCL or mixed: it is never used here.
+A group of one rank has nobody to agree with: no group, no thread, no collective.
 """
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
@@ -38,16 +34,12 @@ __all__ = [
     "Statement",
     "agree_on_save",
     "check_went_ahead",
-    "collective_device",
     "plan_reusable",
 ]
 
 # Beyond the agreement's own deadline (the monitored barrier's), before a wait for its
 # outcome gives up: the collective normally ends or fails well within it.
 _RESULT_SLACK_S = 30.0
-
-# Between two polls of an asynchronous all-gather: short against a save's few milliseconds.
-_POLL_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -188,57 +180,29 @@ def _mixed_structures(statements: list[Statement], role: str) -> CheckpointError
     )
 
 
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a small collective on `group` puts its tensors: host memory where the group has a
-    CPU backend, else the current CUDA device (an NCCL-only group, as Megatron trainers on
-    GPUs usually have)."""
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def agree_on_save(
     mine: Statement,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup,
     world_size: int,
     timeout_s: float,
     role: str,
     rank: int,
     root: str,
 ) -> list[Statement]:
-    """Every rank's statement, in rank order, once all ranks of `group` made theirs.
+    """Every rank's statement, in rank order, once all ranks of the gloo `group` made theirs.
 
     Raises CommitTimeoutError when a rank does not come within `timeout_s`, and
     CheckpointError when the ranks disagree on the step or the root (all of them fail here
     together, before anything is written).
     """
-    if world_size == 1:
-        return [mine]
-    backend = str(dist.get_backend(group))
     step, who = mine.step, f"{role} rank {rank}"
-    if backend == "gloo":
-        _monitored_barrier(group, timeout_s, who, step)
+    _monitored_barrier(group, timeout_s, who, step)
     values = torch.tensor(
-        [mine.step, mine.root_id, int(mine.plan_cached), int(mine.goes_ahead)],
-        dtype=torch.int64,
-        device=collective_device(group),
+        [mine.step, mine.root_id, int(mine.plan_cached), int(mine.goes_ahead)], dtype=torch.int64
     )
     gathered = [torch.empty_like(values) for _ in range(world_size)]
-    if backend == "gloo":
-        dist.all_gather(gathered, values, group=group)  # the barrier above bounded the wait
-    else:
-        work = dist.all_gather(gathered, values, group=group, async_op=True)
-        _wait_with_deadline(
-            work,
-            timeout_s,
-            f"{who}: not every rank of the save group called "
-            f"save({step}) within {timeout_s:g}s (a {backend} group cannot name the ranks that "
-            "did not come: look for the rank whose trainer stopped before save)",
-        )
-    statements = [
-        Statement(int(t[0]), int(t[1]), bool(t[2]), bool(t[3])) for t in torch.stack(gathered).cpu()
-    ]
+    dist.all_gather(gathered, values, group=group)  # the barrier above bounded the wait
+    statements = [Statement(int(t[0]), int(t[1]), bool(t[2]), bool(t[3])) for t in gathered]
     if len({(s.step, s.root_id) for s in statements}) != 1:
         listing = ", ".join(
             f"rank {i}: step {s.step}"
@@ -262,14 +226,3 @@ def _monitored_barrier(
             f"{who}: not every rank of the save group called save({step}) within "
             f"{timeout_s:g}s: {exc}"
         ) from None
-
-
-def _wait_with_deadline(work: dist.Work, timeout_s: float, message: str) -> None:
-    # Polled rather than work.wait(): NCCL's wait() only orders the CUDA stream and returns,
-    # and a blocking wait would have no deadline of ours.
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise CommitTimeoutError(message)
-        time.sleep(_POLL_S)
-    work.wait()  # raises the collective's own error, if it failed
