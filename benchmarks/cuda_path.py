@@ -24,16 +24,17 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
 
 from benchmarks.state import RankState, describe, spec_for_size
+from benchmarks.systems import WriteFloor, verl_config
 
 __all__ = ["main"]
 
@@ -50,10 +51,6 @@ def _seconds(fn: Callable[[], Any]) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 class ComputeBurst:
@@ -84,23 +81,18 @@ def floors(state: RankState, reps: int) -> dict[str, list[float]]:
     pageable.zero_()
     out: dict[str, list[float]] = {"pinned peak": [], "pageable": [], "write floor": []}
     workdir = Path(tempfile.mkdtemp(prefix="cuda_floor_"))
-    host = [t.cpu() for t in tensors]
+    write_floor = WriteFloor([t.cpu() for t in tensors])
     for _ in range(reps):
         out["pinned peak"].append(_seconds(lambda: pinned.copy_(flat_device, non_blocking=True)))
         out["pageable"].append(_seconds(lambda: pageable.copy_(flat_device)))
-        out["write floor"].append(_write_floor(host, workdir))
+        out["write floor"].append(_timed_write(write_floor, workdir / "floor.bin"))
     shutil.rmtree(workdir)
     return out
 
 
-def _write_floor(tensors: list[torch.Tensor], workdir: Path) -> float:
+def _timed_write(floor: WriteFloor, path: Path) -> float:
     start = time.perf_counter()
-    path = workdir / "floor.bin"
-    with open(path, "wb") as f:
-        for t in tensors:
-            f.write(memoryview(t.numpy()).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
+    floor.run(path)
     seconds = time.perf_counter() - start
     path.unlink()
     return seconds
@@ -129,15 +121,8 @@ def verl_saves(
 ) -> dict[str, list[float]]:
     from verl_ckpt import CheckpointCoordinator, CheckpointManager
 
-    config = {
-        "root_dir": str(root),
-        "save_contents": ["model", "optimizer"],
-        "load_contents": ["model", "optimizer"],
-        "timeout_s": 600.0,
-        "snapshot": snapshot,
-        "max_ckpt_to_keep": 2,
-        "writer": {"mode": "thread", "threads": 2},
-    }
+    # The CPU benchmark's thread-writer config, with retention on, as a trainer runs it.
+    config = {**verl_config(str(root), "thread", False, snapshot), "max_ckpt_to_keep": 2}
     coordinator = CheckpointCoordinator(config, {"bench": 1}, save_driver_state=False)
     manager = CheckpointManager(config, "bench", 0, 1)
     manager.prepare(
@@ -251,22 +236,22 @@ def _report(results: dict[str, Any], nbytes: int) -> str:
     lines.append("| what | median s | GB/s |\n|---|---|---|")
     for section in ("floors", "staging"):
         for name, values in results[section].items():
-            seconds = _median(values)
+            seconds = median(values)
             lines.append(f"| {name} | {seconds:.4f} | {nbytes / seconds / 1e9:.1f} |")
-    peak = _median(results["floors"]["pinned peak"])
+    peak = median(results["floors"]["pinned peak"])
     for name in ("copy_into, training stream", "copy_into, side stream"):
-        ratio = _median(results["staging"][name]) / peak
+        ratio = median(results["staging"][name]) / peak
         lines.append(f"\n{name}: {ratio:.2f}x the pinned peak")
-    alone = _median(results["burst alone"])
-    write_floor = _median(results["floors"]["write floor"])
+    alone = median(results["burst alone"])
+    write_floor = median(results["floors"]["write floor"])
     lines.append("\n| save | blocking s | snapshot wait s | durable s | burst vs alone |")
     lines.append("|---|---|---|---|---|")
     for name, values in results["saves"].items():
         wait_key = "fence after burst" if "fence after burst" in values else "staged after burst"
         lines.append(
-            f"| {name} | {_median(values['blocking']):.4f} | {_median(values[wait_key]):.4f} "
-            f"| {_median(values['durable']):.3f} | "
-            f"{_median(values['burst after save']) / alone:.3f}x |"
+            f"| {name} | {median(values['blocking']):.4f} | {median(values[wait_key]):.4f} "
+            f"| {median(values['durable']):.3f} | "
+            f"{median(values['burst after save']) / alone:.3f}x |"
         )
     lines.append(
         "\n| verl_ckpt (rank's SaveStats, median s) | copy | plan | begin | write | fsync |"
@@ -276,16 +261,16 @@ def _report(results: dict[str, Any], nbytes: int) -> str:
         if "stage_s" in values:
             keys = ("stage_s", "plan_s", "begin_s", "write_s", "fsync_s")
             lines.append(
-                f"| {name} | " + " | ".join(f"{_median(values[k]):.4f}" for k in keys) + " |"
+                f"| {name} | " + " | ".join(f"{median(values[k]):.4f}" for k in keys) + " |"
             )
     lines.append(f"\nBurst alone: {alone:.4f} s. Write floor {write_floor:.3f} s.")
     if "verl_ckpt thread, now" not in results["saves"]:
         return "\n".join(lines + [f"{n} failed: {e}" for n, e in results["errors"].items()])
-    ours = _median(results["saves"]["verl_ckpt thread, now"]["durable"])
+    ours = median(results["saves"]["verl_ckpt thread, now"]["durable"])
     lines.append(f"verl_ckpt durable: {ours / write_floor:.2f}x the write floor.")
     for name in DCP_STAGERS:
         if name in results["saves"]:
-            dcp = _median(results["saves"][name]["durable"])
+            dcp = median(results["saves"][name]["durable"])
             lines.append(f"verl_ckpt durable: {ours / dcp:.2f}x {name}'s.")
     for name, error in results["errors"].items():
         lines.append(f"\n{name} failed: {error}")

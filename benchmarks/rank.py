@@ -40,7 +40,7 @@ class RankBench:
         self.rank = rank
         self.state = RankState(StateSpec(hidden, layers, world_size), rank)
         self.copy_floor = CopyFloor(self.state)
-        self.write_floor = WriteFloor(self.state)
+        self.write_floor = WriteFloor(list(self.state.tensors().values()))
         self.write_path = WritePath(self.state)
         self.systems: dict[str, Any] = {}
         self.profiler: cProfile.Profile | None = None

@@ -308,11 +308,11 @@ class CopyFloor:
 
 
 class WriteFloor:
-    """A raw sequential write of the state's bytes into one file, then fsync: the least
-    persistence can cost (no serialisation, no checksum, no metadata)."""
+    """A raw sequential write of the host `tensors`' bytes into one file, then fsync: the
+    least persistence can cost (no serialisation, no checksum, no metadata)."""
 
-    def __init__(self, state: RankState) -> None:
-        self.sources = list(state.tensors().values())
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.sources = tensors
 
     def run(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
