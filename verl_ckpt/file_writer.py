@@ -15,16 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _write_item
 
 from verl_ckpt.fsio import ChecksummingWriter, Gate
-
-try:  # torch >= 2.5 takes the serialization format explicitly
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    _WRITE_ITEM_KWARGS: dict[str, Any] = {"serialization_format": SerializationFormat.TORCH_SAVE}
-except ImportError:  # pragma: no cover - older torch
-    _WRITE_ITEM_KWARGS = {}
+from verl_ckpt.torch_format import write_item
 
 __all__ = [
     "COMMON_FILENAME",
@@ -83,13 +76,10 @@ def write_bucket(
     """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file."""
     path, storage_key, (bytes_data, tensor_data) = bucket
     results: list = []
-    transform_args = (transforms,) if transforms is not None else ()
 
     def write_items(stream: ChecksummingWriter) -> None:
         for item, data in list(bytes_data) + list(tensor_data):
-            results.append(
-                _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
-            )
+            results.append(write_item(transforms, stream, data, item, storage_key))
 
     return results, write_checksummed(path, write_items, gate)
 
