@@ -242,7 +242,7 @@ class RayHead:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="vcj", dir="/tmp"))
         self.token_path = self.temp_dir / "auth_token"
         self.token_path.write_text(uuid.uuid4().hex)
-        gcs, self.dashboard_port, agent, agent_grpc, client, metrics = free_ports(6)
+        gcs, self.dashboard_port, self.agent_port, agent_grpc, client, metrics = free_ports(6)
         self.env = recipe_env(
             RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path), **(extra_env or {})
         )
@@ -257,7 +257,7 @@ class RayHead:
                 f"--port={gcs}",
                 "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={self.dashboard_port}",
-                f"--dashboard-agent-listen-port={agent}",
+                f"--dashboard-agent-listen-port={self.agent_port}",
                 f"--dashboard-agent-grpc-port={agent_grpc}",
                 f"--ray-client-server-port={client}",
                 f"--metrics-export-port={metrics}",
@@ -278,22 +278,32 @@ class RayHead:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        request = urllib.request.Request(
-            f"{self.address}/api/version",
-            headers={"Authorization": f"Bearer {self.token_path.read_text()}"},
-        )
+        """Until the job server answers and the node's dashboard agent, which runs the jobs,
+        serves HTTP. The job server waits only 10 s for an agent before it refuses a job
+        ("No available agent to submit job"), and on 2 busy cores the agent can start later
+        than that; it registers itself with the head right after its HTTP server is up."""
+        token = self.token_path.read_text()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"ray start exited early:\n{self.proc.stdout.read()[-4000:]}")
-            try:
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"the Ray head's job server at {self.address} not up within {timeout_s}s")
+        for what, url in [
+            ("job server", f"{self.address}/api/version"),
+            ("dashboard agent", f"http://127.0.0.1:{self.agent_port}/"),
+        ]:
+            request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+            while not self._answers(request):
+                if time.monotonic() >= deadline:
+                    pytest.fail(f"the Ray head's {what} at {url} not up within {timeout_s}s")
+                time.sleep(0.5)
+
+    def _answers(self, request: urllib.request.Request) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"ray start exited early:\n{self.proc.stdout.read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(request, timeout=5):
+                return True
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer (404, 401): the server is up
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM the `ray start --block` process (it stops its children), then kill any of
