@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_ckpt import prepare_start
 from verl_ckpt.commit_record import CommitRecord, FileEntry, read_commit_record, write_commit_record
 from verl_ckpt.config import to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CheckpointError
@@ -179,6 +180,25 @@ def test_pull_verifies_every_file_and_writes_the_record_last(tmp_path, tier):
 def test_remote_config_errors_name_the_key(remote, key):
     with pytest.raises(CheckpointConfigError, match=key.replace(".", r"\.")):
         to_checkpoint_config({"remote": remote})
+
+
+@pytest.mark.parametrize("where", ["the root", "inside the root", "above the root"])
+def test_I3_a_file_tier_overlapping_the_root_is_refused_before_anything_is_written(tmp_path, where):
+    """remote.url=file://<root> (or inside or above it) would let remote retention (keep=1)
+    delete local steps that max_ckpt_to_keep keeps, and local retention the remote copies:
+    refused at start-up, one line naming both keys; the root is left as it was."""
+    root = tmp_path / "ckpt"
+    committed_step(root, 10)
+    url = {
+        "the root": root,
+        "inside the root": root / "remote",
+        "above the root": tmp_path,
+    }[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    config = {"root_dir": str(root), "remote": {"url": f"file://{url}", "keep": 1}}
+    with pytest.raises(CheckpointConfigError, match=r"remote\.url=.* overlaps .*root_dir"):
+        prepare_start(config)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_without_a_remote_url_nothing_of_fsspec_is_imported():

@@ -167,6 +167,32 @@ def test_I3_disable_in_a_root_with_committed_steps_is_refused(tmp_path):
     assert resolve_resume_dir(cfg(tmp_path / "empty", resume_mode="disable")) is None
 
 
+@pytest.mark.parametrize("mode", ["disable", "resume_path"])
+def test_I1_a_tracker_naming_an_uncommitted_newer_step_is_refused_for_a_fresh_or_older_start(
+    tmp_path, mode
+):
+    """A root whose tracker names a step without a commit record (a plain verl or Megatron
+    save, or steps deleted by hand): a run that starts below that step would commit steps
+    the tracker never moves to (it never moves backwards), so I1 would break and the next
+    resume would fail. Refused at start-up, naming the tracker; nothing changes."""
+    (step_dir(tmp_path, 40) / "actor").mkdir(parents=True)
+    write_tracker(tmp_path, 40)
+    other_root = tmp_path / "elsewhere"
+    options = {"resume_mode": mode}
+    if mode == "resume_path":
+        options["resume_from_path"] = str(committed(other_root, 20))
+    before = snapshot(tmp_path)
+    with pytest.raises(
+        ResumeConflictError, match=r"latest_checkpointed_iteration.txt names step 40"
+    ):
+        prepare_start(cfg(tmp_path, **options))
+    assert snapshot(tmp_path) == before
+    if mode == "resume_path":
+        # From a step beyond it, the run's commits move the tracker past it: accepted.
+        options["resume_from_path"] = str(committed(other_root, 50))
+        prepare_start(cfg(tmp_path, **options)).release()
+
+
 def test_root_dir_that_is_a_file_is_an_error_naming_the_key(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointConfigError, match="checkpoint.root_dir=.*is not a directory"):

@@ -217,6 +217,23 @@ def test_rerunning_the_command_completes_an_interrupted_rollback(root, capsys):
     assert sorted(list_step_dirs(root)) == [10] and read_tracker(root) == 10
 
 
+def test_I3_prune_refuses_while_a_rollback_is_pending_and_keeps_its_target(root, capsys):
+    """An interrupted rollback to 10 leaves the tracker at 30 and the intent; a prune then
+    would keep 30 (the tracker's target) and delete 10, the step the rollback goes to, and
+    no command could finish the rollback afterwards. Refused, one line naming the intent and
+    the way out; nothing changes. Once the rollback is completed, prune works."""
+    crash_during_rollback(root, 10)
+    before = tree(root)
+    code, out, err = run_cli(capsys, "prune", root, "--keep", 1)
+    assert (code, out) == (1, "") and err.count("\n") == 1
+    assert f"a rollback of {root} to step 10 was interrupted ({root / INTENT_FILENAME})" in err
+    assert f"verl-ckpt rollback {root} --to 10" in err
+    assert tree(root) == before
+    assert run_cli(capsys, "rollback", root, "--to", 10)[0] == 0
+    assert run_cli(capsys, "prune", root, "--keep", 1)[0] == 0
+    assert sorted(list_step_dirs(root)) == [10] and read_tracker(root) == 10
+
+
 def test_rollback_and_prune_refused_while_another_process_holds_the_root(root, holders, capsys):
     """One root, one job: while a running job (a real process) holds the root, rollback and
     prune are refused with one line naming it (exit 2) and change nothing."""

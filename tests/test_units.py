@@ -14,6 +14,7 @@ from verl_ckpt.commit import apply_retention
 from verl_ckpt.commit_record import (
     CommitRecord,
     FileEntry,
+    is_committed,
     read_commit_record,
     write_commit_record,
 )
@@ -187,7 +188,14 @@ def test_config_defaults_and_dict_round_trip():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("participants", ["actor"]), ("committed_at", "yesterday"), ("step", -1)],
+    [
+        ("participants", ["actor"]),
+        ("committed_at", "yesterday"),
+        ("step", -1),
+        ("step", True),  # JSON true is a Python bool, which isinstance(..., int) accepts
+        ("participants", {"actor": True}),
+        ("files", [{"path": "actor/x", "size": True, "checksum": "0"}]),
+    ],
 )
 def test_I1_commit_record_with_wrong_field_types_is_malformed(tmp_path, field, value):
     path, _ = _record(tmp_path)
@@ -199,15 +207,36 @@ def test_I1_commit_record_with_wrong_field_types_is_malformed(tmp_path, field, v
         read_commit_record(path)
 
 
+def test_I1_commit_record_that_cannot_be_read_is_an_error_naming_it(tmp_path):
+    """A record path that is a directory (or any read error): one CommitRecordError naming
+    it, and the step does not count as committed; start-up and `ls` go on with the others."""
+    path, _ = _record(tmp_path)
+    record_file = path / "verl_ckpt_commit.json"
+    record_file.unlink()
+    record_file.mkdir()
+    with pytest.raises(CommitRecordError, match=r"verl_ckpt_commit.json cannot be read"):
+        read_commit_record(path)
+    assert not is_committed(path)
+
+
+def test_I2_tracker_with_an_absurdly_long_number_is_an_error_naming_the_path(tmp_path):
+    tracker_path(tmp_path).write_bytes(b"9" * 5000 + b"\n")
+    with pytest.raises(TrackerError, match="latest_checkpointed_iteration.txt"):
+        read_tracker(tmp_path)
+
+
 _WRITE_PAST_FILE_SIZE_CAP = """
 import resource, signal, sys, torch
 from verl_ckpt.file_writer import write_checksummed
+from verl_ckpt.torch_format import save_tensor_blob
 # A real OS limit: writes past 64 KiB fail with EFBIG, as a full disk fails with ENOSPC.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
 writers = {
     # inside torch.save, whose C++ writer turns the OSError into a RuntimeError
     "torch.save": lambda stream: torch.save(torch.zeros(1 << 20), stream),
+    # the same inside a shard's tensor blob (torch.save's writer without its CRC)
+    "tensor blob": lambda stream: save_tensor_blob(torch.zeros(1 << 20), stream),
     # at the final flush of the file's buffer (the last 6 KiB stay buffered until then)
     "flush": lambda stream: (stream.write(bytes(60 * 1024)), stream.write(bytes(6 * 1024))),
 }
@@ -218,7 +247,7 @@ except OSError as exc:
 """
 
 
-@pytest.mark.parametrize("where", ["torch.save", "flush"])
+@pytest.mark.parametrize("where", ["torch.save", "tensor blob", "flush"])
 def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path, where):
     """A failed write must say why (EFBIG/ENOSPC) and which file, wherever it surfaces:
     torch.save's C++ writer hides the OSError behind 'unexpected pos ...', and a failed

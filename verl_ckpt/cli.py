@@ -47,6 +47,7 @@ from verl_ckpt.rollback import (
     intent_path,
     plan_rollback,
     read_rollback_intent,
+    refuse_while_rollback_pending,
 )
 from verl_ckpt.root_lock import RootLock, is_locked, read_holder
 from verl_ckpt.tracker import read_tracker, tracker_path
@@ -361,6 +362,7 @@ def _cmd_prune(root: Path, args: argparse.Namespace) -> int:
 
 
 def _prune(root: Path, args: argparse.Namespace) -> int:
+    refuse_while_rollback_pending(root)
     try:
         target = read_tracker(root)
     except TrackerError as exc:

@@ -97,6 +97,8 @@ def read_commit_record(step_path: str | Path) -> CommitRecord:
             f"{step_path} is not a committed step: its commit record {path.name} is missing "
             "(the save did not finish on every rank, or the step is being deleted)"
         ) from None
+    except OSError as exc:  # a directory in its place, EIO, a permission
+        raise CommitRecordError(f"{path} cannot be read: {exc.strerror or exc}") from None
     return parse_commit_record(data, path)
 
 
@@ -117,13 +119,18 @@ def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
     return record
 
 
+def _is_int(value: object) -> bool:
+    """An integer, and not a bool (JSON true/false are bools, which are ints in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _type_problem(record: CommitRecord) -> str | None:
     """What is wrong with the field types of a parsed record, if anything."""
-    if not isinstance(record.step, int) or record.step < 0:
+    if not _is_int(record.step) or record.step < 0:
         return f"step {record.step!r} is not a non-negative integer"
     participants = record.participants
     if not isinstance(participants, dict) or not all(
-        isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in participants.items()
+        isinstance(k, str) and _is_int(v) and v >= 1 for k, v in participants.items()
     ):
         return f"participants {participants!r} is not a mapping of role to world size"
     if record.checksum_algorithm not in SUPPORTED_CHECKSUMS:
@@ -133,7 +140,8 @@ def _type_problem(record: CommitRecord) -> str | None:
     for entry in record.files:
         if not (
             isinstance(entry.path, str)
-            and isinstance(entry.size, int)
+            and _is_int(entry.size)
+            and entry.size >= 0
             and isinstance(entry.checksum, str)
         ):
             return f"file entry {entry!r} is not (path, size, checksum)"

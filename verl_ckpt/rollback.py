@@ -57,6 +57,7 @@ __all__ = [
     "intent_path",
     "plan_rollback",
     "read_rollback_intent",
+    "refuse_while_rollback_pending",
 ]
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,18 @@ def _is_valid(intent: RollbackIntent) -> bool:
     )
 
 
+def refuse_while_rollback_pending(root: str | os.PathLike) -> None:
+    """Raise RollbackError, naming the intent and the way out, while a rollback of `root` is
+    pending: the tracker does not yet name the step it goes to, so a command that acts on the
+    tracker's target (prune, another rollback) could delete that step."""
+    pending = read_rollback_intent(root)
+    if pending is not None:
+        raise RollbackError(
+            f"a rollback of {root} to step {pending.to} was interrupted ({intent_path(root)}); "
+            f"complete it first: verl-ckpt rollback {root} --to {pending.to}"
+        )
+
+
 def plan_rollback(root: str | os.PathLike, to_step: int, delete: bool = False) -> RollbackIntent:
     """What rolling `root` back to `to_step` would do; changes nothing.
 
@@ -134,10 +147,7 @@ def plan_rollback(root: str | os.PathLike, to_step: int, delete: bool = False) -
     pending = read_rollback_intent(root)
     if pending is not None:
         if pending.to != to_step:
-            raise RollbackError(
-                f"a rollback of {root} to step {pending.to} was interrupted ({intent_path(root)}); "
-                f"complete it first: verl-ckpt rollback {root} --to {pending.to}"
-            )
+            refuse_while_rollback_pending(root)
         return pending
     path = step_dir(root, to_step)
     try:

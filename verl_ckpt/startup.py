@@ -190,8 +190,19 @@ def _checked_resume_path(value: str | None) -> Path:
 
 
 def _refuse_newer_steps(state: RootState, step: int | None, what: str) -> None:
-    """Fail when the root holds committed steps newer than `step` (None: a fresh start)."""
+    """Fail when the root holds committed steps newer than `step` (None: a fresh start), or
+    a tracker naming a newer step that is not committed: the run's commits could not move
+    it (it never moves backwards), and it would name an uncommitted step all along (I1)."""
     newer = [s for s in state.committed_after_recovery if step is None or s > step]
+    stale = state.effective_tracker
+    if not newer and stale is not None and stale not in state.committed_after_recovery:
+        if step is None or stale > step:
+            raise ResumeConflictError(
+                f"{what}, but {tracker_path(state.root)} names step {stale}, which is not a "
+                "committed step of this root (no readable commit record): this run's commits "
+                "could never move the tracker past it. Use a new checkpoint.root_dir, or "
+                f"remove the tracker if step {stale} is not wanted"
+            )
     if not newer:
         return
     if step is None:

@@ -52,7 +52,8 @@ def parse_tracker(raw: bytes, where: str) -> int:
             f"tracker {where} is not plain ASCII (a byte-order mark or binary data?): {raw[:20]!r}"
         ) from None
     body = text.strip(_ASCII_WHITESPACE)
-    if not body.isdigit():
+    # No step has more than 18 digits; int() refuses thousands of them with its own error.
+    if not body.isdigit() or len(body) > 18:
         raise TrackerError(
             f"tracker {where} must hold one non-negative integer step, found {text[:40]!r}"
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from verl_ckpt.config import CheckpointConfig
 from verl_ckpt.errors import CheckpointConfigError, ResumeConflictError
@@ -47,6 +48,7 @@ class RemoteStart:
 def check_remote_start(config: CheckpointConfig) -> RemoteStart:
     """The read-only part (see the module docstring); CheckpointError naming the URL."""
     remote = config.remote
+    _refuse_overlap_with_root(remote.url, Path(config.root_dir).resolve())
     timeout = min(_CHECK_TIMEOUT_S, config.timeout_s)
     store = check_store(remote.url, remote.storage_options, timeout)
     try:
@@ -68,6 +70,21 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
                 f"remove the newer steps first (verl-ckpt prune {remote.url} ...)"
             )
     return RemoteStart(store, newest)
+
+
+def _refuse_overlap_with_root(url: str, root: Path) -> None:
+    """A local remote tier (file://) must be a directory of its own: one that is the root,
+    or holds it, or lies inside it, would let each tier's retention delete the other's
+    steps (the remote tier's keep deleting local steps that max_ckpt_to_keep keeps)."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("file", "local"):
+        return
+    tier = Path(rest).resolve()
+    if tier == root or tier in root.parents or root in tier.parents:
+        raise CheckpointConfigError(
+            f"checkpoint.remote.url={url!r} overlaps checkpoint.root_dir {root}: the remote "
+            "tier needs a directory of its own, neither the root nor inside or above it"
+        )
 
 
 def fetch_newer_remote_step(
