@@ -46,6 +46,9 @@ class RankWorker:
         self.model = megatron_cpu.build_tiny_gpt(self.cfg, seed=seed)
         self.optimizer = megatron_cpu.make_adam(self.model)
         self.generator = torch.Generator().manual_seed(seed)
+        # Saved with the extra state as the same list object every time: a trainer's own
+        # counters, which it changes in place after save() (after="extra").
+        self.counter = [0]
         self.manager = None
 
     def rebuild(self, hidden_size: int, seed: int = 7, tied_embeddings: bool = False) -> None:
@@ -134,17 +137,27 @@ class RankWorker:
         `offload`: offload the optimizer state (replace its storage by a host copy, as verl
         does), train a step on reloaded state, offload again, and drop the old tensors;
         `fence, inplace`: fence() first (the deferred snapshot's contract), then `inplace`;
-        `step`: one training step (its optimizer.step() may fence through fence_before)."""
+        `step`: one training step (its optimizer.step() may fence through fence_before);
+        `extra`: change the counter saved in the extra state in place."""
         from verl_ckpt import describe_gpt_model
 
+        self.counter[0] = step
+        extra = {
+            "rng": torch.get_rng_state(),
+            "generator": self.generator.get_state(),
+            "counter": self.counter,
+        }
         stats = self.manager.save(
             step,
             model=self.model.sharded_state_dict(),
             optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
-            extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
+            extra=extra,
             snapshot=snapshot,
             model_spec=describe_gpt_model(self.model),
         )
+        if after == "extra":
+            self.manager.fence()  # the deferred snapshot's contract (a no-op for "now")
+            self.counter[0] = -1
         if after == "fence, inplace":
             self.manager.fence()
             after = "inplace"
@@ -254,6 +267,10 @@ class RankWorker:
         self.mc.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
         torch.set_rng_state(loaded["extra"]["rng"])
         self.generator.set_state(loaded["extra"]["generator"])
+        self.counter[:] = loaded["extra"]["counter"]
+
+    def counter_value(self) -> list[int]:
+        return list(self.counter)
 
     def load_model_and_optimizer(self, step_path: Any) -> None:
         """Restore model and optimizer only (no per-rank extra state)."""

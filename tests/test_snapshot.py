@@ -94,6 +94,26 @@ def test_I4_fence_before_the_optimizer_makes_its_step_wait_for_the_snapshot(rank
     close_all(ranks, coordinator)
 
 
+@pytest.mark.parametrize("snapshot", ["now", "deferred"])
+def test_I4_extra_state_is_the_state_at_save_also_when_the_plan_is_cached(
+    ranks, tmp_path, snapshot
+):
+    """The per-rank extra state (a ShardedObject) is serialised for the file when the save
+    plans: on the save thread, after save() returned, once the plan is cached. A trainer that
+    changes its own counters right after save() (after a fence, for a deferred one) must
+    still get the values they had at save()."""
+    cfg = ckpt_config(tmp_path, snapshot=snapshot)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    second = save_everyone(ranks, coordinator, 2, after="extra")
+    assert all(s["plan_reused"] for s in second)
+    coordinator.wait_for_commit(2)
+    ray.get([w.load.remote(2) for w in every_rank(ranks)])
+    assert ray.get([w.counter_value.remote() for w in every_rank(ranks)]) == [[2]] * 3
+    close_all(ranks, coordinator)
+
+
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_prepare_makes_the_first_save_reuse_the_plan_buffers_and_writer(ranks, tmp_path, writer):
     cfg = ckpt_config(tmp_path, writer={"mode": writer})

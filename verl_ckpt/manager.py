@@ -54,6 +54,7 @@ from verl_ckpt.snapshot_plan import (
     SnapshotPlan,
     check_copied_unchanged,
     check_live_unchanged,
+    freeze_objects,
     nbytes,
     split_live,
 )
@@ -288,6 +289,8 @@ class CheckpointManager:
         # plan then run on the save thread, so that the trainer waits for the copy alone. A
         # save that plans over the group does it all here, as collectives must.
         background = layout.reuse_plan and self._save_thread is not None
+        if background:
+            freeze_objects(layout.items)  # their bytes are made when the plan runs, later
         job = self._new_job(layout, self._acquire_copy(layout, deferred))
         job.stats.snapshot = "deferred" if deferred else "now"
         job.model_spec_bytes = spec_bytes

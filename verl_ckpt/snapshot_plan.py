@@ -5,10 +5,11 @@ values fails that save loudly, never leaving a file with a mix of old and new va
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from verl_ckpt import megatron_compat
 from verl_ckpt.errors import CheckpointError
@@ -19,6 +20,7 @@ __all__ = [
     "SnapshotPlan",
     "check_copied_unchanged",
     "check_live_unchanged",
+    "freeze_objects",
     "nbytes",
     "split_live",
 ]
@@ -47,6 +49,19 @@ class SnapshotPlan:
 
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def freeze_objects(items: list) -> None:
+    """Take the snapshot of the non-tensor shards (ShardedObject: the per-rank extra state,
+    RNG states, counters) by deep-copying their data now, on the training thread.
+
+    Their bytes are produced when the save plans (megatron-core torch.saves them into the
+    plan's write items); once the plan is cached that runs on the save thread, after save()
+    returned, and a trainer changing its own objects in the meantime would have the changed
+    values saved (I4). Called only when planning moves off the training thread."""
+    for item in items:
+        if isinstance(item, ShardedObject):
+            item.data = copy.deepcopy(item.data)
 
 
 def split_live(
