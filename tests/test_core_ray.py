@@ -157,6 +157,25 @@ def test_I1_finalizer_restart_loses_reports_and_never_half_commits(ranks, tmp_pa
     coordinator.close()
 
 
+def test_I1_after_a_finalizer_restart_a_leftover_of_an_earlier_job_is_saved_over(ranks, tmp_path):
+    """A restarted finalizer took every uncommitted directory for a step of this job in
+    flight, lost: a leftover of an earlier job (which crashed saving step 3) then made this
+    job's step 3 unsavable ("the finalizer restarted while the step was in flight"). Only
+    the steps this job opened count as lost; the leftover is saved over as at any start."""
+    cfg = ckpt_config(tmp_path)
+    (step_dir(cfg["root_dir"], 3) / "actor").mkdir(parents=True)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    ray.kill(coordinator.finalizer, no_restart=False)  # for real; Ray restarts it
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(cfg["root_dir"]) == 3
+    ray.get([w.close.remote() for w in every_rank(ranks)])
+    coordinator.close()
+
+
 def test_sync_save_writes_same_files_and_duplicate_reports_are_harmless(ranks, tmp_path):
     async_cfg = ckpt_config(tmp_path / "a")
     sync_cfg = ckpt_config(tmp_path / "s", async_save=False, writer={"mode": "inline"})

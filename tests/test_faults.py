@@ -22,7 +22,7 @@ import ray
 import torch
 
 from tests.conftest import REPO_ROOT, ROLES, free_port
-from tests.helpers import close_all, every_rank, open_all, save_everyone
+from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
 from tests.rank_worker import RankWorker
 from verl_ckpt import (
     CheckpointCoordinator,
@@ -117,6 +117,48 @@ def test_I5_hung_rank_is_named_and_training_is_not_blocked(lone_rank, tmp_path):
         ray.get(lone_rank.save.remote(2))
     assert read_tracker(cfg["root_dir"]) is None
     coordinator.close()
+
+
+def test_I5_a_rank_whose_save_raises_instead_of_saving_fails_that_step_at_once(ranks, tmp_path):
+    """The critic's write of step 2 fails; its save(3) raises that failure (once) instead of
+    saving step 3, which the other participants save. Step 3 then waited for the critic's
+    report for ever, and with max_in_flight=1 no later step could start. Now the critic's
+    save() tells the finalizer that it will not save step 3: the step fails at once, naming
+    it, and step 4 commits."""
+    cfg = ckpt_config(tmp_path, timeout_s=30.0)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=enospc"))
+    try:
+        save_everyone(ranks, coordinator, 2)
+        with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write ENOSPC\]"):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    actors = [w.save.remote(3) for w in ranks["actor"]]
+    with pytest.raises(CheckpointWriteError, match="failed to save step 2"):
+        ray.get(critic.save.remote(3))
+    try:
+        coordinator.save_driver_state(3, {"step": 3})
+    except CheckpointError as exc:  # the step may have failed already: then it is refused
+        assert "step 3" in str(exc) and "failed" in str(exc)
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[plan\] .*step 2"):
+        coordinator.wait_for_commit(3, timeout_s=10)
+    # The actors' saves of step 3 wrote it, or were refused once it had failed (raised by
+    # save() or by the next wait()): either way they learn that step 3 will not commit.
+    for saved, rank in zip(actors, ranks["actor"], strict=True):
+        for outcome in (saved, rank.wait.remote()):
+            try:
+                ray.get(outcome)
+            except CheckpointError as exc:
+                assert "step 3" in str(exc) and "failed" in str(exc)
+    save_everyone(ranks, coordinator, 4)
+    coordinator.wait_for_commit(4)
+    assert read_tracker(cfg["root_dir"]) == 4
+    close_all(ranks, coordinator)
 
 
 @pytest.mark.parametrize("phase", ["commit", "tracker"])

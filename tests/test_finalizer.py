@@ -19,12 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from verl_ckpt.commit_record import CommitRecord, FileEntry, write_commit_record
+from verl_ckpt.commit_record import (
+    CommitRecord,
+    FileEntry,
+    read_commit_record,
+    write_commit_record,
+)
+from verl_ckpt.errors import CheckpointError, StepNotCommittedError
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer import CheckpointFinalizer
 from verl_ckpt.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.tracker import read_tracker, write_tracker
+from verl_ckpt.verification import verify_files
 
 DRIVER_ONLY = {"driver": 1}
 # The lines of CPython's pathlib that intern path components (3.11: in parse_parts).
@@ -129,3 +137,97 @@ def test_wait_for_commit_returns_the_commit_timings_after_the_step_retired(tmp_p
     summary = asyncio.run(run())
     assert summary["step"] == 2 and summary["tracker"] == 2, summary
     assert 0 < summary["ready_at"] <= summary["record_at"] <= summary["tracker_at"], summary
+
+
+# ---- saves of one step: refusals, replaced saves, deadlines (two driver-like ranks) ------
+
+TWO_RANKS = {"driver": 2}
+
+
+async def write_and_report(
+    finalizer, step, rank, save_id, payload=b"x" * 100, failure=None, timeout_s=10.0
+):
+    """One participant's save of `step`: begin_step, its file, its report."""
+    directory = Path(await finalizer.begin_step(step, "driver", rank, 2, timeout_s, save_id))
+    report = RankReport(step, "driver", rank, 2, save_id, failure=failure)
+    if failure is None:
+        name = f"part{rank}.bin"
+        written = write_checksummed(directory / name, lambda s: s.write(payload))
+        report.files.append(FileEntry(name, written.size, written.checksum))
+    await finalizer.report(report)
+
+
+def test_I1_a_second_save_of_a_reported_step_is_refused_and_the_step_verifies(tmp_path):
+    """A participant saving a step again after it reported it (a restarted rank, a retry)
+    overwrote the reported files while the first save's report stayed counted: the step
+    committed with a record its files failed. The second save is refused before it writes."""
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        await write_and_report(finalizer, 2, 0, "first", b"a" * 100)
+        with pytest.raises(CheckpointError, match="driver rank 0 already reported step 2"):
+            await finalizer.begin_step(2, "driver", 0, 2, 10.0, "second")
+        await write_and_report(finalizer, 2, 1, "other")
+        await finalizer.wait_for_commit(2, 10.0)
+
+    asyncio.run(run())
+    path = step_dir(tmp_path, 2)
+    assert verify_files(path, read_commit_record(path)) == []
+
+
+def test_I1_the_report_of_a_replaced_save_is_ignored_and_the_step_verifies(tmp_path):
+    """A restarted rank saves again before its first save reported: the first save's late
+    report (of bytes the second save overwrote) is ignored; the second's counts."""
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        await finalizer.begin_step(3, "driver", 0, 2, 10.0, "first")
+        await write_and_report(finalizer, 3, 0, "second", b"b" * 100)
+        late = RankReport(3, "driver", 0, 2, "first", files=[FileEntry("part0.bin", 100, "0")])
+        await finalizer.report(late)
+        await write_and_report(finalizer, 3, 1, "other")
+        await finalizer.wait_for_commit(3, 10.0)
+
+    asyncio.run(run())
+    path = step_dir(tmp_path, 3)
+    assert verify_files(path, read_commit_record(path)) == []
+
+
+def test_I5_saving_a_failed_step_again_is_refused_naming_the_failure(tmp_path):
+    """Re-saving a step number that failed used to be accepted and then silently dropped
+    (every report ignored, the old failure raised to the waiter)."""
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        full = Failure("driver", 0, Phase.WRITE, "OSError: no space left", 28)
+        await write_and_report(finalizer, 5, 0, "first", failure=full)
+        with pytest.raises(CheckpointError, match=r"step 5 .*failed .*saved once.*no space"):
+            await finalizer.begin_step(5, "driver", 1, 2, 10.0, "retry")
+        await write_and_report(finalizer, 6, 0, "a")
+        await write_and_report(finalizer, 6, 1, "b")
+        await finalizer.wait_for_commit(6, 10.0)
+
+    asyncio.run(run())
+    assert read_tracker(tmp_path) == 6
+
+
+def test_I5_a_step_whose_participant_never_reports_fails_at_its_deadline(tmp_path, monkeypatch):
+    """A participant that never reports (it died, or its save() raised before saving this
+    step) kept the step collecting for ever: with max_in_flight=1 no later step could start.
+    The step now fails once its deadline passed (the report slack is shortened here), naming
+    who is missing, and the next step starts."""
+    monkeypatch.setattr("verl_ckpt.finalizer.RPC_SLACK_S", 0.1)
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        await finalizer.begin_step(7, "driver", 1, 2, 0.2, "silent")
+        await write_and_report(finalizer, 7, 0, "a", timeout_s=0.2)
+        # Step 8 waits for room until step 7's deadline, then starts.
+        await write_and_report(finalizer, 8, 0, "c")
+        await write_and_report(finalizer, 8, 1, "d")
+        await finalizer.wait_for_commit(8, 10.0)
+        with pytest.raises(StepNotCommittedError, match="no report by the step's deadline"):
+            await finalizer.wait_for_commit(7, 1.0)
+
+    asyncio.run(run())
+    assert read_tracker(tmp_path) == 8

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_ckpt.ledger import Recorded, StepLedger, StepStatus
+from verl_ckpt.ledger import Begun, Recorded, StepLedger, StepStatus
 from verl_ckpt.protocol import Failure, Phase, describe_failures
 from verl_ckpt.reports import RankReport
 
@@ -125,3 +125,52 @@ def test_I5_memory_is_flat_over_many_commits_and_failures():
             ledger.retire(step)
     assert len(ledger) == 16 and ledger.in_flight() == []
     assert ledger.status(10_000) is StepStatus.FAILED and ledger.status(10) is None
+
+
+# ---- saves of a participant (save ids), refusals and deadlines ---------------------------
+
+
+def test_I1_a_report_from_a_save_that_was_replaced_is_never_counted():
+    """A restarted rank saves the step again (new save id) before its first save reported:
+    the late report of the first save must not be counted for the files the second wrote."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    assert ledger.begin(5, ("actor", 0), "first", 100.0) is Begun.JOINED
+    assert ledger.begin(5, ("actor", 0), "second", 100.0) is Begun.JOINED
+    assert ledger.record(report(5, "actor", 0, save_id="first")) is Recorded.STALE
+    assert ledger.record(report(5, "actor", 0, save_id="second")) is Recorded.COUNTED
+    assert ledger.missing(5) == [("actor", 1), ("driver", 0)]
+
+
+def test_I1_a_second_save_of_a_step_the_participant_reported_is_refused():
+    """Its files are the reported ones: a second save would overwrite them under the first
+    save's checksums (the step would commit with a record its files fail)."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    ledger.begin(5, ("actor", 0), "first", 100.0)
+    ledger.record(report(5, "actor", 0, save_id="first"))
+    assert ledger.begin(5, ("actor", 0), "second", 100.0) is Begun.ALREADY_REPORTED
+    assert ledger.begin(5, ("actor", 0), "first", 100.0) is Begun.JOINED  # a retried call
+
+
+def test_a_failed_lost_or_committing_step_is_not_begun_again():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=2, lost=[9])
+    ledger.record(report(4, "driver", 0, failure=Failure("driver", 0, Phase.WRITE, "full")))
+    assert ledger.begin(4, ("driver", 0), "retry", 100.0) is Begun.FAILED
+    assert ledger.begin(9, ("driver", 0), "retry", 100.0) is Begun.LOST
+    all_succeed(ledger, 5)
+    ledger.begin_commit(5)
+    assert ledger.begin(5, ("driver", 0), "another", 100.0) is Begun.DECIDED
+
+
+def test_I5_a_step_missing_reports_fails_at_its_deadline_naming_who_is_missing():
+    """A participant that died, or never saved the step, would otherwise keep it collecting
+    for ever, and back-pressure would keep every later step from starting."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    ledger.begin(5, ("actor", 0), "a", 10.0)
+    ledger.begin(5, ("actor", 1), "b", 12.0)  # the latest participant's deadline counts
+    ledger.record(report(5, "actor", 0, save_id="a"))
+    assert ledger.next_expiry() == 12.0
+    assert ledger.expire(11.0) == [] and not ledger.has_room_for(6)
+    assert [entry.step for entry in ledger.expire(12.5)] == [5]
+    assert ledger.status(5) is StepStatus.FAILED
+    assert "actor rank 1, driver rank 0" in describe_failures(ledger.failures(5))
+    assert ledger.has_room_for(6) and ledger.next_expiry() == float("inf")

@@ -27,7 +27,7 @@ from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, start_finalizer
 from verl_ckpt.hf.scheduler import plan_exports
 from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
-from verl_ckpt.protocol import Failure, Phase
+from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.startup import StartPlan, prepare_start
 from verl_ckpt.verification import verify_files
@@ -35,9 +35,6 @@ from verl_ckpt.verification import verify_files
 __all__ = ["CheckpointCoordinator"]
 
 logger = logging.getLogger(__name__)
-
-# Slack added to the deadline of a call whose callee applies the caller's own timeout.
-_RPC_SLACK_S = 30.0
 
 
 class CheckpointCoordinator:
@@ -105,19 +102,26 @@ class CheckpointCoordinator:
         if DRIVER_ROLE not in self.participants:
             raise CheckpointError("this coordinator was built with save_driver_state=False")
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        directory = Path(
-            self._call(
-                "begin_step",
-                step,
-                DRIVER_ROLE,
-                0,
-                1,
-                timeout,
-                deadline=time.monotonic() + timeout + _RPC_SLACK_S,
-            )
-        )
-        path = directory / DRIVER_STATE_FILENAME
         report = RankReport(step, DRIVER_ROLE, 0, 1, uuid.uuid4().hex)
+        try:
+            directory = Path(
+                self._call(
+                    "begin_step",
+                    step,
+                    DRIVER_ROLE,
+                    0,
+                    1,
+                    timeout,
+                    report.save_id,
+                    deadline=time.monotonic() + timeout + RPC_SLACK_S,
+                )
+            )
+        except Exception as exc:
+            # The ranks save this step: fail it now rather than at its deadline.
+            report.failure = Failure.from_exception(DRIVER_ROLE, 0, Phase.PLAN, exc)
+            self._report_quietly(report)
+            raise
+        path = directory / DRIVER_STATE_FILENAME
         try:
             written = write_checksummed(path, lambda stream: torch.save(state, stream))
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
@@ -128,6 +132,12 @@ class CheckpointCoordinator:
             raise CheckpointError(
                 f"driver state of step {step} not saved ({path}): {report.failure.message}"
             )
+
+    def _report_quietly(self, report: RankReport) -> None:
+        try:
+            self._call("report", report)
+        except Exception as error:  # noqa: BLE001 - the original failure is what matters
+            logger.warning("could not report the failure of step %d: %s", report.step, error)
 
     def load_driver_state(self, step_path: str | Path) -> dict[str, Any]:
         path = Path(step_path)
@@ -142,7 +152,7 @@ class CheckpointCoordinator:
         """Block until `step` committed; raise naming missing participants or failures."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         return self._call(
-            "wait_for_commit", step, timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
+            "wait_for_commit", step, timeout, deadline=time.monotonic() + timeout + RPC_SLACK_S
         )
 
     def drain(self, timeout_s: float | None = None) -> list[int]:
@@ -150,7 +160,7 @@ class CheckpointCoordinator:
         returns before retention deletes old steps); return the steps still waiting for
         reports."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        return self._call("drain", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S)
+        return self._call("drain", timeout, deadline=time.monotonic() + timeout + RPC_SLACK_S)
 
     def status(self) -> dict[str, Any]:
         return self._call("status")
@@ -162,7 +172,7 @@ class CheckpointCoordinator:
         Raises CommitTimeoutError naming the steps still exporting at the deadline."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         outcomes = self._call(
-            "wait_for_exports", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
+            "wait_for_exports", timeout, deadline=time.monotonic() + timeout + RPC_SLACK_S
         )
         self._exports_seen.update((o["step"], o["role"]) for o in outcomes)
         return outcomes
@@ -173,7 +183,7 @@ class CheckpointCoordinator:
         return where the remote tier stands ("tracker", "step", "status", "error")."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         return self._call(
-            "drain_uploads", timeout, deadline=time.monotonic() + timeout + _RPC_SLACK_S
+            "drain_uploads", timeout, deadline=time.monotonic() + timeout + RPC_SLACK_S
         )
 
     def remote_status(self, step: int | None = None) -> dict[str, Any]:
@@ -232,7 +242,7 @@ class CheckpointCoordinator:
                 )
 
     def _call(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or time.monotonic() + self.config.timeout_s + _RPC_SLACK_S
+        deadline = deadline or time.monotonic() + self.config.timeout_s + RPC_SLACK_S
         return call_finalizer(
             self.finalizer, method, *args, deadline=deadline, who=f"the driver of {self.root}"
         )

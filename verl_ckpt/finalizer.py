@@ -30,9 +30,15 @@ from verl_ckpt.commit_record import committed_steps, is_committed
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.fsio import atomic_write_bytes
 from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
-from verl_ckpt.layout import DRIVER_ROLE, ROOT_MARKER_FILENAME, role_dir, step_dir
-from verl_ckpt.ledger import Recorded, StepLedger, StepStatus
-from verl_ckpt.protocol import Failure, Phase, describe_failures
+from verl_ckpt.layout import (
+    DRIVER_ROLE,
+    ROOT_MARKER_FILENAME,
+    RUN_MARKER_FILENAME,
+    role_dir,
+    step_dir,
+)
+from verl_ckpt.ledger import Begun, Recorded, StepLedger, StepStatus
+from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase, describe_failures
 from verl_ckpt.recovery import recover_root
 from verl_ckpt.reports import Participant, RankReport
 from verl_ckpt.retention import delete_step_dir
@@ -61,9 +67,15 @@ class CheckpointFinalizer:
         max_in_flight: int = 1,
         hf_exports: ExportPlan | None = None,
         remote: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
+        # This job's finalizer, whatever its restarts (Ray passes a restarted actor the same
+        # arguments): begin_step marks the steps it opens with it, so that a restart tells
+        # the steps this job had in flight from the leftovers of earlier jobs. Without one,
+        # a restart takes every uncommitted step for one of this job's.
+        self._run_id = run_id
         self._participants = dict(participants)
         self._keep = max_ckpt_to_keep
         # Reports carry DCP metadata whose classes live in torch and megatron-core: import
@@ -74,20 +86,25 @@ class CheckpointFinalizer:
 
         self._root.mkdir(parents=True, exist_ok=True)
         # Recovery rolls an interrupted commit forward and deletes nothing (retention runs
-        # only after a new commit). After a restart of this actor, the steps on disk without
-        # a commit record may be steps whose reports died with the old instance: they are
+        # only after a new commit). After a restart of this actor, the steps this job had in
+        # flight (marked with its run id) lost their reports with the old instance: they are
         # lost, never committed, and not cleaned by begin_step (a rank may still write).
+        # Leftovers of earlier jobs stay plain leftovers, re-saved over when their turn comes.
         state = recover_root(self._root)
-        restarted = _was_restarted()
-        self._ledger = StepLedger(
-            participants, max_in_flight, lost=state.uncommitted if restarted else ()
-        )
+        lost = []
+        if _was_restarted():
+            lost = [
+                s
+                for s in state.uncommitted
+                if run_id is None or _run_of(step_dir(self._root, s)) == run_id
+            ]
+        self._ledger = StepLedger(participants, max_in_flight, lost=lost)
         if state.uncommitted:
             logger.warning(
                 "checkpoint root %s holds uncommitted step directories %s (ignored%s)",
                 self._root,
                 list(state.uncommitted),
-                "; their reports were lost in a finalizer restart" if restarted else "",
+                f"; the reports of {lost} were lost in a finalizer restart" if lost else "",
             )
         # The summaries of the last commits (with their timings), for waiters that ask after
         # the step was retired; bounded, like everything the finalizer keeps.
@@ -137,7 +154,13 @@ class CheckpointFinalizer:
     # ---- protocol step 1: begin_step -----------------------------------------------------
 
     async def begin_step(
-        self, step: int, role: str, rank: int, world_size: int, timeout_s: float
+        self,
+        step: int,
+        role: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        save_id: str | None = None,
     ) -> str:
         """Make sure the step's directory exists; return the participant's directory.
 
@@ -145,7 +168,10 @@ class CheckpointFinalizer:
         uncommitted. Then, without awaiting (so that participants' calls are serialised),
         the directory. Every participant of a step gets the same answer whatever the order of
         their calls (ranks told different things would wait for each other in their planning
-        collectives): only a committed step is refused.
+        collectives). Refused: a committed step, a step that failed or was lost (a step
+        number is saved once), and a second save (`save_id`) of a step the participant
+        already reported, which would overwrite the files it reported. The step must have
+        every report by `timeout_s` + slack after the last participant's begin_step.
         """
         self._check_participant(role, rank, world_size)
         await self._wait_until(
@@ -160,13 +186,20 @@ class CheckpointFinalizer:
             raise CheckpointError(
                 f"step {step} is already committed at {path}; refusing to overwrite it"
             )
-        if status is None:
-            if path.exists():
-                # A leftover of an earlier run that never committed: its files must not mix
-                # with the new save's, so it goes before anyone writes.
-                logger.warning("removing uncommitted leftover %s before re-saving it", path)
-                delete_step_dir(path)
-            self._ledger.open(step)
+        if status is None and path.exists():
+            # A leftover of an earlier run that never committed: its files must not mix
+            # with the new save's, so it goes before anyone writes.
+            logger.warning("removing uncommitted leftover %s before re-saving it", path)
+            delete_step_dir(path)
+        # A participant reports at its own deadline (timeout_s after its save) plus the
+        # report call's slack: after that, a missing report will not come.
+        expires_at = time.monotonic() + timeout_s + 2 * RPC_SLACK_S
+        begun = self._ledger.begin(step, (role, rank), save_id, expires_at)
+        if begun is not Begun.JOINED:
+            raise CheckpointError(self._refusal(step, role, rank, begun))
+        if status is None and self._run_id is not None:
+            path.mkdir(parents=True, exist_ok=True)
+            _mark_run(path, self._run_id)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
         target.mkdir(parents=True, exist_ok=True)
         return str(target)
@@ -185,7 +218,15 @@ class CheckpointFinalizer:
                 f"step {step}: report of {report.role} rank {report.rank} refused, the "
                 "finalizer restarted while the step was in flight and lost the other reports"
             )
-        if outcome is Recorded.FAILED:
+        if outcome is Recorded.STALE:
+            logger.warning(
+                "step %d: ignored a report of %s rank %d from a save it replaced (%s)",
+                step,
+                report.role,
+                report.rank,
+                report.save_id,
+            )
+        elif outcome is Recorded.FAILED:
             logger.error("step %d will not commit: %s", step, report.failure.describe())
         elif outcome is Recorded.READY:
             # Committing from here on: a duplicate report can no longer start a second commit.
@@ -367,13 +408,41 @@ class CheckpointFinalizer:
             await self._changed_or_timeout(remaining)
 
     async def _changed_or_timeout(self, timeout_s: float) -> None:
+        """Wait for the next change, at most `timeout_s`; a step whose reports are overdue
+        fails meanwhile (a change: its waiters and back-pressure see it)."""
         # Everything runs on one event loop: no change can slip in between a caller's check
         # and this wait, so no wake-up is lost.
         changed = self._changed
+        until_expiry = self._ledger.next_expiry() - time.monotonic()
         try:
-            await asyncio.wait_for(changed.wait(), timeout_s)
+            await asyncio.wait_for(changed.wait(), max(0.0, min(timeout_s, until_expiry)))
         except TimeoutError:
             pass
+        self._expire_overdue()
+
+    def _expire_overdue(self) -> None:
+        expired = self._ledger.expire(time.monotonic())
+        for entry in expired:
+            logger.error(
+                "step %d will not commit: %s", entry.step, describe_failures(entry.failures)
+            )
+        if expired:
+            self._notify()
+
+    def _refusal(self, step: int, role: str, rank: int, begun: Begun) -> str:
+        """Why `role rank` may not save `step` (ledger.Begun), in one line."""
+        where = f"step {step} under {self._root}"
+        if begun is Begun.ALREADY_REPORTED:
+            return (
+                f"{role} rank {rank} already reported {where} from another save: a second save "
+                "would overwrite the files it reported; refused"
+            )
+        if begun is Begun.FAILED:
+            failures = describe_failures(self._ledger.failures(step))
+            return f"{where} failed and a step number is saved once: {failures}"
+        if begun is Begun.LOST:
+            return f"{where} was in flight when the finalizer restarted and will not commit"
+        return f"{where} is committing (every participant reported it); refusing another save"
 
     def _retention_keeps(self) -> list[int]:
         """Steps that retention must not delete whatever their age: steps in flight, steps
@@ -418,6 +487,19 @@ def _open_remote_tier(remote, root, participants, local_status, on_upload_end):
     from verl_ckpt.remote.finalizer_tier import RemoteTier
 
     return RemoteTier(remote, root, participants, local_status, on_upload_end)
+
+
+def _mark_run(path: Path, run_id: str) -> None:
+    """Mark a step directory as opened by this job (a hint for a restart, not fsynced: a
+    crash that loses it takes the whole job with it)."""
+    (path / RUN_MARKER_FILENAME).write_text(run_id)
+
+
+def _run_of(path: Path) -> str | None:
+    try:
+        return (path / RUN_MARKER_FILENAME).read_text()
+    except OSError:
+        return None
 
 
 def _was_restarted() -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,7 +83,15 @@ def start_finalizer(
     actor = (
         ray.remote(CheckpointFinalizer)
         .options(**actor_options(root))
-        .remote(root, dict(participants), max_ckpt_to_keep, max_in_flight, hf_exports, remote)
+        .remote(
+            root,
+            dict(participants),
+            max_ckpt_to_keep,
+            max_in_flight,
+            hf_exports,
+            remote,
+            uuid.uuid4().hex,  # this job's run id, the same for every restart of the actor
+        )
     )
     try:
         found = ray.get(actor.describe.remote(), timeout=timeout_s)
@@ -161,3 +170,9 @@ def call_finalizer(
         return ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
     except ray.exceptions.GetTimeoutError:
         raise CommitTimeoutError(f"{who}: the finalizer did not answer {method} in time") from None
+    except ray.exceptions.RayTaskError as exc:
+        # The finalizer's own error (a refusal, a deadline naming who is missing) is raised
+        # as itself: one line, not wrapped in Ray's remote traceback.
+        if isinstance(exc.cause, CheckpointError):
+            raise exc.cause from None
+        raise

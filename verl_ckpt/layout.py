@@ -16,6 +16,7 @@ __all__ = [
     "DRIVER_ROLE",
     "DRIVER_STATE_FILENAME",
     "ROOT_MARKER_FILENAME",
+    "RUN_MARKER_FILENAME",
     "TRACKER_FILENAME",
     "list_step_dirs",
     "role_dir",
@@ -29,6 +30,8 @@ DRIVER_STATE_FILENAME = "driver_state.pt"
 # Written by the finalizer at start-up; every rank and the driver read it back to prove that
 # they see the same filesystem.
 ROOT_MARKER_FILENAME = ".verl_ckpt_root_marker"
+# In a step directory: the run id of the job whose finalizer opened it (finalizer.py).
+RUN_MARKER_FILENAME = ".verl_ckpt_run"
 # The driver reports as one more participant under this role name.
 DRIVER_ROLE = "driver"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")

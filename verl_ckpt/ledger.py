@@ -7,6 +7,13 @@ Each step the finalizer hears of moves through explicit states:
          +--(a participant reported a failure)--> failed <-+ (the commit itself failed)
     lost: the step was in flight when the finalizer restarted; its reports are gone.
 
+A participant's begin_step registers the save id of its save (one per CheckpointManager), so
+that a report of another save of the same participant (a restarted rank, an earlier attempt)
+is never counted for this one, and a second save of a step the participant already reported
+is refused before it writes. A collecting step whose reports do not all arrive by its
+deadline (a participant that died, or never saved it) fails, naming who is missing, so that
+back-pressure never waits on it forever.
+
 Only open steps are held in full: collecting, committing, and committed until the
 retention after its commit ran (`retire`), since until then the step it deletes still
 occupies a directory and back-pressure must count it. A retired step is forgotten (its
@@ -17,6 +24,7 @@ does not grow with the number of commits (protocol.py, steps 4-7).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -24,10 +32,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from verl_ckpt.protocol import Failure
+from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import Participant, RankReport
 
-__all__ = ["Recorded", "StepEntry", "StepLedger", "StepStatus"]
+__all__ = ["Begun", "Recorded", "StepEntry", "StepLedger", "StepStatus"]
 
 
 class StepStatus(StrEnum):
@@ -48,7 +56,18 @@ class Recorded(StrEnum):
     READY = "ready"  # the last expected success: the caller starts the commit
     FAILED = "failed"  # this report failed the step
     IGNORED = "ignored"  # a duplicate, or late: the step is committing or already decided
+    STALE = "stale"  # from a save of this participant that a newer one replaced
     REFUSED_LOST = "refused_lost"  # the step's other reports were lost in a restart
+
+
+class Begun(StrEnum):
+    """What a participant's begin_step found (anything but JOINED refuses the save)."""
+
+    JOINED = "joined"  # the step collects reports, this participant's save among them
+    ALREADY_REPORTED = "already_reported"  # this participant reported it from another save
+    DECIDED = "decided"  # committing or committed: every participant already reported
+    FAILED = "failed"  # the step failed; a step number is saved once
+    LOST = "lost"  # in flight when the finalizer restarted
 
 
 @dataclass
@@ -58,6 +77,10 @@ class StepEntry:
     reports: dict[Participant, RankReport] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
+    # The save id each participant's begin_step registered (while collecting).
+    attempts: dict[Participant, str] = field(default_factory=dict)
+    # time.monotonic() after which a collecting step fails for its missing reports.
+    expires_at: float = math.inf
     # What the commit produced (commit.CommitSummary), kept until the step is retired.
     summary: Any = None
 
@@ -122,11 +145,54 @@ class StepLedger:
     # ---- transitions ---------------------------------------------------------------------
 
     def open(self, step: int) -> StepEntry:
-        """Start collecting `step` (idempotent: every participant's begin_step calls it)."""
+        """Start collecting `step` (idempotent)."""
         entry = self.entry(step)
         if entry is None:
             entry = self._open[step] = StepEntry(step)
         return entry
+
+    def begin(
+        self, step: int, participant: Participant, save_id: str | None, expires_at: float
+    ) -> Begun:
+        """A participant's begin_step: open `step` if needed, register its save, and give
+        the step until at least `expires_at` for every report."""
+        entry = self.open(step)
+        known = entry.attempts.get(participant)
+        if entry.status is not StepStatus.COLLECTING:
+            if save_id is not None and known == save_id:
+                return Begun.JOINED  # the same save asking again (a retried call)
+            return {StepStatus.FAILED: Begun.FAILED, StepStatus.LOST: Begun.LOST}.get(
+                entry.status, Begun.DECIDED
+            )
+        if save_id is not None:
+            if known not in (None, save_id) and participant in entry.reports:
+                return Begun.ALREADY_REPORTED
+            entry.attempts[participant] = save_id
+        if math.isinf(entry.expires_at) or expires_at > entry.expires_at:
+            entry.expires_at = expires_at  # the latest participant's deadline counts
+        return Begun.JOINED
+
+    def expire(self, now: float) -> list[StepEntry]:
+        """Fail every collecting step whose deadline passed, naming who did not report."""
+        overdue = [
+            e
+            for e in self._open.values()
+            if e.status is StepStatus.COLLECTING and e.expires_at < now
+        ]
+        for entry in overdue:
+            missing = ", ".join(f"{role} rank {rank}" for role, rank in self.missing(entry.step))
+            failure = Failure(
+                "finalizer", None, Phase.REPORT, f"no report by the step's deadline from {missing}"
+            )
+            self._decide(entry, StepStatus.FAILED, failure)
+        return overdue
+
+    def next_expiry(self) -> float:
+        """The earliest deadline of a collecting step (inf when none)."""
+        return min(
+            (e.expires_at for e in self._open.values() if e.status is StepStatus.COLLECTING),
+            default=math.inf,
+        )
 
     def record(self, report: RankReport) -> Recorded:
         """Take one participant's report; the caller checked that it is an expected one."""
@@ -142,6 +208,11 @@ class StepLedger:
         # the step that is committing.
         if entry.status is not StepStatus.COLLECTING or report.participant in entry.reports:
             return Recorded.IGNORED
+        registered = entry.attempts.get(report.participant)
+        if registered is not None and report.save_id != registered:
+            # A save this participant replaced (a restarted rank's earlier one): its files
+            # were overwritten by the registered save, whose report is the one that counts.
+            return Recorded.STALE
         entry.reports[report.participant] = report
         if report.failure is not None:
             self._decide(entry, StepStatus.FAILED, report.failure)
@@ -181,6 +252,7 @@ class StepLedger:
         entry.status = status
         entry.failures.append(failure)
         entry.reports.clear()  # DCP metadata can be large; the failure is what is kept
+        entry.attempts.clear()
         self._open.pop(entry.step, None)
         self._decided[entry.step] = entry
         self._decided.move_to_end(entry.step)

@@ -48,7 +48,7 @@ from verl_ckpt.group_agreement import (
 from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
-from verl_ckpt.protocol import Failure, Phase
+from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.snapshot_plan import (
     SnapshotPlan,
@@ -69,8 +69,6 @@ __all__ = ["CheckpointManager", "SaveStats"]
 logger = logging.getLogger(__name__)
 
 EXTRA_STATE_KEY = "verl_ckpt.extra_state"
-# Slack added to the deadline of a call whose callee applies the caller's own timeout.
-_RPC_SLACK_S = 30.0
 # The "step" every rank agrees on in prepare(): no step directory is involved.
 _PREPARE = -1
 
@@ -275,23 +273,30 @@ class CheckpointManager:
         """
         self._check_open()
         started = time.perf_counter()
-        deferred = self._snapshot_mode(snapshot) == "deferred"
-        spec_bytes = self._model_spec_bytes(model_spec)
-        self.fence()  # the previous save's snapshot must be complete
-        # Back-pressure: at most max_in_flight writes; an earlier failure is raised here, once.
-        self._in_flight.wait_for_room()
-        if self._uploads is not None:
-            self._uploads.wait_for_room()  # at most remote.max_in_flight uploads pending
-        layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1: agree
-        deferred = deferred and layout.reuse_plan
-        # A save whose plan is reused needs no collective after the agreement: begin_step
-        # (which may wait for an earlier step's commit and retention: back-pressure) and the
-        # plan then run on the save thread, so that the trainer waits for the copy alone. A
-        # save that plans over the group does it all here, as collectives must.
-        background = layout.reuse_plan and self._save_thread is not None
-        if background:
-            freeze_objects(layout.items)  # their bytes are made when the plan runs, later
-        job = self._new_job(layout, self._acquire_copy(layout, deferred))
+        try:
+            deferred = self._snapshot_mode(snapshot) == "deferred"
+            spec_bytes = self._model_spec_bytes(model_spec)
+            self.fence()  # the previous save's snapshot must be complete
+            # Back-pressure: at most max_in_flight writes; an earlier failure is raised here,
+            # once, instead of saving this step.
+            self._in_flight.wait_for_room()
+            if self._uploads is not None:
+                self._uploads.wait_for_room()  # at most remote.max_in_flight uploads pending
+            layout = self._layout(step, self._compose(model, optimizer, extra))  # step 1: agree
+            deferred = deferred and layout.reuse_plan
+            # A save whose plan is reused needs no collective after the agreement: begin_step
+            # (which may wait for an earlier step's commit and retention: back-pressure) and
+            # the plan then run on the save thread, so that the trainer waits for the copy
+            # alone. A save that plans over the group does it all here, as collectives must.
+            background = layout.reuse_plan and self._save_thread is not None
+            if background:
+                freeze_objects(layout.items)  # their bytes are made when the plan runs, later
+            job = self._new_job(layout, self._acquire_copy(layout, deferred))
+        except Exception as exc:
+            # The other participants save this step: tell the finalizer now that this rank
+            # will not, or the step would wait for this report until its deadline.
+            self._report_failure(step, uuid.uuid4().hex, Phase.PLAN, exc)
+            raise
         job.stats.snapshot = "deferred" if deferred else "now"
         job.model_spec_bytes = spec_bytes
         if not deferred:
@@ -506,7 +511,13 @@ class CheckpointManager:
         started = time.perf_counter()
         job.directory = Path(
             self._call_finalizer(
-                "begin_step", job.step, self.role, self.rank, self.world_size, self._timeout_s
+                "begin_step",
+                job.step,
+                self.role,
+                self.rank,
+                self.world_size,
+                self._timeout_s,
+                job.save_id,
             )
         )
         job.stats.begin_s = time.perf_counter() - started
@@ -611,13 +622,16 @@ class CheckpointManager:
         self._pool.release(job.copy.slot)
         # Reported even before begin_step (a copy that failed first): the step then fails
         # for every rank now, instead of at the deadline.
-        report = RankReport(job.step, self.role, self.rank, self.world_size, job.save_id)
+        self._report_failure(job.step, job.save_id, phase, exc)
+
+    def _report_failure(self, step: int, save_id: str, phase: Phase, exc: BaseException) -> None:
+        report = RankReport(step, self.role, self.rank, self.world_size, save_id)
         report.failure = Failure.from_exception(self.role, self.rank, phase, exc)
         try:
             self._call_finalizer("report", report)
         except Exception as error:  # noqa: BLE001 - the original failure is what matters
             logger.warning(
-                "%s: could not report the failure of step %d: %s", self._who, job.step, error
+                "%s: could not report the failure of step %d: %s", self._who, step, error
             )
 
     def _write_and_report(self, job: _SaveJob) -> None:
@@ -630,7 +644,7 @@ class CheckpointManager:
         job.stats.files_written = len(report.files)
         try:
             faults.inject("report", self.role, self.rank)
-            self._call_finalizer("report", report, deadline=job.deadline + _RPC_SLACK_S)
+            self._call_finalizer("report", report, deadline=job.deadline + RPC_SLACK_S)
         except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
             if report.failure is None:
                 report.failure = Failure.from_exception(self.role, self.rank, Phase.REPORT, exc)
@@ -743,7 +757,7 @@ class CheckpointManager:
         )
 
     def _call_finalizer(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or time.monotonic() + self._timeout_s + _RPC_SLACK_S
+        deadline = deadline or time.monotonic() + self._timeout_s + RPC_SLACK_S
         return call_finalizer(self._finalizer, method, *args, deadline=deadline, who=self._who)
 
     def _check_open(self) -> None:

@@ -154,7 +154,11 @@ import errno as errno_codes
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Failure", "Phase", "describe_failures"]
+__all__ = ["RPC_SLACK_S", "Failure", "Phase", "describe_failures"]
+
+# Slack added to the deadline of a call whose callee applies the caller's own timeout (a
+# report is sent by its save's deadline; the finalizer waits that much longer for it).
+RPC_SLACK_S = 30.0
 
 
 class Phase(StrEnum):
