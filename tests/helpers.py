@@ -22,8 +22,16 @@ def save_everyone(
     ranks: dict, coordinator, step: int, after: str = "nothing", snapshot: str | None = None
 ) -> list[dict]:
     """Every rank saves `step` (then does `after`, see RankWorker.save); then the driver."""
+    from verl_ckpt import CheckpointError
+
     stats = ray.get([w.save.remote(step, after, snapshot) for w in every_rank(ranks)])
-    coordinator.save_driver_state(step, {"step": step, "data_position": step * 4})
+    try:
+        coordinator.save_driver_state(step, {"step": step, "data_position": step * 4})
+    except CheckpointError as exc:
+        # A rank's failure of this step reached the finalizer first: the driver's save of it
+        # is refused. The tests that provoke a failure assert it through wait_for_commit.
+        if "a step number is saved once" not in str(exc):
+            raise
     return stats
 
 

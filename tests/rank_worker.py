@@ -138,7 +138,8 @@ class RankWorker:
         does), train a step on reloaded state, offload again, and drop the old tensors;
         `fence, inplace`: fence() first (the deferred snapshot's contract), then `inplace`;
         `step`: one training step (its optimizer.step() may fence through fence_before);
-        `extra`: change the counter saved in the extra state in place."""
+        `extra`: change the counter saved in the extra state in place;
+        `quiet, data`: inside quiet(), change the optimizer state through `.data`."""
         from verl_ckpt import describe_gpt_model
 
         self.counter[0] = step
@@ -158,6 +159,13 @@ class RankWorker:
         if after == "extra":
             self.manager.fence()  # the deferred snapshot's contract (a no-op for "now")
             self.counter[0] = -1
+        if after == "quiet, data":
+            # An update that bumps no version counter (through `.data`, as a C++ kernel or a
+            # numpy view would), inside quiet(), as an optimizer step under fence_before.
+            with self.manager.quiet(), torch.no_grad():
+                for s in self.optimizer.state.values():
+                    for value in s.values():
+                        value.data.mul_(3.0)
         if after == "fence, inplace":
             self.manager.fence()
             after = "inplace"

@@ -144,7 +144,7 @@ def test_I5_a_rank_whose_save_raises_instead_of_saving_fails_that_step_at_once(r
     try:
         coordinator.save_driver_state(3, {"step": 3})
     except CheckpointError as exc:  # the step may have failed already: then it is refused
-        assert "step 3" in str(exc) and "failed" in str(exc)
+        assert "step 3" in str(exc) and "saved once" in str(exc)
     with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[plan\] .*step 2"):
         coordinator.wait_for_commit(3, timeout_s=10)
     # The actors' saves of step 3 wrote it, or were refused once it had failed (raised by

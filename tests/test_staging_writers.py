@@ -11,7 +11,7 @@ import ray
 import torch
 
 from tests.conftest import ROLES, free_port
-from tests.helpers import close_all, every_rank, save_everyone
+from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
 from tests.rank_worker import RankWorker
 from verl_ckpt import CheckpointCoordinator, CheckpointWriteError, CommitTimeoutError, read_tracker
 from verl_ckpt.faults import ENV_VAR
@@ -97,6 +97,46 @@ def test_I4_offload_aware_detects_in_place_change_and_fails_loudly(ranks, tmp_pa
         except CheckpointWriteError as exc:
             assert "modified in place" in str(exc)
     coordinator.close()
+
+
+@pytest.fixture
+def slow_offload_aware(ranks, tmp_path):
+    """Offload-aware staging (optimizer moments written from the live host tensors), every
+    rank's write held back 1 s by the documented fault hook, step 1 committed."""
+    cfg = ckpt_config(tmp_path, staging={"offload_aware": True})
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    ray.get([w.set_env.remote(ENV_VAR, "write=sleep=1") for w in every_rank(ranks)])
+    yield coordinator
+    ray.get([w.set_env.remote(ENV_VAR, None) for w in every_rank(ranks)])
+    close_all(ranks, coordinator)
+
+
+def test_I4_offload_aware_an_update_inside_quiet_waits_for_the_live_writes(
+    ranks, slow_offload_aware
+):
+    """A change of a live host tensor through `.data` (or a C++ kernel, a numpy view) bumps
+    no version counter: it went into the file of the step being written, silently. Inside
+    quiet() (where fence_before runs an optimizer step) the update now waits until the
+    writes that read those tensors in place ended; the step holds the state at save()."""
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    stats = save_everyone(ranks, slow_offload_aware, 2, after="quiet, data")
+    assert sum(s["bytes_zero_copy"] for s in stats) > 0
+    slow_offload_aware.wait_for_commit(2)
+    assert_restores(ranks, 2, before)
+
+
+def test_I4_offload_aware_load_waits_for_the_live_writes(ranks, slow_offload_aware):
+    """load() fills the live tensors (the direct reader bumps no version counter) while an
+    offload-aware save may still be writing them in place: it waits for those writes, so
+    the step being saved holds the state at its save(), not the loaded one."""
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    save_everyone(ranks, slow_offload_aware, 2)
+    ray.get([w.load.remote(1) for w in every_rank(ranks)])
+    slow_offload_aware.wait_for_commit(2)
+    assert_restores(ranks, 2, before)
 
 
 def test_I5_killed_writer_process_fails_the_save_and_the_next_save_commits(ranks, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
@@ -65,6 +66,17 @@ class InFlightSaves:
                     f"{self._owner}: writes of steps {steps} not finished within the deadline"
                 )
             self.collect()
+
+    def drain_where(self, wanted: Callable[[Any], bool], deadline: float) -> None:
+        """Wait until every save in flight whose stats are `wanted` ended (saves end in order:
+        up to the last of them), or raise at `deadline` naming its step."""
+        last = max((i for i, save in enumerate(self._queue) if wanted(save.stats)), default=-1)
+        for save in list(self._queue)[: last + 1]:
+            if not self._wait(save.future, deadline):
+                raise CommitTimeoutError(
+                    f"{self._owner}: the write of step {save.step} not finished within the deadline"
+                )
+        self.collect()
 
     def collect(self) -> None:
         """Move the saves that ended out of the queue, in order; keep the first failure."""

@@ -330,16 +330,27 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
-        """Around a change of the state (an optimizer step): fence(), and hold background
-        writes back meanwhile, between tensors, so that the update has the cores and the
-        memory bandwidth to itself; they go on when the block ends (a pause never lasts
-        longer than fsio.MAX_PAUSE_S). The write's own deadline still counts."""
-        self.fence()
-        self._writer.pause()
+        """Around a change of the state (an optimizer step): fence(), wait for the writes
+        that read host tensors in place (offload-aware staging), and hold the other
+        background writes back meanwhile, between tensors, so that the update has the cores
+        and the memory bandwidth to itself; they go on when the block ends (a pause never
+        lasts longer than fsio.MAX_PAUSE_S). The write's own deadline still counts."""
+        self._before_change()
         try:
             yield
         finally:
             self._writer.resume()
+
+    def _before_change(self) -> None:
+        """The state is about to change: every snapshot must be taken (fence), and no write
+        may still read a host tensor in place. Offload-aware staging writes such tensors
+        without a copy; version counters catch a change made through them, but not one made
+        through `.data`, a numpy view or a C++ kernel on their memory, which would change the
+        file silently (I4). Then writes pause (the caller resumes them)."""
+        self.fence()
+        deadline = time.monotonic() + self._timeout_s
+        self._in_flight.drain_where(lambda stats: stats.bytes_zero_copy > 0, deadline)
+        self._writer.pause()
 
     def fence_before(self, optimizer: Any) -> Any:
         """Run every `optimizer.step()` inside quiet(): it fences first (a deferred snapshot
@@ -356,8 +367,7 @@ class CheckpointManager:
             )
 
         def before(*_: Any) -> None:
-            self.fence()
-            self._writer.pause()
+            self._before_change()
 
         def after(*_: Any) -> None:
             self._writer.resume()
@@ -389,7 +399,11 @@ class CheckpointManager:
         checksums with `verify_checksums_on_load`, are checked before any state is read.
         Returns a dict with keys among "model", "optimizer", "extra".
         """
-        self.fence()  # loading changes the state a deferred snapshot may still be copying
+        # Loading changes the state: a deferred snapshot must be taken, and no write may still
+        # read it in place (offload-aware staging; the direct reader fills tensors without
+        # bumping their version counters). Failures of those writes are raised as always.
+        self.fence()
+        self._in_flight.drain(time.monotonic() + self._timeout_s)
         path = step_dir(self._root, step_path) if isinstance(step_path, int) else Path(step_path)
         record = read_commit_record(path)
         saved_world = record.role_world_size(self.role)

@@ -30,10 +30,15 @@ after a whole-job restart (everything killed, the job started again).
                       thread; none for a group of one rank). A rank whose plan is cached
                       does not wait for the outcome: its save thread checks it before
                       begin_step, and every rank fails if one disagrees. Then
-                      `begin_step` on the finalizer: it waits while max_in_flight steps are
-                      uncommitted, removes an uncommitted leftover of the step, creates the
-                      directory. Then validate sharding and build the DCP plan (cached while
+                      `begin_step` on the finalizer, with the save's id: it waits while
+                      max_in_flight steps are uncommitted, removes an uncommitted leftover
+                      of the step, creates the directory (marked with the job's run id).
+                      Refused, in one line: a committed, failed or lost step (a step number
+                      is saved once) and a second save of a step this participant already
+                      reported. Then validate sharding and build the DCP plan (cached while
                       the structure hash holds). Durable: an empty step directory.
+                      A save() that raises before this (an earlier failure, raised once
+                      instead of saving) reports a failure for its step at once.
                       With a cached plan (no collective left), begin_step and the plan run
                       on the save thread after step 2: the trainer never waits for an
                       earlier step's commit or retention (the back-pressure still holds).
@@ -41,7 +46,9 @@ after a whole-job restart (everything killed, the job started again).
                       is saved again.
  2. stage             rank, training thread (the only other blocking part).
                       Copy every tensor into reused host buffers (or reference host tensors
-                      that are provably not changed in place until the write ends).
+                      that are provably not changed in place until the write ends: version
+                      counters, and quiet()/fence_before/load() wait for those writes), and
+                      deep-copy the non-tensor shards when planning moves off this thread.
                       `save()` returns here. Durable: nothing.
  3. write             rank, writer threads or the writer process. Deadline: timeout_s from
                       save(). Fault phase `write`. Each file is written, checksummed as the
@@ -50,9 +57,14 @@ after a whole-job restart (everything killed, the job started again).
  4. report            rank, its save thread. Fault phase `report`. Deadline: timeout_s.
                       A `RankReport` (files with sizes and checksums, DCP write results, or
                       a typed `Failure`) to the finalizer. The finalizer learns completion
-                      from reports only, never from collectives (I6).
-                      Actor restart: the reports of steps in flight are lost; the restarted
-                      finalizer refuses them and those steps never commit.
+                      from reports only, never from collectives (I6). A report of a save
+                      that a newer save of the same participant replaced is ignored. A step
+                      still missing reports `timeout_s` + 2 x RPC_SLACK_S after its last
+                      begin_step fails, naming who is missing (back-pressure never waits on
+                      a participant that died or never saved it).
+                      Actor restart: the reports of this job's steps in flight are lost; the
+                      restarted finalizer refuses them and those steps never commit (an
+                      earlier job's leftovers are plain leftovers, saved over).
  5. commit record     finalizer, its commit thread, once every expected report succeeded.
                       Fault phase `commit` (before the record). Completes each role's
                       torch_dist directory (.metadata, metadata.json), fsyncs, then writes
