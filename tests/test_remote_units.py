@@ -244,3 +244,53 @@ def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing
     assert not store.fs.exists(store.key("global_step_2/big.bin"))
     uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert uploads == [], uploads
+
+
+def _unknown_version(tier: RemoteStore, step: int) -> str:
+    """Give remote step `step` a record of a format version this verl_ckpt cannot read (one
+    written by a newer verl_ckpt); its object's URL."""
+    import json
+
+    rel = f"global_step_{step}/{COMMIT_RECORD_FILENAME}"
+    tier.put_bytes(
+        rel, json.dumps({**json.loads(tier.read_bytes(rel)), "format_version": 2}).encode()
+    )
+    return tier.uri(rel)
+
+
+def test_I3_remote_retention_counts_only_readable_records_toward_keep(tmp_path, tier, capsys):
+    """Regression: remote retention counted a step whose record it cannot read (here a newer
+    format_version) toward remote.keep, so `prune URL --keep 1` deleted steps 10 and 20, the
+    ones a resume can use. As in the local tier, only readable records count; a step with an
+    unreadable record is neither counted nor deleted."""
+    from verl_ckpt.cli import main
+
+    root = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        committed_step(root, step)
+        commit_remote_step(tier, root, step, (), 2, 60)
+    _unknown_version(tier, 30)
+    assert apply_remote_retention(tier, keep=1, dry_run=True).deleted == [10]
+    assert main(["prune", tier.url, "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted step 10" in out and "deleted step 20" not in out, out
+    assert tier.listing().committed() == [20, 30]
+    assert read_remote_record(tier, 20).step == 20
+
+
+def test_I1_a_remote_tracker_naming_an_unreadable_record_fails_start_up_naming_it(tmp_path, tier):
+    """Regression: when the remote tracker names a step whose record cannot be read, start-up
+    skipped it with a warning and resumed from an older remote step (or, once retention had
+    deleted those, silently from scratch). Now one line naming the record object, before the
+    lock, with nothing downloaded."""
+    source, fresh = tmp_path / "ckpt", tmp_path / "fresh"
+    for step in (10, 20, 30):
+        committed_step(source, step)
+        commit_remote_step(tier, source, step, (), 2, 60)
+    where = _unknown_version(tier, 30)
+    assert read_remote_tracker(tier) == 30
+    with pytest.raises(CheckpointError) as refused:
+        prepare_start({"root_dir": str(fresh), "remote": {"url": tier.url}})
+    message = str(refused.value)
+    assert "\n" not in message and where in message and "format_version 2" in message, message
+    assert not fresh.exists() or list(fresh.glob("global_step_*")) == []

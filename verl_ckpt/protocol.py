@@ -104,7 +104,10 @@ protocol with the same guarantees, run after the local one and never delaying it
 
  0'. start (remote)   driver, before Ray starts (`remote/startup.py`, from prepare_start).
                       The URL takes a write (probe object put and removed) within 60 s, or
-                      one line names it. Its newest committed step is read; resume_mode=auto
+                      one line names it. Its newest committed step (readable record) is read;
+                      a remote tracker naming a newer step whose record is missing or does
+                      not read is an error naming the object (never a silent older or fresh
+                      start); resume_mode=auto
                       downloads it into the root when it is newer than the root's newest
                       (`remote/pull.py`: files verified into `.pulling_global_step_<N>/`,
                       record last, one rename), and recovery rolls the tracker forward to it.
@@ -133,7 +136,9 @@ protocol with the same guarantees, run after the local one and never delaying it
                       stores; tmp + rename on file://), never backwards.
                       Crash before: rolled forward by the next finalizer start.
 11. remote retention  finalizer, after the remote tracker: committed steps beyond remote.keep
-                      lose their record, then their objects; leftovers of failed uploads
+                      (only readable records count; a step whose record does not read is
+                      neither counted nor deleted) lose their record, then their objects;
+                      leftovers of failed uploads
                       older than the newest remote commit are removed. Never the remote
                       tracker's target, never a step being uploaded. Failures are logged and
                       retried after the next remote commit.

@@ -27,7 +27,12 @@ from verl_ckpt.cli import (
     _role_entries,
 )
 from verl_ckpt.commit_record import CommitRecord
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError, TrackerError
+from verl_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CommitRecordError,
+    TrackerError,
+)
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.remote.store import RemoteStore, describe_store_error
@@ -132,18 +137,32 @@ def _ls(store: RemoteStore, args: argparse.Namespace) -> int:
     rows = [("", "STEP", "SIZE", "AGE", "ROLES", "STATUS")]
     now = time.time()
     for step in sorted(listing.steps):
-        record = read_remote_record(store, step) if step in listing.committed() else None
+        record, status = _record_and_status(store, step, step in listing.committed())
         roles = (
             ",".join(f"{r}:{n}" for r, n in sorted(record.participants.items())) if record else "-"
         )
         age = _human_age(max(0.0, now - record.committed_at)) if record else "-"
-        status = "committed" if record else "not committed (an upload that did not finish)"
         size = _human_bytes(listing.size(step))
         rows.append(("*" if step == target else "", str(step), size, age, roles, status))
     _print_table(rows, right=frozenset({1, 2, 3}))
     if target in listing.steps:
         print("(* = the tracker's target)")
     return 0
+
+
+def _record_and_status(
+    store: RemoteStore, step: int, has_record: bool
+) -> tuple[CommitRecord | None, str]:
+    """A step's record (None unless it reads) and `ls`'s STATUS for it."""
+    if not has_record:
+        return None, "not committed (an upload that did not finish)"
+    try:
+        record = read_remote_record(store, step)
+    except CommitRecordError as exc:
+        return None, f"not committed: {exc}"
+    if record is None:
+        return None, "not committed (deleted since the listing)"
+    return record, "committed"
 
 
 def _verify(store: RemoteStore, args: argparse.Namespace) -> int:
@@ -184,8 +203,13 @@ def _prune(store: RemoteStore, args: argparse.Namespace) -> int:
         print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
     for error in outcome.errors:
         print(f"FAILED {error}")
-    kept = sorted(set(listing.committed()) - set(outcome.deleted))
+    kept = sorted(set(listing.committed()) - set(outcome.deleted) - set(outcome.unreadable))
     print(f"kept committed steps: {kept or 'none'}; tracker's target: {_tracker(store)}")
+    if outcome.unreadable:
+        print(
+            f"left alone steps {outcome.unreadable}: their commit records cannot be read "
+            "(not counted toward --keep; `verl-ckpt ls` says why)"
+        )
     return EXIT_BAD_CHECKPOINT if outcome.errors else 0
 
 

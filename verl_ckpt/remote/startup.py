@@ -2,9 +2,11 @@
 
 Before the root lock (read-only for the local root): the URL takes a write (a wrong scheme,
 a missing bucket, wrong credentials or an unreachable endpoint is one line naming the URL),
-and its newest committed step is read. A run that would start from an older step than the
-remote tier's newest (resume_mode=disable, or a resume_path older than it) is refused: its
-uploads would collide with the remote tier's steps.
+and its newest committed step (with a readable record) is read; a remote tracker naming a
+newer step whose record is missing or does not read is an error naming the object (resuming
+from an older step, or from scratch, would go unnoticed). A run that would start from an
+older step than the remote tier's newest (resume_mode=disable, or a resume_path older than
+it) is refused: its uploads would collide with the remote tier's steps.
 
 Under the lock, for resume_mode=auto: when the remote tier holds a committed step newer than
 the local root's newest (a fresh machine, a lost local root), it is downloaded into the root
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_ckpt.config import CheckpointConfig
-from verl_ckpt.errors import CheckpointConfigError, ResumeConflictError
+from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, ResumeConflictError
 from verl_ckpt.layout import step_of_dir
 from verl_ckpt.recovery import RootState
 from verl_ckpt.remote.pull import PullSummary, pull_step
@@ -28,7 +30,7 @@ from verl_ckpt.remote.store import (
     check_store,
     describe_store_error,
 )
-from verl_ckpt.remote.tier import newest_remote_step
+from verl_ckpt.remote.tier import RemoteHead, read_remote_head
 
 __all__ = ["RemoteStart", "check_remote_start", "fetch_newer_remote_step"]
 
@@ -41,8 +43,13 @@ _CHECK_TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class RemoteStart:
     store: RemoteStore
-    # The newest step committed in the remote tier (None: nothing committed there).
-    newest: int | None
+    # Where the remote tier stands: its newest readable committed step and that record.
+    head: RemoteHead
+
+    @property
+    def newest(self) -> int | None:
+        """The newest step committed in the remote tier (None: nothing committed there)."""
+        return self.head.step
 
 
 def check_remote_start(config: CheckpointConfig) -> RemoteStart:
@@ -52,11 +59,14 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
     timeout = min(_CHECK_TIMEOUT_S, config.timeout_s)
     store = check_store(remote.url, remote.storage_options, timeout)
     try:
-        newest = call_with_deadline(lambda: newest_remote_step(store), timeout, remote.url)
+        head = call_with_deadline(lambda: read_remote_head(store), timeout, remote.url)
+    except CommitRecordError:
+        raise  # the tracker names a step that cannot be used: the message names the object
     except Exception as exc:  # noqa: BLE001 - one line naming the URL
         raise CheckpointConfigError(
             f"checkpoint.remote.url={remote.url!r} cannot be listed: {describe_store_error(exc)}"
         ) from None
+    newest = head.step
     if config.resume_mode != "auto" and newest is not None:
         if config.resume_mode == "disable":
             start, what = None, "checkpoint.resume_mode=disable starts from step 0"
@@ -69,7 +79,7 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
                 "this run's uploads would collide with it. Use a new checkpoint.remote.url, or "
                 f"remove the newer steps first (verl-ckpt prune {remote.url} ...)"
             )
-    return RemoteStart(store, newest)
+    return RemoteStart(store, head)
 
 
 def _refuse_overlap_with_root(url: str, root: Path) -> None:

@@ -25,14 +25,17 @@ from verl_ckpt.tracker import parse_tracker
 
 __all__ = [
     "RemoteCommitSummary",
+    "RemoteHead",
     "RemoteRetention",
     "advance_remote_tracker",
     "apply_remote_retention",
     "commit_remote_step",
     "delete_remote_step",
     "newest_remote_step",
+    "read_remote_head",
     "read_remote_record",
     "read_remote_tracker",
+    "readable_remote_steps",
     "recover_remote",
 ]
 
@@ -50,9 +53,13 @@ class RemoteCommitSummary:
     tracker: int | None
 
 
+def _record_rel(step: int) -> str:
+    return f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
+
+
 def read_remote_record(store: RemoteStore, step: int) -> CommitRecord | None:
     """The commit record of remote step `step`, or None when it has none (not committed)."""
-    rel = f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
+    rel = _record_rel(step)
     data = store.read_bytes(rel)
     return None if data is None else parse_commit_record(data, store.uri(rel))
 
@@ -64,13 +71,86 @@ def read_remote_tracker(store: RemoteStore) -> int | None:
 
 def newest_remote_step(store: RemoteStore) -> int | None:
     """The newest remote step with a readable commit record: what a resume would load."""
-    for step in reversed(store.listing().committed()):
+    newest = _newest_readable(store, store.listing().committed())
+    return None if newest is None else newest[0]
+
+
+def _newest_readable(store: RemoteStore, committed: list[int]) -> tuple[int, bytes] | None:
+    """The newest of `committed` whose record reads, with the record's bytes."""
+    for step in reversed(committed):
+        data = store.read_bytes(_record_rel(step))
+        if data is None:
+            continue  # deleted since the listing
         try:
-            if read_remote_record(store, step) is not None:
-                return step
+            parse_commit_record(data, store.uri(_record_rel(step)))
         except CommitRecordError as exc:
             logger.warning("skipping remote step %d: %s", step, exc)
+            continue
+        return step, data
     return None
+
+
+@dataclass(frozen=True)
+class RemoteHead:
+    """Where the remote tier stands for a start: what a resume from it would load."""
+
+    # The newest step with a readable commit record (None: none), and that record's bytes.
+    step: int | None
+    record: bytes | None
+    # Every step with a commit record object, readable or not, oldest first.
+    committed: tuple[int, ...]
+
+
+def read_remote_head(store: RemoteStore) -> RemoteHead:
+    """The newest remote step a resume would load. Raises CommitRecordError naming the
+    object when the remote tracker names a newer step whose record is missing or cannot be
+    read: skipping it would resume from an older step, or from scratch, without a word."""
+    committed = store.listing().committed()
+    newest = _newest_readable(store, committed)
+    step, record = newest if newest is not None else (None, None)
+    try:
+        tracker = read_remote_tracker(store)
+    except TrackerError as exc:
+        # The finalizer replaces it at its start; the records say what is committed.
+        logger.warning("unreadable remote tracker (replaced by the next run): %s", exc)
+        tracker = None
+    if tracker is not None and (step is None or tracker > step):
+        _refuse_unreadable_target(store, tracker)
+    return RemoteHead(step, record, tuple(committed))
+
+
+def _refuse_unreadable_target(store: RemoteStore, step: int) -> None:
+    where = store.uri(_record_rel(step))
+    data = store.read_bytes(_record_rel(step))
+    if data is None:
+        problem = (
+            f"its commit record {where} is missing (an interrupted `verl-ckpt rollback "
+            f"{store.url} --to N --delete`? run it again)"
+        )
+    else:
+        try:
+            parse_commit_record(data, where)
+            return  # committed since the listing: the next start sees it
+        except CommitRecordError as exc:
+            problem = str(exc)
+    raise CommitRecordError(
+        f"the remote tracker {store.uri(TRACKER_FILENAME)} names step {step}, which cannot be "
+        f"resumed from: {problem}. Nothing was downloaded; fix or remove that step (or use "
+        "another checkpoint.remote.url) rather than start from an older step"
+    )
+
+
+def readable_remote_steps(store: RemoteStore, committed: Iterable[int]) -> list[int]:
+    """The steps of `committed` (record objects present) whose record reads, oldest first;
+    as the local tier's committed_steps, a record that does not read does not count."""
+    readable = []
+    for step in sorted(committed):
+        try:
+            if read_remote_record(store, step) is not None:
+                readable.append(step)
+        except CommitRecordError as exc:
+            logger.warning("remote step %d is not counted as committed: %s", step, exc)
+    return readable
 
 
 def commit_remote_step(
@@ -146,6 +226,8 @@ class RemoteRetention:
     deleted: list[int] = field(default_factory=list)
     # Uncommitted leftovers older than the newest committed step (interrupted uploads).
     purged: list[int] = field(default_factory=list)
+    # Steps whose record does not read: neither counted toward keep nor deleted.
+    unreadable: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -154,12 +236,15 @@ def apply_remote_retention(
 ) -> RemoteRetention:
     """Step 11, after a remote commit only: delete committed steps beyond the newest `keep`
     and the leftovers of interrupted uploads older than the newest committed step. Never the
-    remote tracker's target nor a `protected` step (an upload in flight). Failures are
-    collected, not raised: the next remote commit retries."""
+    remote tracker's target nor a `protected` step (an upload in flight). Only steps whose
+    record reads are committed here, as in the local tier: a step whose record does not read
+    (corrupt, a newer format_version) neither counts toward `keep` nor is deleted. Failures
+    are collected, not raised: the next remote commit retries."""
     outcome = RemoteRetention()
     listing = store.listing()
-    committed = listing.committed()
-    protected = set(protected)
+    committed = readable_remote_steps(store, listing.committed())
+    outcome.unreadable = sorted(set(listing.committed()) - set(committed))
+    protected = set(protected) | set(outcome.unreadable)
     try:
         tracker = read_remote_tracker(store)
     except TrackerError:
