@@ -1,6 +1,6 @@
 """`verl-ckpt`: list, verify, inspect, prune, roll back and export a checkpoint root; ls,
-verify, inspect and prune take a remote tier URL too, and `pull` fetches a step from one
-(remote/cli.py).
+verify, inspect, prune and rollback (with --delete) take a remote tier URL too, and `pull`
+fetches a step from one (remote/cli.py).
 
 Exit status: 0 success; 1 the checkpoint is bad (not committed, corrupt record, unreadable
 tracker, files failing verification); 2 a usage error (ROOT missing or not a directory, a bad
@@ -479,7 +479,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="verl-ckpt",
         description="List, verify, inspect, prune and roll back a verl_ckpt checkpoint root "
-        "(ls, verify, inspect and prune also take a remote tier URL); pull a step from one.",
+        "(ls, verify, inspect, prune and rollback also take a remote tier URL); pull a step "
+        "from one.",
         epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
@@ -537,7 +538,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "Moves every global_step_<M> with M > --to (committed or not) into "
         "ROOT/rolled_back_<time>/, or deletes them with --delete, then points the tracker at "
         "--to. Journaled: an interrupted rollback is completed by the next job start or by "
-        "running the same command again. Refused while a job holds the root.",
+        "running the same command again. Refused while a job holds the root. The root keeps a "
+        "record of the committed steps moved out, so that a remote tier still holding them "
+        "does not bring them back at the next start (it is refused instead). On a remote tier "
+        "URL, --delete is required: the newer steps are deleted (record first), then the "
+        "remote tracker names --to.",
     )
     rollback.add_argument(
         "--to",

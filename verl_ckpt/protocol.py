@@ -107,10 +107,14 @@ protocol with the same guarantees, run after the local one and never delaying it
                       one line names it. Its newest committed step (readable record) is read;
                       a remote tracker naming a newer step whose record is missing or does
                       not read is an error naming the object (never a silent older or fresh
-                      start); resume_mode=auto
-                      downloads it into the root when it is newer than the root's newest
-                      (`remote/pull.py`: files verified into `.pulling_global_step_<N>/`,
-                      record last, one rename), and recovery rolls the tracker forward to it.
+                      start). resume_mode=auto downloads it into the root when it is newer
+                      than the root's newest (`remote/pull.py`: files verified into
+                      `.pulling_global_step_<N>/`, record last, one rename), and recovery
+                      rolls the tracker forward to it; unless `verl-ckpt rollback` moved that
+                      very save out of the root (<root>/.verl_ckpt_rolled_back.json holds its
+                      step and record hash): then the start is refused, naming
+                      `verl-ckpt rollback URL --to N --delete` (newer remote steps deleted
+                      record first, then the remote tracker moved back: one PUT).
                       The finalizer rolls the remote tracker forward at every start.
  8. upload            each rank, its upload thread (never the training or save thread), after
                       its report (4). Fault phase `upload`. Deadline: timeout_s.

@@ -76,7 +76,10 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     check_deadline_env(config.preemption)
     remote = _check_remote(config)
-    check_resume_before_lock(config, read_root_state(root), choose_resume_dir)
+    before = read_root_state(root)
+    check_resume_before_lock(config, before, choose_resume_dir)
+    if remote is not None:
+        _refuse_rolled_back_remote_step(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
@@ -167,6 +170,14 @@ def _check_remote(config: CheckpointConfig) -> Any:
     from verl_ckpt.remote.startup import check_remote_start
 
     return check_remote_start(config)
+
+
+def _refuse_rolled_back_remote_step(
+    config: CheckpointConfig, remote: Any, state: RootState
+) -> None:
+    from verl_ckpt.remote.startup import refuse_rolled_back_remote_step
+
+    refuse_rolled_back_remote_step(config, remote, state)
 
 
 def _fetch_newer_remote_step(config: CheckpointConfig, remote: Any, state: RootState) -> bool:

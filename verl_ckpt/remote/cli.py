@@ -1,4 +1,5 @@
-"""`verl-ckpt ls | verify | inspect | prune` on a remote tier URL, and `verl-ckpt pull`.
+"""`verl-ckpt ls | verify | inspect | prune | rollback` on a remote tier URL, and `verl-ckpt
+pull`.
 
 Called by verl_ckpt.cli when ROOT is a URL (s3://bucket/prefix, file:///path, ...). Storage
 options come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and/or
@@ -39,8 +40,10 @@ from verl_ckpt.remote.store import RemoteStore, describe_store_error
 from verl_ckpt.remote.tier import (
     apply_remote_retention,
     newest_remote_step,
+    plan_remote_rollback,
     read_remote_record,
     read_remote_tracker,
+    roll_back_remote,
 )
 from verl_ckpt.remote.transfer import download_files, verify_remote_files
 
@@ -213,6 +216,37 @@ def _prune(store: RemoteStore, args: argparse.Namespace) -> int:
     return EXIT_BAD_CHECKPOINT if outcome.errors else 0
 
 
+def _rollback(store: RemoteStore, args: argparse.Namespace) -> int:
+    if not args.delete:
+        raise _CliError(
+            f"rollback of a remote tier URL ({store.url}) needs --delete: object storage has no "
+            "cheap archive (a move is a copy), so the steps newer than --to are deleted "
+            "(--dry-run lists them)",
+            EXIT_USAGE,
+        )
+    _pick_step(store, args.to)  # committed there, else exit 2 (absent) or 1 (no record)
+    listing = store.listing()
+    plan = plan_remote_rollback(listing, args.to)
+    try:
+        tracker = read_remote_tracker(store)
+        before = "none" if tracker is None else str(tracker)
+    except TrackerError:
+        before = "unreadable"
+    if not args.dry_run:
+        roll_back_remote(store, plan)
+    verb = "would delete" if args.dry_run else "deleted"
+    for step in plan.steps:
+        name = step_dir("", step).name
+        print(f"{verb} step {step}: {store.uri(name)} ({_human_bytes(listing.size(step))})")
+    for step in plan.leftovers:
+        print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
+    if not plan.steps and not plan.leftovers:
+        print(f"no step newer than {plan.to}")
+    suffix = " (dry run: nothing changed)" if args.dry_run else ""
+    print(f"tracker: {before} -> {plan.to}{suffix}")
+    return 0
+
+
 def _pull(store: RemoteStore, args: argparse.Namespace) -> int:
     step = args.step if args.step is not None else newest_remote_step(store)
     if step is None:
@@ -238,5 +272,6 @@ _HANDLERS: dict[str, Callable[[RemoteStore, argparse.Namespace], int]] = {
     "verify": _verify,
     "inspect": _inspect,
     "prune": _prune,
+    "rollback": _rollback,
     "pull": _pull,
 }

@@ -11,6 +11,10 @@ it) is refused: its uploads would collide with the remote tier's steps.
 Under the lock, for resume_mode=auto: when the remote tier holds a committed step newer than
 the local root's newest (a fresh machine, a lost local root), it is downloaded into the root
 (pull.py); recovery then rolls the tracker forward to it, and the run loads it as usual.
+Unless that step is the very save a `verl-ckpt rollback` moved out of the root (its record
+of rolled-back steps holds the step with the same commit record hash): then the start is
+refused, before the lock and again under it, naming `verl-ckpt rollback URL --to N
+--delete`, which removes the newer steps from the remote tier.
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ from verl_ckpt.remote.store import (
     describe_store_error,
 )
 from verl_ckpt.remote.tier import RemoteHead, read_remote_head
+from verl_ckpt.rollback import ROLLED_BACK_FILENAME, find_rolled_back
 
-__all__ = ["RemoteStart", "check_remote_start", "fetch_newer_remote_step"]
+__all__ = [
+    "RemoteStart",
+    "check_remote_start",
+    "fetch_newer_remote_step",
+    "refuse_rolled_back_remote_step",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +61,21 @@ class RemoteStart:
         """The newest step committed in the remote tier (None: nothing committed there)."""
         return self.head.step
 
+    def way_back_to(self, step: int | None) -> str:
+        """The way out of a start below the remote tier's newest step, for an error."""
+        url = self.store.url
+        if step is None:
+            return (
+                f"Use a new checkpoint.remote.url, or checkpoint.resume_mode=auto to continue "
+                f"from step {self.newest}"
+            )
+        if step not in self.head.committed:
+            return f"{url} holds no step {step} to roll back to: use a new checkpoint.remote.url"
+        return (
+            f"Delete the remote tier's newer steps first: verl-ckpt rollback {url} --to {step} "
+            "--delete (or use a new checkpoint.remote.url)"
+        )
+
 
 def check_remote_start(config: CheckpointConfig) -> RemoteStart:
     """The read-only part (see the module docstring); CheckpointError naming the URL."""
@@ -67,6 +92,7 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
             f"checkpoint.remote.url={remote.url!r} cannot be listed: {describe_store_error(exc)}"
         ) from None
     newest = head.step
+    started = RemoteStart(store, head)
     if config.resume_mode != "auto" and newest is not None:
         if config.resume_mode == "disable":
             start, what = None, "checkpoint.resume_mode=disable starts from step 0"
@@ -76,10 +102,32 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
         if start is None or newest > start:
             raise ResumeConflictError(
                 f"{what}, but checkpoint.remote.url {remote.url} holds committed step {newest}: "
-                "this run's uploads would collide with it. Use a new checkpoint.remote.url, or "
-                f"remove the newer steps first (verl-ckpt prune {remote.url} ...)"
+                f"this run's uploads would collide with it. {started.way_back_to(start)}"
             )
-    return RemoteStart(store, head)
+    return started
+
+
+def refuse_rolled_back_remote_step(
+    config: CheckpointConfig, remote: RemoteStart, state: RootState
+) -> None:
+    """resume_mode=auto: refuse when the remote tier's newest committed step is newer than
+    the root's and is the very save (same commit record bytes) that a `verl-ckpt rollback`
+    moved out of the root: downloading it would undo the rollback without a word, and the
+    run's own saves of that step would then go over the remote tier's. Read-only."""
+    head, local = remote.head, state.effective_tracker
+    if config.resume_mode != "auto" or head.step is None or head.record is None:
+        return
+    if local is not None and local >= head.step:
+        return
+    moved = find_rolled_back(state.root, head.step, head.record)
+    if moved is None:
+        return  # a fresh machine, a lost root, another run's step: downloaded as usual
+    raise ResumeConflictError(
+        f"checkpoint.remote.url {remote.store.url} holds committed step {head.step}, which "
+        f"`verl-ckpt rollback {state.root} --to {moved.to}` moved out of checkpoint.root_dir "
+        f"(recorded in {state.root / ROLLED_BACK_FILENAME}): resuming from it would undo that "
+        f"rollback. {remote.way_back_to(local)}"
+    )
 
 
 def _refuse_overlap_with_root(url: str, root: Path) -> None:
@@ -102,6 +150,8 @@ def fetch_newer_remote_step(
 ) -> PullSummary | None:
     """resume_mode=auto, under the root lock: download the remote tier's newest committed
     step into the root when it is newer than the root's newest; None when nothing was."""
+    # Again under the lock: recovery may have just completed an interrupted rollback.
+    refuse_rolled_back_remote_step(config, remote, state)
     local = state.effective_tracker
     if config.resume_mode != "auto" or remote.newest is None:
         return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from verl_ckpt.commit_record import CommitRecord, parse_commit_record
 from verl_ckpt.errors import CheckpointError, CommitRecordError, TrackerError
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
-from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.remote.store import RemoteListing, RemoteStore
 from verl_ckpt.remote.transfer import upload_files
 from verl_ckpt.retention import steps_to_delete
 from verl_ckpt.tracker import parse_tracker
@@ -27,16 +27,19 @@ __all__ = [
     "RemoteCommitSummary",
     "RemoteHead",
     "RemoteRetention",
+    "RemoteRollback",
     "advance_remote_tracker",
     "apply_remote_retention",
     "commit_remote_step",
     "delete_remote_step",
     "newest_remote_step",
+    "plan_remote_rollback",
     "read_remote_head",
     "read_remote_record",
     "read_remote_tracker",
     "readable_remote_steps",
     "recover_remote",
+    "roll_back_remote",
 ]
 
 logger = logging.getLogger(__name__)
@@ -273,3 +276,39 @@ def delete_remote_step(store: RemoteStore, step: int) -> None:
     name = step_dir("", step).name
     store.remove(f"{name}/{COMMIT_RECORD_FILENAME}")
     store.remove_tree(name)
+
+
+@dataclass(frozen=True)
+class RemoteRollback:
+    """What `verl-ckpt rollback URL --to N --delete` does to a remote tier."""
+
+    to: int
+    # Committed steps newer than `to`, and newer steps without a record (unfinished
+    # uploads); newest first, the order they are deleted in.
+    steps: tuple[int, ...]
+    leftovers: tuple[int, ...]
+
+
+def plan_remote_rollback(listing: RemoteListing, to: int) -> RemoteRollback:
+    """Every remote step newer than `to` (the caller checked that `to` is committed)."""
+    committed = set(listing.committed())
+    newer = sorted((s for s in listing.steps if s > to), reverse=True)
+    return RemoteRollback(
+        to,
+        tuple(s for s in newer if s in committed),
+        tuple(s for s in newer if s not in committed),
+    )
+
+
+def roll_back_remote(store: RemoteStore, plan: RemoteRollback) -> None:
+    """Delete every step of `plan`, newest first, each record first then its objects (as
+    retention does: a half-deleted step never looks committed), then point the remote
+    tracker at `plan.to` (one PUT): the one time it moves back, because a user asked.
+
+    The tracker last: moved first, it would be rolled forward again (recover_remote, at
+    every finalizer start) to a newer step still there. A crash half-way leaves the tracker
+    naming a step without a record; start-up then refuses, naming it, and the same command
+    run again completes the rollback."""
+    for step in plan.steps + plan.leftovers:
+        delete_remote_step(store, step)
+    store.put_bytes(TRACKER_FILENAME, f"{plan.to}\n".encode("ascii"))

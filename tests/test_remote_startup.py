@@ -1,0 +1,157 @@
+"""Start-up (protocol step 0') against a remote tier that disagrees with the local root, and
+`verl-ckpt rollback URL`: real local roots with committed steps (real files, checksums and
+commit records), real `file://` remote tiers filled by the finalizer's own functions, the
+real CLI. No Ray: all of this happens before Ray starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from tests.test_remote_units import committed_step
+from verl_ckpt import prepare_start, read_tracker, step_dir
+from verl_ckpt.cli import main
+from verl_ckpt.errors import ResumeConflictError
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.remote.tier import commit_remote_step, read_remote_tracker
+from verl_ckpt.tracker import write_tracker
+
+STEPS = (10, 20, 30)
+
+
+@pytest.fixture
+def both(tmp_path) -> tuple[Path, RemoteStore]:
+    """A local root with steps 10, 20, 30 committed, each uploaded to a file:// tier."""
+    root = tmp_path / "ckpt"
+    tier = RemoteStore(f"file://{tmp_path / 'remote'}")
+    for step in STEPS:
+        committed_step(root, step)
+        write_tracker(root, step)
+        commit_remote_step(tier, root, step, (), 2, 60)
+    return root, tier
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def start(cfg: dict) -> Path | None:
+    plan = prepare_start(cfg)
+    plan.release()
+    return plan.resume_dir
+
+
+def tree(path: Path) -> list[str]:
+    """Every path under `path`, but the root lock's files (start-up takes the lock)."""
+    return sorted(
+        str(p.relative_to(path)) for p in path.rglob("*") if ".verl_ckpt.lock" not in p.name
+    )
+
+
+# ---- a local rollback and the remote tier ---------------------------------------------------
+
+
+def test_I2_a_local_rollback_is_not_undone_by_the_remote_tier(both, capsys):
+    """Regression: after `verl-ckpt rollback ROOT --to 20`, a start with the remote tier
+    (resume_mode=auto) downloaded step 30 again and rolled the tracker forward to it: the
+    rollback silently undone. Now refused, one line naming the URL, the step, the rollback
+    and the way out (`verl-ckpt rollback URL --to 20 --delete`), the root left as it was;
+    after that command the start resumes from step 20."""
+    root, tier = both
+    assert cli(capsys, "rollback", root, "--to", 20)[0] == 0
+    before = tree(root)
+    config = {"root_dir": str(root), "remote": {"url": tier.url}}
+    with pytest.raises(ResumeConflictError) as refused:
+        start(config)
+    message = str(refused.value)
+    assert "\n" not in message and tier.url in message and "step 30" in message, message
+    assert "rollback" in message and f"verl-ckpt rollback {tier.url} --to 20 --delete" in message
+    assert tree(root) == before and read_tracker(root) == 20
+    assert sorted(list_step_dirs(root)) == [10, 20]
+
+    code, out, err = cli(capsys, "rollback", tier.url, "--to", 20, "--delete")
+    assert (code, err) == (0, ""), err
+    assert start(config) == step_dir(root, 20) and read_tracker(root) == 20
+    assert sorted(list_step_dirs(root)) == [10, 20]
+
+
+def test_resume_path_after_a_local_rollback_names_the_remote_rollback_not_prune(both, capsys):
+    """Regression: the refusal of a resume_path older than the remote tier's newest step
+    advised `verl-ckpt prune URL ...`, which deletes OLDER steps and so cannot help. It now
+    names `verl-ckpt rollback URL --to N --delete`, which does, as the test shows."""
+    root, tier = both
+    assert cli(capsys, "rollback", root, "--to", 20)[0] == 0
+    config = {
+        "root_dir": str(root),
+        "remote": {"url": tier.url},
+        "resume_mode": "resume_path",
+        "resume_from_path": str(step_dir(root, 20)),
+    }
+    with pytest.raises(ResumeConflictError) as refused:
+        start(config)
+    message = str(refused.value)
+    assert "prune" not in message, message
+    assert f"verl-ckpt rollback {tier.url} --to 20 --delete" in message, message
+    assert cli(capsys, "rollback", tier.url, "--to", 20, "--delete")[0] == 0
+    assert start(config) == step_dir(root, 20)
+
+
+def test_a_remote_step_that_no_rollback_moved_out_is_still_downloaded(both, tmp_path):
+    """The remote tier's step 30 is not the step 30 the rollback moved out (another record,
+    e.g. another machine's run): a newer remote step is downloaded as on a fresh machine."""
+    root, tier = both
+    assert main(["rollback", str(root), "--to", "20", "--delete"]) == 0
+    other = tmp_path / "other"
+    committed_step(other, 30)
+    record_bytes = (step_dir(other, 30) / COMMIT_RECORD_FILENAME).read_bytes()
+    tier.remove_tree("global_step_30")
+    commit_remote_step(tier, other, 30, (), 2, 60)
+    assert start({"root_dir": str(root), "remote": {"url": tier.url}}) == step_dir(root, 30)
+    assert (step_dir(root, 30) / COMMIT_RECORD_FILENAME).read_bytes() == record_bytes
+    assert read_tracker(root) == 30
+
+
+def test_rollback_record_hash_is_that_of_the_bytes_the_remote_tier_holds(both):
+    """The record's hash is that of the commit record's bytes: the same bytes the remote
+    tier holds for the uploaded step, which is what start-up compares."""
+    from verl_ckpt.rollback import read_rolled_back
+
+    root, tier = both
+    remote = tier.read_bytes(f"global_step_30/{COMMIT_RECORD_FILENAME}")
+    assert main(["rollback", str(root), "--to", "20"]) == 0
+    (entry,) = read_rolled_back(root)
+    assert entry.step == 30 and entry.record_sha256 == hashlib.sha256(remote).hexdigest()
+
+
+# ---- verl-ckpt rollback URL --to N --delete -------------------------------------------------
+
+
+def test_rollback_url_deletes_newer_steps_record_first_then_moves_the_tracker(both, capsys):
+    """`rollback URL --to N` needs --delete (object storage has no cheap archive); --dry-run
+    lists and changes nothing; the real run deletes every newer step (committed or an
+    unfinished upload) and moves the remote tracker back to N. Older leftovers stay (remote
+    retention's business). A step that is not in the remote tier is a usage error."""
+    _, tier = both
+    tier.put_bytes("global_step_40/actor/__0_0.distcp", b"partial")  # an unfinished upload
+    tier.put_bytes("global_step_5/actor/__0_0.distcp", b"partial")
+    code, out, err = cli(capsys, "rollback", tier.url, "--to", 20)
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "--delete" in err, err
+    before = tree(Path(tier.path))
+    code, out, err = cli(capsys, "rollback", tier.url, "--to", 20, "--delete", "--dry-run")
+    assert (code, err) == (0, ""), err
+    assert tree(Path(tier.path)) == before
+    assert "would delete step 30" in out and "would delete leftover" in out, out
+    assert out.splitlines()[-1] == "tracker: 30 -> 20 (dry run: nothing changed)", out
+    code, out, err = cli(capsys, "rollback", tier.url, "--to", 20, "--delete")
+    assert (code, err) == (0, ""), err
+    assert out.splitlines()[-1] == "tracker: 30 -> 20", out
+    assert sorted(tier.listing().steps) == [5, 10, 20] and tier.listing().committed() == [10, 20]
+    assert read_remote_tracker(tier) == 20
+    code, _, err = cli(capsys, "rollback", tier.url, "--to", 30, "--delete")
+    assert code == 2 and "global_step_30 does not exist" in err, err
