@@ -155,3 +155,64 @@ def test_rollback_url_deletes_newer_steps_record_first_then_moves_the_tracker(bo
     assert read_remote_tracker(tier) == 20
     code, _, err = cli(capsys, "rollback", tier.url, "--to", 30, "--delete")
     assert code == 2 and "global_step_30 does not exist" in err, err
+
+
+# ---- resume_fallback=previous and the remote tier -------------------------------------------
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x04  # same size: only a checksum sees it
+    path.write_bytes(data)
+
+
+def fallback_config(root: Path, tier: RemoteStore) -> dict:
+    return {
+        "root_dir": str(root),
+        "remote": {"url": tier.url},
+        "resume_verify": "checksums",
+        "resume_fallback": "previous",
+    }
+
+
+def test_I1_a_failing_resume_step_is_replaced_by_its_verified_remote_copy(both, caplog):
+    """Regression: local step 30 has a flipped bit, the remote tier's copy of step 30
+    verifies; start-up quarantined local 30 and resumed from 20 (10 steps lost). Now the
+    local copy is quarantined as before, the remote copy downloaded (every file verified
+    against its record) in its place, and the run resumes from step 30 with one warning."""
+    import logging
+
+    root, tier = both
+    bad = step_dir(root, 30) / "actor/__1_0.distcp"
+    flip_bit(bad)
+    caplog.set_level(logging.WARNING)
+    assert start(fallback_config(root, tier)) == step_dir(root, 30)
+    assert read_tracker(root) == 30 and sorted(list_step_dirs(root)) == [10, 20, 30]
+    assert main(["verify", str(root), "--step", "30"]) == 0
+    record = (step_dir(root, 30) / COMMIT_RECORD_FILENAME).read_bytes()
+    assert record == tier.read_bytes(f"global_step_30/{COMMIT_RECORD_FILENAME}")
+    (moved,) = (root / "quarantine").iterdir()
+    assert moved.name.startswith("global_step_30.") and (moved / "actor/__1_0.distcp").is_file()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (warning,) = [w for w in warnings if "resume_fallback" in w]
+    assert str(bad) in warning and tier.url in warning and "resuming from step 30" in warning
+
+
+def test_I1_a_fallback_below_the_remote_tiers_newest_step_is_refused(both, capsys):
+    """Regression: with both copies of step 30 damaged, the fallback resumed from step 20
+    while the remote tier held committed step 30, so the run's step 30 would go over it. Now
+    refused before anything moves, one line naming the remote step and the way out; after
+    that command, the fallback to 20 goes ahead."""
+    root, tier = both
+    flip_bit(step_dir(root, 30) / "actor/__1_0.distcp")
+    flip_bit(Path(tier.key("global_step_30", "actor/__1_0.distcp")))
+    before = tree(root)
+    with pytest.raises(ResumeConflictError) as refused:
+        start(fallback_config(root, tier))
+    message = str(refused.value)
+    assert "\n" not in message and "step 30" in message and tier.url in message, message
+    assert f"verl-ckpt rollback {tier.url} --to 20 --delete" in message, message
+    assert tree(root) == before and read_tracker(root) == 30
+    assert cli(capsys, "rollback", tier.url, "--to", 20, "--delete")[0] == 0
+    assert start(fallback_config(root, tier)) == step_dir(root, 20)
+    assert read_tracker(root) == 20 and sorted(list_step_dirs(root)) == [10, 20]

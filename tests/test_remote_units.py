@@ -294,3 +294,74 @@ def test_I1_a_remote_tracker_naming_an_unreadable_record_fails_start_up_naming_i
     message = str(refused.value)
     assert "\n" not in message and where in message and "format_version 2" in message, message
     assert not fresh.exists() or list(fresh.glob("global_step_*")) == []
+
+
+def _resaved(root: Path, step: int) -> None:
+    """The local step `step` saved again by a later run: other bytes, another record."""
+    import shutil
+
+    shutil.rmtree(step_dir(root, step))
+    path = step_dir(root, step)
+    files = []
+    for rel, size in (("actor/__0_0.distcp", 3000), ("actor/__1_0.distcp", 2000), ("d.pt", 10)):
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(bytes((7 * step + i) % 253 for i in range(size)))
+        files.append(FileEntry(rel, *file_checksum(path / rel)))
+    write_commit_record(
+        path, CommitRecord(step=step, participants={"actor": 2, "driver": 1}, files=files)
+    )
+
+
+def test_I1_a_failed_upload_never_leaves_a_committed_remote_step_with_mixed_objects(
+    tmp_path, tier, caplog
+):
+    """Regression: the upload of a new save of step 2 wrote its objects under the remote
+    tier's committed step 2 (an older save of it), under that step's old record; a failure
+    half-way left a committed remote step whose objects no longer match its record. Now the
+    old record is removed first (with a warning naming it): a failure leaves the step
+    uncommitted remotely, never committed-but-mixed."""
+    import logging
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    commit_remote_step(tier, root, 2, (), 2, 60)
+    _resaved(root, 2)
+    (step_dir(root, 2) / "d.pt").write_bytes(b"\0" * 10)  # changed after its commit: refused
+    caplog.set_level(logging.WARNING, logger="verl_ckpt.remote.tier")
+    with pytest.raises(CheckpointError, match="upload of step 2"):
+        commit_remote_step(tier, root, 2, (), 2, 60)
+    assert read_remote_record(tier, 2) is None, "a committed remote step with mixed objects"
+    assert any(
+        tier.uri("global_step_2", COMMIT_RECORD_FILENAME) in r.getMessage() for r in caplog.records
+    )
+
+
+def test_I1_the_finalizer_removes_another_remote_record_before_any_rank_uploads(tmp_path, tier):
+    """Regression: a rank was told to upload its files of step 2 (`upload_turn`) while the
+    remote tier still held another save's commit record for step 2: its objects landed under
+    that record. Now the finalizer's remote tier removes the other record before it answers
+    any rank; the step then commits remotely with the local record."""
+    import asyncio
+
+    from verl_ckpt.remote.finalizer_tier import RemoteTier
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    commit_remote_step(tier, root, 2, (), 2, 60)
+    _resaved(root, 2)
+    local = (step_dir(root, 2) / COMMIT_RECORD_FILENAME).read_bytes()
+
+    async def run() -> None:
+        remote = RemoteTier(
+            {"url": tier.url, "timeout_s": 20.0}, root, {"actor": 2, "driver": 1}, lambda _: None
+        )
+        remote.after_local_commit(2)
+        assert await remote.upload_turn(2, 20.0) is True
+        assert read_remote_record(tier, 2) is None, "a rank was told to upload under it"
+        for rank in (0, 1):
+            await remote.report(UploadReport(2, "actor", rank))
+        status = await remote.drain(20.0)
+        assert status["status"] == "committed", status
+
+    asyncio.run(run())
+    assert tier.read_bytes(f"global_step_2/{COMMIT_RECORD_FILENAME}") == local

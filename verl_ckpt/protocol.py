@@ -21,6 +21,12 @@ after a whole-job restart (everything killed, the job started again).
                       verifies (else the roll-forward above would bring it back).
                       Crash between the rename and the tracker: the tracker names a missing
                       step; the next start with `previous` falls back the same way.
+                      With a remote tier holding the failing step committed, its copy is
+                      downloaded and verified beside the root first, then the local copy is
+                      quarantined and the download renamed into its place: the run resumes
+                      from the same step. A fallback below the remote tier's newest
+                      committed step is refused before anything moves (its uploads would go
+                      over it), naming `verl-ckpt rollback URL --to N --delete`.
     start finalizer   driver (`finalizer_client.start_finalizer`); the actor recovers the
                       root the same way and writes the root marker that ranks read back.
 
@@ -120,7 +126,13 @@ protocol with the same guarantees, run after the local one and never delaying it
                       its report (4). Fault phase `upload`. Deadline: timeout_s.
                       Waits for the finalizer's word that the step committed locally
                       (`upload_turn`, report-based: I6) and whether it is uploaded
-                      (remote.every), then uploads the rank's own files in parallel,
+                      (remote.every). Before that word, the finalizer removes a remote
+                      commit record of the step that differs from the local one (another
+                      save of the step, left by a rollback or a fallback; logged): objects
+                      are never written under a record that is not theirs, and a failure
+                      half-way leaves the remote step uncommitted, never committed-but-mixed
+                      (commit_remote_step, step 9, checks the same). Then the rank
+                      uploads its own files in parallel,
                       multipart, each completed only if the bytes sent match its reported
                       checksum, and reports the paths it confirmed (`UploadReport`).
                       save() waits only while remote.max_in_flight uploads are pending.

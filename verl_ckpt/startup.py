@@ -85,7 +85,8 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
         state = recover_root(root)
         if remote is not None and _fetch_newer_remote_step(config, remote, state):
             state = recover_root(root)  # rolls the tracker forward to the downloaded step
-        resume = settle_resume_step(config, state, choose_resume_dir)
+        copies = _remote_copies(config, remote, root) if remote is not None else None
+        resume = settle_resume_step(config, state, choose_resume_dir, copies)
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root)  # the fallback moved steps and the tracker
     except BaseException:
@@ -178,6 +179,12 @@ def _refuse_rolled_back_remote_step(
     from verl_ckpt.remote.startup import refuse_rolled_back_remote_step
 
     refuse_rolled_back_remote_step(config, remote, state)
+
+
+def _remote_copies(config: CheckpointConfig, remote: Any, root: Path) -> Any:
+    from verl_ckpt.remote.startup import RemoteCopiesForResume
+
+    return RemoteCopiesForResume(config, remote, root)
 
 
 def _fetch_newer_remote_step(config: CheckpointConfig, remote: Any, state: RootState) -> bool:

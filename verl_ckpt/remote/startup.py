@@ -20,14 +20,20 @@ refused, before the lock and again under it, naming `verl-ckpt rollback URL --to
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from verl_ckpt.config import CheckpointConfig
-from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, ResumeConflictError
+from verl_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CommitRecordError,
+    ResumeConflictError,
+)
 from verl_ckpt.layout import step_of_dir
 from verl_ckpt.recovery import RootState
-from verl_ckpt.remote.pull import PullSummary, pull_step
+from verl_ckpt.remote.pull import PullSummary, install_staged, pull_step, stage_step
 from verl_ckpt.remote.store import (
     RemoteStore,
     call_with_deadline,
@@ -38,6 +44,7 @@ from verl_ckpt.remote.tier import RemoteHead, read_remote_head
 from verl_ckpt.rollback import ROLLED_BACK_FILENAME, find_rolled_back
 
 __all__ = [
+    "RemoteCopiesForResume",
     "RemoteStart",
     "check_remote_start",
     "fetch_newer_remote_step",
@@ -172,3 +179,43 @@ def fetch_newer_remote_step(
         summary.seconds,
     )
     return summary
+
+
+class RemoteCopiesForResume:
+    """The remote tier's part in a failing resume step (resume_check.RemoteCopies), under
+    the root lock: its verified copy of the step, and the floor below which a fallback
+    would start under the remote tier's newest committed step."""
+
+    def __init__(self, config: CheckpointConfig, remote: RemoteStart, root: Path) -> None:
+        self._config, self._remote, self._root = config, remote, root
+
+    def copy_in(self, step: int, make_room: Callable[[], None]) -> str | None:
+        store = self._remote.store
+        if step not in self._remote.head.committed:
+            return None
+        try:
+            staged = stage_step(
+                store, step, self._root, self._config.remote.threads, self._config.timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - logged; the fallback goes on without it
+            logger.warning(
+                "the remote tier's copy of step %d cannot replace the local one: %s",
+                step,
+                describe_store_error(exc) if not isinstance(exc, CheckpointError) else exc,
+            )
+            return None
+        make_room()
+        summary = install_staged(staged)
+        return (
+            f"{store.uri(staged.target.name)} ({summary.files} files, {summary.bytes} bytes "
+            "verified against its commit record)"
+        )
+
+    def refuse_below(self, step: int, what: str) -> None:
+        newest = self._remote.newest
+        if newest is not None and step < newest:
+            raise ResumeConflictError(
+                f"{what}, but checkpoint.remote.url {self._remote.store.url} holds committed "
+                f"step {newest}: this run's uploads would collide with it. "
+                f"{self._remote.way_back_to(step)}"
+            )

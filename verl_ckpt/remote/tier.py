@@ -40,6 +40,7 @@ __all__ = [
     "readable_remote_steps",
     "recover_remote",
     "roll_back_remote",
+    "withdraw_other_remote_record",
 ]
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,9 @@ def commit_remote_step(
     local = step_dir(root, step)
     record_bytes = (local / COMMIT_RECORD_FILENAME).read_bytes()
     record = parse_commit_record(record_bytes, local / COMMIT_RECORD_FILENAME)
+    # Before any object is written under the step (the finalizer's RemoteTier did it before
+    # the ranks' uploads already; again here, for any other caller).
+    withdraw_other_remote_record(store, step, record_bytes)
     confirmed = set(confirmed)
     present = store.listing().steps.get(step, {})
     # A file a rank confirmed is trusted (it hashed what it sent); anything else is sent
@@ -199,6 +203,28 @@ def commit_remote_step(
     return RemoteCommitSummary(
         step, len(record.files), sum(e.size for e in record.files), len(missing), tracker
     )
+
+
+def withdraw_other_remote_record(store: RemoteStore, step: int, record_bytes: bytes) -> bool:
+    """Remove the remote commit record of `step` when it is not `record_bytes` (the local
+    record of the step about to be uploaded): the remote step is another save of it (one a
+    rollback or a resume fallback left behind). Its record goes first, as in retention,
+    before any object is written under the step: an upload that fails half-way then leaves
+    an uncommitted remote step, never a committed one whose objects are mixed. Its objects
+    are replaced by the upload (or removed by retention). Returns whether it removed one."""
+    rel = _record_rel(step)
+    remote = store.read_bytes(rel)
+    if remote is None or remote == record_bytes:
+        return False
+    logger.warning(
+        "%s is the commit record of another save of step %d than the local one: removed "
+        "before the upload, remote step %d is not committed until the upload commits it",
+        store.uri(rel),
+        step,
+        step,
+    )
+    store.remove(rel)
+    return True
 
 
 def advance_remote_tracker(store: RemoteStore, step: int) -> int | None:
