@@ -14,7 +14,7 @@ import pytest
 from tests.test_remote_units import committed_step
 from verl_ckpt import prepare_start, read_tracker, step_dir
 from verl_ckpt.cli import main
-from verl_ckpt.errors import ResumeConflictError
+from verl_ckpt.errors import CommitRecordError, ResumeConflictError
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 from verl_ckpt.remote.store import RemoteStore
 from verl_ckpt.remote.tier import commit_remote_step, read_remote_tracker
@@ -216,3 +216,22 @@ def test_I1_a_fallback_below_the_remote_tiers_newest_step_is_refused(both, capsy
     assert cli(capsys, "rollback", tier.url, "--to", 20, "--delete")[0] == 0
     assert start(fallback_config(root, tier)) == step_dir(root, 20)
     assert read_tracker(root) == 20 and sorted(list_step_dirs(root)) == [10, 20]
+
+
+def test_a_remote_tracker_step_without_a_record_is_refused_only_when_the_start_needs_it(
+    both, tmp_path
+):
+    """The remote tracker names step 30, whose record is gone (an upload of another save of
+    30 that withdrew it and was interrupted, or an interrupted remote rollback). The root
+    holding step 30 itself takes nothing from the remote tier: its start goes on. A fresh
+    machine would silently start from step 20: refused, naming the missing record."""
+    root, tier = both
+    tier.remove(f"global_step_30/{COMMIT_RECORD_FILENAME}")
+    assert start({"root_dir": str(root), "remote": {"url": tier.url}}) == step_dir(root, 30)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(CommitRecordError) as refused:
+        start({"root_dir": str(fresh), "remote": {"url": tier.url}})
+    message = str(refused.value)
+    assert "\n" not in message and "is missing" in message, message
+    assert tier.uri("global_step_30", COMMIT_RECORD_FILENAME) in message, message
+    assert list(fresh.glob("global_step_*")) == []

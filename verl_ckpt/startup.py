@@ -79,7 +79,7 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     before = read_root_state(root)
     check_resume_before_lock(config, before, choose_resume_dir)
     if remote is not None:
-        _refuse_rolled_back_remote_step(config, remote, before)
+        _check_remote_against_root(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
@@ -173,12 +173,10 @@ def _check_remote(config: CheckpointConfig) -> Any:
     return check_remote_start(config)
 
 
-def _refuse_rolled_back_remote_step(
-    config: CheckpointConfig, remote: Any, state: RootState
-) -> None:
-    from verl_ckpt.remote.startup import refuse_rolled_back_remote_step
+def _check_remote_against_root(config: CheckpointConfig, remote: Any, state: RootState) -> None:
+    from verl_ckpt.remote.startup import check_remote_against_root
 
-    refuse_rolled_back_remote_step(config, remote, state)
+    check_remote_against_root(config, remote, state)
 
 
 def _remote_copies(config: CheckpointConfig, remote: Any, root: Path) -> Any:

@@ -2,11 +2,12 @@
 
 Before the root lock (read-only for the local root): the URL takes a write (a wrong scheme,
 a missing bucket, wrong credentials or an unreachable endpoint is one line naming the URL),
-and its newest committed step (with a readable record) is read; a remote tracker naming a
-newer step whose record is missing or does not read is an error naming the object (resuming
-from an older step, or from scratch, would go unnoticed). A run that would start from an
-older step than the remote tier's newest (resume_mode=disable, or a resume_path older than
-it) is refused: its uploads would collide with the remote tier's steps.
+and its newest committed step (with a readable record) is read. A run that would start
+from an older step than the remote tier's newest (resume_mode=disable, or a resume_path
+older than it) is refused: its uploads would collide with the remote tier's steps. With
+resume_mode=auto, a remote tracker naming a step newer than the root's whose record is
+missing or does not read is an error naming the object (resuming from an older step, or
+from scratch, would go unnoticed).
 
 Under the lock, for resume_mode=auto: when the remote tier holds a committed step newer than
 the local root's newest (a fresh machine, a lost local root), it is downloaded into the root
@@ -31,7 +32,7 @@ from verl_ckpt.errors import (
     CommitRecordError,
     ResumeConflictError,
 )
-from verl_ckpt.layout import step_of_dir
+from verl_ckpt.layout import TRACKER_FILENAME, step_of_dir
 from verl_ckpt.recovery import RootState
 from verl_ckpt.remote.pull import PullSummary, install_staged, pull_step, stage_step
 from verl_ckpt.remote.store import (
@@ -46,9 +47,11 @@ from verl_ckpt.rollback import ROLLED_BACK_FILENAME, find_rolled_back
 __all__ = [
     "RemoteCopiesForResume",
     "RemoteStart",
+    "check_remote_against_root",
     "check_remote_start",
     "fetch_newer_remote_step",
     "refuse_rolled_back_remote_step",
+    "refuse_unusable_remote_tracker",
 ]
 
 logger = logging.getLogger(__name__)
@@ -92,8 +95,6 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
     store = check_store(remote.url, remote.storage_options, timeout)
     try:
         head = call_with_deadline(lambda: read_remote_head(store), timeout, remote.url)
-    except CommitRecordError:
-        raise  # the tracker names a step that cannot be used: the message names the object
     except Exception as exc:  # noqa: BLE001 - one line naming the URL
         raise CheckpointConfigError(
             f"checkpoint.remote.url={remote.url!r} cannot be listed: {describe_store_error(exc)}"
@@ -112,6 +113,36 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
                 f"this run's uploads would collide with it. {started.way_back_to(start)}"
             )
     return started
+
+
+def check_remote_against_root(
+    config: CheckpointConfig, remote: RemoteStart, state: RootState
+) -> None:
+    """resume_mode=auto, read-only, before the lock and again under it (recovery may have
+    completed a rollback): refuse a start that would silently resume from below what the
+    remote tracker names, or bring back a step a rollback moved out."""
+    refuse_unusable_remote_tracker(config, remote, state)
+    refuse_rolled_back_remote_step(config, remote, state)
+
+
+def refuse_unusable_remote_tracker(
+    config: CheckpointConfig, remote: RemoteStart, state: RootState
+) -> None:
+    """When the remote tracker names a step newer than the root's newest whose record is
+    missing or does not read, a resume would skip it for an older remote step, or start
+    from scratch, without a word: refused, one line naming the object."""
+    head, local = remote.head, state.effective_tracker
+    if config.resume_mode != "auto" or head.tracker is None or head.tracker_problem is None:
+        return
+    if local is not None and local >= head.tracker:
+        return  # the root is ahead: nothing would be taken from the remote tier
+    raise CommitRecordError(
+        f"the remote tracker {remote.store.uri(TRACKER_FILENAME)} names step {head.tracker}, "
+        f"newer than the newest committed step of {state.root} ({local}), which cannot be "
+        f"resumed from: {head.tracker_problem}. Nothing was downloaded; repair that step, "
+        f"remove it (verl-ckpt rollback {remote.store.url} --to N --delete), or use another "
+        "checkpoint.remote.url"
+    )
 
 
 def refuse_rolled_back_remote_step(
@@ -158,7 +189,7 @@ def fetch_newer_remote_step(
     """resume_mode=auto, under the root lock: download the remote tier's newest committed
     step into the root when it is newer than the root's newest; None when nothing was."""
     # Again under the lock: recovery may have just completed an interrupted rollback.
-    refuse_rolled_back_remote_step(config, remote, state)
+    check_remote_against_root(config, remote, state)
     local = state.effective_tracker
     if config.resume_mode != "auto" or remote.newest is None:
         return None

@@ -103,12 +103,16 @@ class RemoteHead:
     record: bytes | None
     # Every step with a commit record object, readable or not, oldest first.
     committed: tuple[int, ...]
+    # The remote tracker's step (None: none, or unreadable: the finalizer replaces it), and
+    # why it cannot be resumed from when it is newer than `step` (its record is missing or
+    # does not read); None when it can.
+    tracker: int | None = None
+    tracker_problem: str | None = None
 
 
 def read_remote_head(store: RemoteStore) -> RemoteHead:
-    """The newest remote step a resume would load. Raises CommitRecordError naming the
-    object when the remote tracker names a newer step whose record is missing or cannot be
-    read: skipping it would resume from an older step, or from scratch, without a word."""
+    """The newest remote step a resume would load, and whether the remote tracker names a
+    newer step that cannot be loaded (start-up refuses to skip it silently)."""
     committed = store.listing().committed()
     newest = _newest_readable(store, committed)
     step, record = newest if newest is not None else (None, None)
@@ -118,30 +122,28 @@ def read_remote_head(store: RemoteStore) -> RemoteHead:
         # The finalizer replaces it at its start; the records say what is committed.
         logger.warning("unreadable remote tracker (replaced by the next run): %s", exc)
         tracker = None
+    problem = None
     if tracker is not None and (step is None or tracker > step):
-        _refuse_unreadable_target(store, tracker)
-    return RemoteHead(step, record, tuple(committed))
+        problem = _record_problem(store, tracker)
+    return RemoteHead(step, record, tuple(committed), tracker, problem)
 
 
-def _refuse_unreadable_target(store: RemoteStore, step: int) -> None:
+def _record_problem(store: RemoteStore, step: int) -> str | None:
+    """Why remote step `step` cannot be resumed from (its record is missing or does not
+    read), in words naming the object; None when its record reads."""
     where = store.uri(_record_rel(step))
     data = store.read_bytes(_record_rel(step))
     if data is None:
-        problem = (
+        return (
             f"its commit record {where} is missing (an interrupted `verl-ckpt rollback "
-            f"{store.url} --to N --delete`? run it again)"
+            f"{store.url} --to N --delete`, or an upload of another save of step {step} under "
+            "way or interrupted)"
         )
-    else:
-        try:
-            parse_commit_record(data, where)
-            return  # committed since the listing: the next start sees it
-        except CommitRecordError as exc:
-            problem = str(exc)
-    raise CommitRecordError(
-        f"the remote tracker {store.uri(TRACKER_FILENAME)} names step {step}, which cannot be "
-        f"resumed from: {problem}. Nothing was downloaded; fix or remove that step (or use "
-        "another checkpoint.remote.url) rather than start from an older step"
-    )
+    try:
+        parse_commit_record(data, where)
+    except CommitRecordError as exc:
+        return str(exc)
+    return None  # committed since the listing: the next start sees it
 
 
 def readable_remote_steps(store: RemoteStore, committed: Iterable[int]) -> list[int]:
