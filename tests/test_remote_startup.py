@@ -235,3 +235,77 @@ def test_a_remote_tracker_step_without_a_record_is_refused_only_when_the_start_n
     assert "\n" not in message and "is missing" in message, message
     assert tier.uri("global_step_30", COMMIT_RECORD_FILENAME) in message, message
     assert list(fresh.glob("global_step_*")) == []
+
+
+# ---- a store that stops answering (a real SIGSTOP of the S3 server) ------------------------
+
+
+def stalled_s3_tier(server, tmp_path) -> tuple[str, dict]:
+    """A remote tier on the test's own S3 server holding committed step 30, and storage
+    options with a 2 s read timeout and one attempt (s3fs's own retries still multiply it:
+    about 25 s per call once the server stops)."""
+    url = f"s3://{server.new_bucket()}/run"
+    options = server.storage_options(read_timeout_s=2.0)
+    source = tmp_path / "source"
+    committed_step(source, 30)
+    commit_remote_step(RemoteStore(url, options), source, 30, (), 2, 60)
+    return url, options
+
+
+def test_I5_start_up_store_calls_end_at_the_config_deadline_when_the_store_stalls(
+    own_s3_server, tmp_path, monkeypatch
+):
+    """Regression: start-up's download of a newer remote step read its commit record with no
+    deadline of ours, so a store that stopped answering after the start-up check held the
+    start for s3fs's retries (about 25 s here for a 2 s read timeout; about 18 min with the
+    defaults). Now every start-up store call ends within checkpoint.timeout_s (3 s here) with
+    one line naming the object; nothing is left in the root."""
+    import time
+
+    import verl_ckpt.remote.startup as remote_startup
+    from verl_ckpt.errors import CheckpointError
+
+    url, options = stalled_s3_tier(own_s3_server, tmp_path)
+    fetch = remote_startup.fetch_newer_remote_step
+
+    def stall_then_fetch(*args):
+        own_s3_server.pause()  # right after the check: the probe and the listing answered
+        return fetch(*args)
+
+    monkeypatch.setattr(remote_startup, "fetch_newer_remote_step", stall_then_fetch)
+    fresh = tmp_path / "fresh"
+    config = {"root_dir": str(fresh), "timeout_s": 3.0}
+    config["remote"] = {"url": url, "storage_options": options}
+    started = time.monotonic()
+    try:
+        with pytest.raises(CheckpointError) as failed:
+            start(config)
+        elapsed = time.monotonic() - started
+    finally:
+        own_s3_server.resume()
+    message = str(failed.value)
+    assert elapsed < 12, f"start-up waited {elapsed:.1f}s for a stalled store: {message}"
+    assert "\n" not in message and f"{url}/global_step_30" in message, message
+    assert "did not answer within 3s" in message, message
+    assert list(fresh.glob("*global_step_*")) == []
+
+
+def test_I5_cli_store_calls_on_a_url_end_at_the_timeout_option(own_s3_server, tmp_path, capsys):
+    """`verl-ckpt ls URL` against a store that stopped answering: each store call ends within
+    --timeout (a documented default otherwise), exit 1, one line naming the URL, instead of
+    s3fs's retries multiplying its read timeout."""
+    import json
+    import time
+
+    url, options = stalled_s3_tier(own_s3_server, tmp_path)
+    own_s3_server.pause()
+    started = time.monotonic()
+    try:
+        argv = ("ls", url, "--timeout", "2", "--storage-options", json.dumps(options))
+        code, out, err = cli(capsys, *argv)
+        elapsed = time.monotonic() - started
+    finally:
+        own_s3_server.resume()
+    assert (code, out) == (1, "") and err.count("\n") == 1, err
+    assert url in err and "did not answer within 2s" in err, err
+    assert elapsed < 10, elapsed

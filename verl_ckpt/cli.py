@@ -462,6 +462,16 @@ def _keep_count(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _thread_count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
@@ -591,12 +601,25 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Deadline of each store call (listing, reading a record, deleting) of a command on a URL.
+DEFAULT_STORE_TIMEOUT_S = 60.0
+
+
 def _storage_options_flag(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--storage-options",
         metavar="JSON",
         help='for a URL: fsspec storage options, e.g. \'{"endpoint_url": "http://..."}\' '
         "(the AWS_* environment variables work too)",
+    )
+    sub.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_STORE_TIMEOUT_S,
+        metavar="S",
+        help="for a URL: each store call (listing, reading a record, deleting) ends within S "
+        f"seconds or the command fails naming the object (default {DEFAULT_STORE_TIMEOUT_S:g}; "
+        "the transfers of verify, inspect and pull end within 3600 s)",
     )
 
 

@@ -110,10 +110,13 @@ protocol with the same guarantees, run after the local one and never delaying it
 
  0'. start (remote)   driver, before Ray starts (`remote/startup.py`, from prepare_start).
                       The URL takes a write (probe object put and removed) within 60 s, or
-                      one line names it. Its newest committed step (readable record) is read;
-                      with resume_mode=auto, a remote tracker naming a step newer than the
-                      root's newest whose record is missing or does not read is an error
-                      naming the object (never a silent older or fresh start).
+                      one line names it; every later store call of the start ends within
+                      min(60 s, timeout_s) too, or one line names the object (s3fs's own
+                      retries would multiply the client's read timeout into minutes); the
+                      download within timeout_s. Its newest committed step (readable record)
+                      is read; with resume_mode=auto, a remote tracker naming a step newer
+                      than the root's newest whose record is missing or does not read is an
+                      error naming the object (never a silent older or fresh start).
                       resume_mode=auto downloads the newest step into the root when it is
                       newer than the root's newest (`remote/pull.py`: files verified into
                       `.pulling_global_step_<N>/`, record last, one rename), and recovery

@@ -32,6 +32,7 @@ from verl_ckpt.errors import (
     CheckpointConfigError,
     CheckpointError,
     CommitRecordError,
+    CommitTimeoutError,
     TrackerError,
 )
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
@@ -49,7 +50,8 @@ from verl_ckpt.remote.transfer import download_files, verify_remote_files
 
 __all__ = ["run_remote_command"]
 
-# Deadline of one command's transfers, and the files moved in parallel.
+# Deadline of one command's transfers (each other store call has --timeout), and the files
+# moved in parallel.
 _TIMEOUT_S = 3600.0
 _THREADS = 8
 
@@ -62,11 +64,14 @@ def run_remote_command(args: argparse.Namespace) -> int:
             f"{args.command} works on a local ROOT only, not on {args.root}", EXIT_USAGE
         )
     try:
-        store = RemoteStore(args.root, _storage_options(args))
+        # Each store call within --timeout: s3fs's retries alone can take minutes.
+        store = RemoteStore(args.root, _storage_options(args), call_timeout_s=args.timeout)
     except CheckpointConfigError as exc:
         raise _CliError(str(exc), EXIT_USAGE) from None
     try:
         return handler(store, args)
+    except CommitTimeoutError as exc:  # a store call past --timeout: names the object
+        raise _CliError(describe_store_error(exc), EXIT_BAD_CHECKPOINT) from None
     except (_CliError, CheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - a store error: one line naming the URL

@@ -30,6 +30,7 @@ from verl_ckpt.errors import (
     CheckpointConfigError,
     CheckpointError,
     CommitRecordError,
+    CommitTimeoutError,
     ResumeConflictError,
 )
 from verl_ckpt.layout import TRACKER_FILENAME, step_of_dir
@@ -195,9 +196,17 @@ def fetch_newer_remote_step(
         return None
     if local is not None and local >= remote.newest:
         return None
-    summary = pull_step(
-        remote.store, remote.newest, state.root, config.remote.threads, config.timeout_s
-    )
+    try:
+        summary = pull_step(
+            remote.store, remote.newest, state.root, config.remote.threads, config.timeout_s
+        )
+    except Exception as exc:  # noqa: BLE001 - a store error: one line naming the URL
+        if isinstance(exc, CheckpointError) and not isinstance(exc, CommitTimeoutError):
+            raise  # a record or a file that fails: the message names the object
+        raise CheckpointError(
+            f"checkpoint.remote.url {remote.store.url}: the download of step {remote.newest} "
+            f"failed: {describe_store_error(exc)}"
+        ) from None
     logger.warning(
         "step %d of the remote tier %s is newer than the newest committed step of %s (%s): "
         "downloaded %d files, %d bytes in %.2f s, verified against its commit record",
