@@ -250,9 +250,33 @@ def test_I3_cli_prune_a_remote_tier_removes_records_first_and_keeps_the_tracker(
     ]
 
 
-def test_cli_rejects_a_url_for_rollback_and_a_path_for_pull(capsys, tmp_path):
-    code, _, err = cli(capsys, "rollback", "s3://bucket/run", "--to", "1")
-    assert code == 2 and "rollback works on a local ROOT only" in err, err
+def test_I3_cli_rollback_a_remote_tier_deletes_the_newer_steps_then_moves_the_tracker(
+    uploaded, s3_server, capsys
+):
+    """`rollback URL --to 1 --delete` on S3: step 2 goes (its record first, then its
+    objects), the remote tracker names step 1, which stays whole and verifies."""
+    fs = s3_server.filesystem()
+    source = uploaded["remote"]["url"].removeprefix("s3://")
+    copy = source + "_rolled_back"
+    for path in fs.find(source):
+        fs.copy(path, copy + path[len(source) :])
+    url, options = f"s3://{copy}", options_json(uploaded)
+    code, out, err = cli(
+        capsys, "rollback", url, "--to", "1", "--delete", "--storage-options", options
+    )
+    assert (code, err) == (0, "") and "deleted step 2" in out, out + err
+    assert out.splitlines()[-1] == "tracker: 2 -> 1", out
+    assert sorted(fs.ls(copy, detail=False)) == [
+        f"{copy}/global_step_1",
+        f"{copy}/latest_checkpointed_iteration.txt",
+    ]
+    assert cli(capsys, "verify", url, "--storage-options", options)[0] == 0
+
+
+def test_cli_rejects_a_url_rollback_without_delete_and_a_path_for_pull(capsys, tmp_path):
+    code, out, err = cli(capsys, "rollback", "s3://bucket/run", "--to", "1")
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert "rollback of a remote tier URL (s3://bucket/run) needs --delete" in err, err
     code, _, err = cli(capsys, "pull", str(tmp_path), "--step", "1", str(tmp_path / "x"))
     assert code == 2 and "pull needs a remote tier URL" in err, err
 

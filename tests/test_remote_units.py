@@ -244,3 +244,124 @@ def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing
     assert not store.fs.exists(store.key("global_step_2/big.bin"))
     uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert uploads == [], uploads
+
+
+def _unknown_version(tier: RemoteStore, step: int) -> str:
+    """Give remote step `step` a record of a format version this verl_ckpt cannot read (one
+    written by a newer verl_ckpt); its object's URL."""
+    import json
+
+    rel = f"global_step_{step}/{COMMIT_RECORD_FILENAME}"
+    tier.put_bytes(
+        rel, json.dumps({**json.loads(tier.read_bytes(rel)), "format_version": 2}).encode()
+    )
+    return tier.uri(rel)
+
+
+def test_I3_remote_retention_counts_only_readable_records_toward_keep(tmp_path, tier, capsys):
+    """Regression: remote retention counted a step whose record it cannot read (here a newer
+    format_version) toward remote.keep, so `prune URL --keep 1` deleted steps 10 and 20, the
+    ones a resume can use. As in the local tier, only readable records count; a step with an
+    unreadable record is neither counted nor deleted."""
+    from verl_ckpt.cli import main
+
+    root = tmp_path / "ckpt"
+    for step in (10, 20, 30):
+        committed_step(root, step)
+        commit_remote_step(tier, root, step, (), 2, 60)
+    _unknown_version(tier, 30)
+    assert apply_remote_retention(tier, keep=1, dry_run=True).deleted == [10]
+    assert main(["prune", tier.url, "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted step 10" in out and "deleted step 20" not in out, out
+    assert tier.listing().committed() == [20, 30]
+    assert read_remote_record(tier, 20).step == 20
+
+
+def test_I1_a_remote_tracker_naming_an_unreadable_record_fails_start_up_naming_it(tmp_path, tier):
+    """Regression: when the remote tracker names a step whose record cannot be read, start-up
+    skipped it with a warning and resumed from an older remote step (or, once retention had
+    deleted those, silently from scratch). Now one line naming the record object, before the
+    lock, with nothing downloaded."""
+    source, fresh = tmp_path / "ckpt", tmp_path / "fresh"
+    for step in (10, 20, 30):
+        committed_step(source, step)
+        commit_remote_step(tier, source, step, (), 2, 60)
+    where = _unknown_version(tier, 30)
+    assert read_remote_tracker(tier) == 30
+    with pytest.raises(CheckpointError) as refused:
+        prepare_start({"root_dir": str(fresh), "remote": {"url": tier.url}})
+    message = str(refused.value)
+    assert "\n" not in message and where in message and "format_version 2" in message, message
+    assert not fresh.exists() or list(fresh.glob("global_step_*")) == []
+
+
+def _resaved(root: Path, step: int) -> None:
+    """The local step `step` saved again by a later run: other bytes, another record."""
+    import shutil
+
+    shutil.rmtree(step_dir(root, step))
+    path = step_dir(root, step)
+    files = []
+    for rel, size in (("actor/__0_0.distcp", 3000), ("actor/__1_0.distcp", 2000), ("d.pt", 10)):
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(bytes((7 * step + i) % 253 for i in range(size)))
+        files.append(FileEntry(rel, *file_checksum(path / rel)))
+    write_commit_record(
+        path, CommitRecord(step=step, participants={"actor": 2, "driver": 1}, files=files)
+    )
+
+
+def test_I1_a_failed_upload_never_leaves_a_committed_remote_step_with_mixed_objects(
+    tmp_path, tier, caplog
+):
+    """Regression: the upload of a new save of step 2 wrote its objects under the remote
+    tier's committed step 2 (an older save of it), under that step's old record; a failure
+    half-way left a committed remote step whose objects no longer match its record. Now the
+    old record is removed first (with a warning naming it): a failure leaves the step
+    uncommitted remotely, never committed-but-mixed."""
+    import logging
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    commit_remote_step(tier, root, 2, (), 2, 60)
+    _resaved(root, 2)
+    (step_dir(root, 2) / "d.pt").write_bytes(b"\0" * 10)  # changed after its commit: refused
+    caplog.set_level(logging.WARNING, logger="verl_ckpt.remote.tier")
+    with pytest.raises(CheckpointError, match="upload of step 2"):
+        commit_remote_step(tier, root, 2, (), 2, 60)
+    assert read_remote_record(tier, 2) is None, "a committed remote step with mixed objects"
+    assert any(
+        tier.uri("global_step_2", COMMIT_RECORD_FILENAME) in r.getMessage() for r in caplog.records
+    )
+
+
+def test_I1_the_finalizer_removes_another_remote_record_before_any_rank_uploads(tmp_path, tier):
+    """Regression: a rank was told to upload its files of step 2 (`upload_turn`) while the
+    remote tier still held another save's commit record for step 2: its objects landed under
+    that record. Now the finalizer's remote tier removes the other record before it answers
+    any rank; the step then commits remotely with the local record."""
+    import asyncio
+
+    from verl_ckpt.remote.finalizer_tier import RemoteTier
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    commit_remote_step(tier, root, 2, (), 2, 60)
+    _resaved(root, 2)
+    local = (step_dir(root, 2) / COMMIT_RECORD_FILENAME).read_bytes()
+
+    async def run() -> None:
+        remote = RemoteTier(
+            {"url": tier.url, "timeout_s": 20.0}, root, {"actor": 2, "driver": 1}, lambda _: None
+        )
+        remote.after_local_commit(2)
+        assert await remote.upload_turn(2, 20.0) is True
+        assert read_remote_record(tier, 2) is None, "a rank was told to upload under it"
+        for rank in (0, 1):
+            await remote.report(UploadReport(2, "actor", rank))
+        status = await remote.drain(20.0)
+        assert status["status"] == "committed", status
+
+    asyncio.run(run())
+    assert tier.read_bytes(f"global_step_2/{COMMIT_RECORD_FILENAME}") == local

@@ -316,3 +316,34 @@ def test_execute_refuses_an_intent_other_than_the_pending_one(root):
     with pytest.raises(RollbackError, match="another rollback .* is pending"):
         execute_rollback(root, other)
     assert not (root / "rolled_back_other").exists()
+
+
+def test_rollback_records_each_moved_committed_step_with_its_record_hash(root, capsys):
+    """Regression: a rollback left no trace of what it moved out once its intent was gone,
+    so a remote tier holding the moved steps brought them back at the next start. Now the
+    root keeps a durable, versioned record: every committed step a rollback moved out, with
+    the sha256 of its commit record's bytes (uncommitted leftovers are not in it); later
+    rollbacks add to it, a completed interrupted one too."""
+    import hashlib
+
+    from verl_ckpt.rollback import ROLLED_BACK_FILENAME, read_rolled_back
+
+    def digest(path):
+        return hashlib.sha256((path / "verl_ckpt_commit.json").read_bytes()).hexdigest()
+
+    hashes = {step: digest(step_dir(root, step)) for step in (20, 30)}
+    assert run_cli(capsys, "rollback", root, "--to", 20, "--delete")[0] == 0
+    assert (root / ROLLED_BACK_FILENAME).is_file()
+    assert [(e.step, e.record_sha256, e.to) for e in read_rolled_back(root)] == [
+        (30, hashes[30], 20)
+    ]
+    # A new step 30 (another record), then an interrupted rollback to 10, completed.
+    committed(root, 30)
+    write_tracker(root, 30)
+    new30 = digest(step_dir(root, 30))
+    assert new30 != hashes[30]
+    crash_during_rollback(root, 10)
+    complete_interrupted_rollback(root)
+    got = sorted((e.step, e.record_sha256, e.to) for e in read_rolled_back(root))
+    assert got == sorted([(30, hashes[30], 20), (20, hashes[20], 10), (30, new30, 10)])
+    assert json.loads((root / ROLLED_BACK_FILENAME).read_text())["format_version"] == 1

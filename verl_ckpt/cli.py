@@ -1,6 +1,6 @@
 """`verl-ckpt`: list, verify, inspect, prune, roll back and export a checkpoint root; ls,
-verify, inspect and prune take a remote tier URL too, and `pull` fetches a step from one
-(remote/cli.py).
+verify, inspect, prune and rollback (with --delete) take a remote tier URL too, and `pull`
+fetches a step from one (remote/cli.py).
 
 Exit status: 0 success; 1 the checkpoint is bad (not committed, corrupt record, unreadable
 tracker, files failing verification); 2 a usage error (ROOT missing or not a directory, a bad
@@ -462,6 +462,16 @@ def _keep_count(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _thread_count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
@@ -479,7 +489,8 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="verl-ckpt",
         description="List, verify, inspect, prune and roll back a verl_ckpt checkpoint root "
-        "(ls, verify, inspect and prune also take a remote tier URL); pull a step from one.",
+        "(ls, verify, inspect, prune and rollback also take a remote tier URL); pull a step "
+        "from one.",
         epilog=_EPILOG,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log diagnostics")
@@ -537,7 +548,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "Moves every global_step_<M> with M > --to (committed or not) into "
         "ROOT/rolled_back_<time>/, or deletes them with --delete, then points the tracker at "
         "--to. Journaled: an interrupted rollback is completed by the next job start or by "
-        "running the same command again. Refused while a job holds the root.",
+        "running the same command again. Refused while a job holds the root. The root keeps a "
+        "record of the committed steps moved out, so that a remote tier still holding them "
+        "does not bring them back at the next start (it is refused instead). On a remote tier "
+        "URL, --delete is required: the newer steps are deleted (record first), then the "
+        "remote tracker names --to.",
     )
     rollback.add_argument(
         "--to",
@@ -586,12 +601,25 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Deadline of each store call (listing, reading a record, deleting) of a command on a URL.
+DEFAULT_STORE_TIMEOUT_S = 60.0
+
+
 def _storage_options_flag(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--storage-options",
         metavar="JSON",
         help='for a URL: fsspec storage options, e.g. \'{"endpoint_url": "http://..."}\' '
         "(the AWS_* environment variables work too)",
+    )
+    sub.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=DEFAULT_STORE_TIMEOUT_S,
+        metavar="S",
+        help="for a URL: each store call (listing, reading a record, deleting) ends within S "
+        f"seconds or the command fails naming the object (default {DEFAULT_STORE_TIMEOUT_S:g}; "
+        "the transfers of verify, inspect and pull end within 3600 s)",
     )
 
 

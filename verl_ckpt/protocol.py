@@ -21,6 +21,12 @@ after a whole-job restart (everything killed, the job started again).
                       verifies (else the roll-forward above would bring it back).
                       Crash between the rename and the tracker: the tracker names a missing
                       step; the next start with `previous` falls back the same way.
+                      With a remote tier holding the failing step committed, its copy is
+                      downloaded and verified beside the root first, then the local copy is
+                      quarantined and the download renamed into its place: the run resumes
+                      from the same step. A fallback below the remote tier's newest
+                      committed step is refused before anything moves (its uploads would go
+                      over it), naming `verl-ckpt rollback URL --to N --delete`.
     start finalizer   driver (`finalizer_client.start_finalizer`); the actor recovers the
                       root the same way and writes the root marker that ranks read back.
 
@@ -116,16 +122,33 @@ protocol with the same guarantees, run after the local one and never delaying it
 
  0'. start (remote)   driver, before Ray starts (`remote/startup.py`, from prepare_start).
                       The URL takes a write (probe object put and removed) within 60 s, or
-                      one line names it. Its newest committed step is read; resume_mode=auto
-                      downloads it into the root when it is newer than the root's newest
-                      (`remote/pull.py`: files verified into `.pulling_global_step_<N>/`,
-                      record last, one rename), and recovery rolls the tracker forward to it.
+                      one line names it; every later store call of the start ends within
+                      min(60 s, timeout_s) too, or one line names the object (s3fs's own
+                      retries would multiply the client's read timeout into minutes); the
+                      download within timeout_s. Its newest committed step (readable record)
+                      is read; with resume_mode=auto, a remote tracker naming a step newer
+                      than the root's newest whose record is missing or does not read is an
+                      error naming the object (never a silent older or fresh start).
+                      resume_mode=auto downloads the newest step into the root when it is
+                      newer than the root's newest (`remote/pull.py`: files verified into
+                      `.pulling_global_step_<N>/`, record last, one rename), and recovery
+                      rolls the tracker forward to it; unless `verl-ckpt rollback` moved that
+                      very save out of the root (<root>/.verl_ckpt_rolled_back.json holds its
+                      step and record hash): then the start is refused, naming
+                      `verl-ckpt rollback URL --to N --delete` (newer remote steps deleted
+                      record first, then the remote tracker moved back: one PUT).
                       The finalizer rolls the remote tracker forward at every start.
  8. upload            each rank, its upload thread (never the training or save thread), after
                       its report (4). Fault phase `upload`. Deadline: timeout_s.
                       Waits for the finalizer's word that the step committed locally
                       (`upload_turn`, report-based: I6) and whether it is uploaded
-                      (remote.every), then uploads the rank's own files in parallel,
+                      (remote.every). Before that word, the finalizer removes a remote
+                      commit record of the step that differs from the local one (another
+                      save of the step, left by a rollback or a fallback; logged): objects
+                      are never written under a record that is not theirs, and a failure
+                      half-way leaves the remote step uncommitted, never committed-but-mixed
+                      (commit_remote_step, step 9, checks the same). Then the rank
+                      uploads its own files in parallel,
                       multipart, each completed only if the bytes sent match its reported
                       checksum, and reports the paths it confirmed (`UploadReport`).
                       save() waits only while remote.max_in_flight uploads are pending.
@@ -145,7 +168,9 @@ protocol with the same guarantees, run after the local one and never delaying it
                       stores; tmp + rename on file://), never backwards.
                       Crash before: rolled forward by the next finalizer start.
 11. remote retention  finalizer, after the remote tracker: committed steps beyond remote.keep
-                      lose their record, then their objects; leftovers of failed uploads
+                      (only readable records count; a step whose record does not read is
+                      neither counted nor deleted) lose their record, then their objects;
+                      leftovers of failed uploads
                       older than the newest remote commit are removed. Never the remote
                       tracker's target, never a step being uploaded. Failures are logged and
                       retried after the next remote commit.

@@ -15,6 +15,15 @@ resume_fallback: error      a resume step that fails is one error naming the fil
                             is pointed at the newest older committed step that passes, and
                             the run resumes from it with one warning naming the bad file.
 
+With a remote tier (`remote`, built by remote/startup.py), before any fallback: when the
+remote tier holds the failing step committed, its copy is downloaded beside the root and
+verified against its record (every checksum); only then is the local copy quarantined (as
+below) and the download renamed into its place, and the run resumes from the same step with
+one warning. When that fails (logged), the fallback goes on as below, except that a
+fallback to a step older than the remote tier's newest committed step is refused before
+anything moves (the run's uploads would go over the remote tier's newer steps): the error
+names `verl-ckpt rollback URL --to N --delete`.
+
 Order of the fallback, and why:
   1. find the step to fall back to FIRST: when none passes, fail having moved nothing.
   2. rename each failing step into the quarantine, fsync. Before the tracker: start-up
@@ -35,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from verl_ckpt.commit_record import read_commit_record
 from verl_ckpt.config import CheckpointConfig
@@ -47,6 +57,7 @@ from verl_ckpt.verification import verify_step
 
 __all__ = [
     "QUARANTINE_DIRNAME",
+    "RemoteCopies",
     "check_resume_before_lock",
     "quarantine_step",
     "settle_resume_step",
@@ -60,6 +71,22 @@ logger = logging.getLogger(__name__)
 QUARANTINE_DIRNAME = "quarantine"
 
 ChooseResumeDir = Callable[[CheckpointConfig, RootState], Path | None]
+
+
+class RemoteCopies(Protocol):
+    """What a remote tier offers a failing resume step (remote/startup.py implements it)."""
+
+    def copy_in(self, step: int, make_room: Callable[[], None]) -> str | None:
+        """Download the remote tier's committed `step` beside the root, verified; then call
+        `make_room()` (which moves the local copy away) and give the download its
+        `global_step_<N>` name; return where it came from, for the log. None, having called
+        nothing, when the remote tier has no usable copy (logged)."""
+        ...
+
+    def refuse_below(self, step: int, what: str) -> None:
+        """Raise ResumeConflictError (`what` first) when resuming from `step` would start
+        below the remote tier's newest committed step."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -81,18 +108,24 @@ def check_resume_before_lock(
 
 
 def settle_resume_step(
-    config: CheckpointConfig, state: RootState, choose: ChooseResumeDir
+    config: CheckpointConfig,
+    state: RootState,
+    choose: ChooseResumeDir,
+    remote: RemoteCopies | None = None,
 ) -> Path | None:
     """The verified step to resume from (None: a fresh start), after recovery, under the
-    lock. `choose` is startup.choose_resume_dir. Raises ResumeVerificationError naming the
-    file when the step fails and there is no fallback (see the module docstring)."""
+    lock. `choose` is startup.choose_resume_dir; `remote` the remote tier, if any. Raises
+    ResumeVerificationError naming the file when the step fails and there is no fallback,
+    ResumeConflictError when the fallback would start below the remote tier's newest step
+    (see the module docstring)."""
     try:
         resume = choose(config, state)
     except TrackerError as exc:
         # The tracker names a missing, uncommitted or corrupt step.
         if not _falls_back(config) or state.effective_tracker is None:
             raise
-        return _fall_back(config, state, _BadStep(state.effective_tracker, str(exc)))
+        bad = _BadStep(state.effective_tracker, str(exc))
+        return _fall_back(config, state, bad, remote)
     if resume is None:
         return None
     problem = step_problem(resume, config.resume_verify)
@@ -110,7 +143,7 @@ def settle_resume_step(
             f"checkpoint.resume_verify={config.resume_verify}: resume step {step} fails "
             f"verification: {problem}. Nothing was moved; {hint}"
         )
-    return _fall_back(config, state, _BadStep(step, problem))
+    return _fall_back(config, state, _BadStep(step, problem), remote)
 
 
 def step_problem(path: Path, mode: str) -> str | None:
@@ -164,7 +197,13 @@ def _falls_back(config: CheckpointConfig) -> bool:
     return config.resume_fallback == "previous" and config.resume_mode == "auto"
 
 
-def _fall_back(config: CheckpointConfig, state: RootState, bad: _BadStep) -> Path:
+def _fall_back(
+    config: CheckpointConfig, state: RootState, bad: _BadStep, remote: RemoteCopies | None
+) -> Path:
+    if remote is not None:
+        replaced = _replace_from_remote(state, bad, remote)
+        if replaced is not None:
+            return replaced
     root = state.root
     failing = [bad]
     fallback = None
@@ -179,6 +218,14 @@ def _fall_back(config: CheckpointConfig, state: RootState, bad: _BadStep) -> Pat
             f"checkpoint.resume_fallback=previous: no committed step of {root} passes "
             f"checkpoint.resume_verify={config.resume_verify}; resume step {bad.step}: "
             f"{bad.problem}. Nothing was moved"
+        )
+    if remote is not None:
+        # Before anything moves: the run's saves from `fallback` on would be uploaded over
+        # the remote tier's newer committed steps.
+        remote.refuse_below(
+            fallback,
+            f"checkpoint.resume_fallback=previous would resume from step {fallback} (resume "
+            f"step {bad.step} fails verification: {bad.problem}; nothing was moved)",
         )
     moved = [
         (failed, quarantine_step(root, failed.step))
@@ -201,3 +248,32 @@ def _fall_back(config: CheckpointConfig, state: RootState, bad: _BadStep) -> Pat
         fallback,
     )
     return step_dir(root, fallback)
+
+
+def _replace_from_remote(state: RootState, bad: _BadStep, remote: RemoteCopies) -> Path | None:
+    """The remote tier's verified copy of the failing step, in its place (the local copy
+    quarantined); None when the remote tier has none that verifies (nothing moved)."""
+    root = state.root
+    moved: list[Path] = []
+
+    def make_room() -> None:
+        # After the download verified (a failure leaves the local copy where it was),
+        # before the rename that needs its name.
+        if step_dir(root, bad.step).is_dir():
+            moved.append(quarantine_step(root, bad.step))
+
+    source = remote.copy_in(bad.step, make_room)
+    if source is None:
+        return None
+    if state.tracker != bad.step:
+        write_tracker(root, bad.step)
+    logger.warning(
+        "checkpoint.resume_fallback=previous: resume step %d fails verification: %s; %s "
+        "(kept, never deleted); replaced by the remote tier's copy %s: resuming from step %d",
+        bad.step,
+        bad.problem,
+        f"step {bad.step} moved to {moved[0]}" if moved else "nothing to move",
+        source,
+        bad.step,
+    )
+    return step_dir(root, bad.step)

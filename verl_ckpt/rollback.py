@@ -16,25 +16,31 @@ step, so it is journaled. One run, by the holder of the root lock (`RootLock`):
      root. Newest first: the tracker's target leaves before any older step, so code that
      knows nothing of the intent soon fails loudly (the tracker names a missing step) rather
      than resuming from a step being rolled back.
-  3. write the tracker (atomic). After every rename is durable: from the moment the tracker
+  3. add each moved committed step, with the sha256 of its commit record's bytes, to the
+     root's record of rolled-back steps `<root>/.verl_ckpt_rolled_back.json` (atomic; kept
+     for good, each rollback adds to it). Before the tracker and the end of the intent: once
+     those are gone this record is the only witness that the steps left on purpose, and a
+     remote tier still holding them must not bring them back (remote/startup.py refuses).
+  4. write the tracker (atomic). After every rename is durable: from the moment the tracker
      names N, no newer committed step is left in the namespace for a roll-forward to find.
-  4. with `delete`, remove the archive.
-  5. remove the intent. Last: the intent outlives everything it describes.
+  5. with `delete`, remove the archive.
+  6. remove the intent. Last: the intent outlives everything it describes.
 
-`complete_interrupted_rollback` finishes 2-5 from the intent, skipping what is done. Start-up
+`complete_interrupted_rollback` finishes 2-6 from the intent, skipping what is done. Start-up
 recovery calls it FIRST, before rolling the tracker forward; a check that must not write
 uses `read_rollback_intent` and takes `intent.to` as the tracker's value.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -50,19 +56,26 @@ __all__ = [
     "ARCHIVE_PREFIX",
     "INTENT_FILENAME",
     "ROLLBACK_FORMAT_VERSION",
+    "ROLLED_BACK_FILENAME",
+    "RolledBackStep",
     "RollbackError",
     "RollbackIntent",
     "complete_interrupted_rollback",
     "execute_rollback",
+    "find_rolled_back",
     "intent_path",
     "plan_rollback",
     "read_rollback_intent",
+    "read_rolled_back",
+    "record_digest",
     "refuse_while_rollback_pending",
 ]
 
 logger = logging.getLogger(__name__)
 
 INTENT_FILENAME = ".verl_ckpt_rollback.json"
+# Every committed step a rollback moved out of this root (step 3 of the module docstring).
+ROLLED_BACK_FILENAME = ".verl_ckpt_rolled_back.json"
 ARCHIVE_PREFIX = "rolled_back_"
 ROLLBACK_FORMAT_VERSION = 1
 # The archive is removed recursively with `delete`: a damaged intent must never name
@@ -82,6 +95,49 @@ class RollbackIntent:
     archive: str  # directory under the root receiving the moved steps
     steps: tuple[int, ...]  # every step moved out, ascending
     delete: bool  # remove the archive once the tracker moved
+
+
+@dataclass(frozen=True)
+class RolledBackStep:
+    """One committed step a rollback moved out of the root, as the root's record keeps it."""
+
+    step: int
+    record_sha256: str  # of the step's commit record bytes: which save of `step` it was
+    to: int  # the step that rollback went back to
+    archive: str  # where it was moved (deleted afterwards with `delete`)
+
+
+def record_digest(data: bytes) -> str:
+    """The hash a rollback keeps of a commit record's bytes (compared with a remote copy)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_rolled_back(root: str | os.PathLike) -> tuple[RolledBackStep, ...]:
+    """Every committed step a rollback moved out of `root`, oldest rollback first; empty when
+    none did. A damaged record is a RollbackError naming it (never taken as "none")."""
+    path = Path(root) / ROLLED_BACK_FILENAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ()
+    raw = parse_versioned_json(
+        data, f"record of rolled-back steps {path}", ROLLBACK_FORMAT_VERSION, RollbackError
+    )
+    try:
+        steps = tuple(RolledBackStep(**entry) for entry in raw["steps"])
+    except (TypeError, KeyError) as exc:
+        raise RollbackError(f"record of rolled-back steps {path} is malformed: {exc}") from None
+    if not all(type(e.step) is int and isinstance(e.record_sha256, str) for e in steps):
+        raise RollbackError(f"record of rolled-back steps {path} is malformed: {raw!r}")
+    return steps
+
+
+def find_rolled_back(root: str | os.PathLike, step: int, record: bytes) -> RolledBackStep | None:
+    """The rollback that moved exactly this save of `step` (the same commit record bytes)
+    out of `root`, or None."""
+    digest = record_digest(record)
+    found = [e for e in read_rolled_back(root) if e.step == step and e.record_sha256 == digest]
+    return found[-1] if found else None
 
 
 def intent_path(root: str | os.PathLike) -> Path:
@@ -251,6 +307,9 @@ def _finish(root: Path, intent: RollbackIntent) -> None:
     fsync_dir(archive)
     fsync_dir(root)
     _check_target(root, intent, journaled=True)
+    # Before the tracker and the intent's end: from then on nothing else says that these
+    # steps left on purpose (a remote tier holding them would bring them back).
+    _record_rolled_back(root, intent)
     write_tracker(root, intent.to)
     if intent.delete:
         # Records first, as retention does: a half-deleted step is never loadable (I3).
@@ -260,3 +319,29 @@ def _finish(root: Path, intent: RollbackIntent) -> None:
         fsync_dir(root)
     intent_path(root).unlink()
     fsync_dir(root)
+
+
+def _record_rolled_back(root: Path, intent: RollbackIntent) -> None:
+    """Step 3: add the committed steps `intent` moved into its archive to the root's record
+    of rolled-back steps. Idempotent: a rerun after a crash adds nothing twice, and a step
+    whose record an interrupted `delete` already removed was recorded before that."""
+    known = list(read_rolled_back(root))
+    archive = root / intent.archive
+    added = []
+    for step in intent.steps:
+        moved = archive / step_dir(root, step).name
+        try:
+            data = (moved / COMMIT_RECORD_FILENAME).read_bytes()
+            read_commit_record(moved)
+        except (OSError, CommitRecordError):
+            continue  # an uncommitted leftover (or recorded by the interrupted run)
+        entry = RolledBackStep(step, record_digest(data), intent.to, intent.archive)
+        if entry not in known:
+            added.append(entry)
+    if not added:
+        return
+    payload = {
+        "format_version": ROLLBACK_FORMAT_VERSION,
+        "steps": [asdict(entry) for entry in known + added],
+    }
+    atomic_write_bytes(root / ROLLED_BACK_FILENAME, json.dumps(payload, indent=1).encode())

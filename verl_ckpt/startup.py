@@ -76,13 +76,17 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     check_deadline_env(config.preemption)
     remote = _check_remote(config)
-    check_resume_before_lock(config, read_root_state(root), choose_resume_dir)
+    before = read_root_state(root)
+    check_resume_before_lock(config, before, choose_resume_dir)
+    if remote is not None:
+        _check_remote_against_root(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
         if remote is not None and _fetch_newer_remote_step(config, remote, state):
             state = recover_root(root)  # rolls the tracker forward to the downloaded step
-        resume = settle_resume_step(config, state, choose_resume_dir)
+        copies = _remote_copies(config, remote, root) if remote is not None else None
+        resume = settle_resume_step(config, state, choose_resume_dir, copies)
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root)  # the fallback moved steps and the tracker
     except BaseException:
@@ -167,6 +171,18 @@ def _check_remote(config: CheckpointConfig) -> Any:
     from verl_ckpt.remote.startup import check_remote_start
 
     return check_remote_start(config)
+
+
+def _check_remote_against_root(config: CheckpointConfig, remote: Any, state: RootState) -> None:
+    from verl_ckpt.remote.startup import check_remote_against_root
+
+    check_remote_against_root(config, remote, state)
+
+
+def _remote_copies(config: CheckpointConfig, remote: Any, root: Path) -> Any:
+    from verl_ckpt.remote.startup import RemoteCopiesForResume
+
+    return RemoteCopiesForResume(config, remote, root)
 
 
 def _fetch_newer_remote_step(config: CheckpointConfig, remote: Any, state: RootState) -> bool:

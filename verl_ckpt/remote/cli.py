@@ -1,4 +1,5 @@
-"""`verl-ckpt ls | verify | inspect | prune` on a remote tier URL, and `verl-ckpt pull`.
+"""`verl-ckpt ls | verify | inspect | prune | rollback` on a remote tier URL, and `verl-ckpt
+pull`.
 
 Called by verl_ckpt.cli when ROOT is a URL (s3://bucket/prefix, file:///path, ...). Storage
 options come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and/or
@@ -27,21 +28,30 @@ from verl_ckpt.cli import (
     _role_entries,
 )
 from verl_ckpt.commit_record import CommitRecord
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError, TrackerError
+from verl_ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CommitRecordError,
+    CommitTimeoutError,
+    TrackerError,
+)
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.remote.store import RemoteStore, describe_store_error
 from verl_ckpt.remote.tier import (
     apply_remote_retention,
     newest_remote_step,
+    plan_remote_rollback,
     read_remote_record,
     read_remote_tracker,
+    roll_back_remote,
 )
 from verl_ckpt.remote.transfer import download_files, verify_remote_files
 
 __all__ = ["run_remote_command"]
 
-# Deadline of one command's transfers, and the files moved in parallel.
+# Deadline of one command's transfers (each other store call has --timeout), and the files
+# moved in parallel.
 _TIMEOUT_S = 3600.0
 _THREADS = 8
 
@@ -54,11 +64,14 @@ def run_remote_command(args: argparse.Namespace) -> int:
             f"{args.command} works on a local ROOT only, not on {args.root}", EXIT_USAGE
         )
     try:
-        store = RemoteStore(args.root, _storage_options(args))
+        # Each store call within --timeout: s3fs's retries alone can take minutes.
+        store = RemoteStore(args.root, _storage_options(args), call_timeout_s=args.timeout)
     except CheckpointConfigError as exc:
         raise _CliError(str(exc), EXIT_USAGE) from None
     try:
         return handler(store, args)
+    except CommitTimeoutError as exc:  # a store call past --timeout: names the object
+        raise _CliError(describe_store_error(exc), EXIT_BAD_CHECKPOINT) from None
     except (_CliError, CheckpointError):
         raise
     except Exception as exc:  # noqa: BLE001 - a store error: one line naming the URL
@@ -132,18 +145,32 @@ def _ls(store: RemoteStore, args: argparse.Namespace) -> int:
     rows = [("", "STEP", "SIZE", "AGE", "ROLES", "STATUS")]
     now = time.time()
     for step in sorted(listing.steps):
-        record = read_remote_record(store, step) if step in listing.committed() else None
+        record, status = _record_and_status(store, step, step in listing.committed())
         roles = (
             ",".join(f"{r}:{n}" for r, n in sorted(record.participants.items())) if record else "-"
         )
         age = _human_age(max(0.0, now - record.committed_at)) if record else "-"
-        status = "committed" if record else "not committed (an upload that did not finish)"
         size = _human_bytes(listing.size(step))
         rows.append(("*" if step == target else "", str(step), size, age, roles, status))
     _print_table(rows, right=frozenset({1, 2, 3}))
     if target in listing.steps:
         print("(* = the tracker's target)")
     return 0
+
+
+def _record_and_status(
+    store: RemoteStore, step: int, has_record: bool
+) -> tuple[CommitRecord | None, str]:
+    """A step's record (None unless it reads) and `ls`'s STATUS for it."""
+    if not has_record:
+        return None, "not committed (an upload that did not finish)"
+    try:
+        record = read_remote_record(store, step)
+    except CommitRecordError as exc:
+        return None, f"not committed: {exc}"
+    if record is None:
+        return None, "not committed (deleted since the listing)"
+    return record, "committed"
 
 
 def _verify(store: RemoteStore, args: argparse.Namespace) -> int:
@@ -184,9 +211,45 @@ def _prune(store: RemoteStore, args: argparse.Namespace) -> int:
         print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
     for error in outcome.errors:
         print(f"FAILED {error}")
-    kept = sorted(set(listing.committed()) - set(outcome.deleted))
+    kept = sorted(set(listing.committed()) - set(outcome.deleted) - set(outcome.unreadable))
     print(f"kept committed steps: {kept or 'none'}; tracker's target: {_tracker(store)}")
+    if outcome.unreadable:
+        print(
+            f"left alone steps {outcome.unreadable}: their commit records cannot be read "
+            "(not counted toward --keep; `verl-ckpt ls` says why)"
+        )
     return EXIT_BAD_CHECKPOINT if outcome.errors else 0
+
+
+def _rollback(store: RemoteStore, args: argparse.Namespace) -> int:
+    if not args.delete:
+        raise _CliError(
+            f"rollback of a remote tier URL ({store.url}) needs --delete: object storage has no "
+            "cheap archive (a move is a copy), so the steps newer than --to are deleted "
+            "(--dry-run lists them)",
+            EXIT_USAGE,
+        )
+    _pick_step(store, args.to)  # committed there, else exit 2 (absent) or 1 (no record)
+    listing = store.listing()
+    plan = plan_remote_rollback(listing, args.to)
+    try:
+        tracker = read_remote_tracker(store)
+        before = "none" if tracker is None else str(tracker)
+    except TrackerError:
+        before = "unreadable"
+    if not args.dry_run:
+        roll_back_remote(store, plan)
+    verb = "would delete" if args.dry_run else "deleted"
+    for step in plan.steps:
+        name = step_dir("", step).name
+        print(f"{verb} step {step}: {store.uri(name)} ({_human_bytes(listing.size(step))})")
+    for step in plan.leftovers:
+        print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
+    if not plan.steps and not plan.leftovers:
+        print(f"no step newer than {plan.to}")
+    suffix = " (dry run: nothing changed)" if args.dry_run else ""
+    print(f"tracker: {before} -> {plan.to}{suffix}")
+    return 0
 
 
 def _pull(store: RemoteStore, args: argparse.Namespace) -> int:
@@ -214,5 +277,6 @@ _HANDLERS: dict[str, Callable[[RemoteStore, argparse.Namespace], int]] = {
     "verify": _verify,
     "inspect": _inspect,
     "prune": _prune,
+    "rollback": _rollback,
     "pull": _pull,
 }

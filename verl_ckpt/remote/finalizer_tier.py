@@ -18,15 +18,15 @@ from typing import Any
 
 from verl_ckpt.commit_record import committed_steps, is_committed
 from verl_ckpt.errors import CommitTimeoutError
-from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.ledger import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.store import RemoteStore, call_with_deadline, describe_store_error
 from verl_ckpt.remote.tier import (
     apply_remote_retention,
     commit_remote_step,
-    read_remote_record,
     recover_remote,
+    withdraw_other_remote_record,
 )
 
 __all__ = ["RemoteTier"]
@@ -70,6 +70,9 @@ class RemoteTier:
         self._tasks: set[asyncio.Task] = set()
         self._tracker: int | None = None
         self._uploaders: dict[int, dict[str, str]] = {}
+        # Steps being uploaded whose remote step holds no other save's record any more: only
+        # then are ranks told to upload (upload_turn).
+        self._cleared: set[int] = set()
         # A remote commit interrupted between record and tracker is rolled forward; a store
         # that does not answer now does not stop the local tier (start-up checked it).
         try:
@@ -102,22 +105,28 @@ class RemoteTier:
         locally (a report-based wait, no collective: I6). False when the step is skipped
         (`every`), its local commit failed, or the remote commit no longer waits for ranks."""
         deadline = time.monotonic() + timeout_s
-        while (decided := self._ledger.status(step)) is None:
-            local = self._local_status(step)
-            if local in (StepStatus.FAILED, StepStatus.LOST):
-                return False
-            # Unknown to both ledgers yet committed: committed before this finalizer started
-            # (it restarted). Nobody decides it now; the end of the run or a newer step
-            # catches up. (A step committing now is known to the local ledger until after
-            # its decision.)
-            if local is None and await asyncio.to_thread(is_committed, step_dir(self._root, step)):
-                return False
+        while (decided := self._ledger.status(step)) is None or (
+            decided is UploadStatus.UPLOADING and step not in self._cleared
+        ):
+            if decided is None:
+                local = self._local_status(step)
+                if local in (StepStatus.FAILED, StepStatus.LOST):
+                    return False
+                # Unknown to both ledgers yet committed: committed before this finalizer
+                # started (it restarted). Nobody decides it now; the end of the run or a newer
+                # step catches up. (A step committing now is known to the local ledger until
+                # after its decision.)
+                step_path = step_dir(self._root, step)
+                if local is None and await asyncio.to_thread(is_committed, step_path):
+                    return False
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CommitTimeoutError(
-                    f"step {step} did not commit locally within {timeout_s:g}s: nothing to "
-                    f"upload to {self.url}"
+                what = (
+                    f"did not commit locally within {timeout_s:g}s"
+                    if decided is None
+                    else f"could not be checked in the remote tier within {timeout_s:g}s"
                 )
+                raise CommitTimeoutError(f"step {step} {what}: nothing to upload to {self.url}")
             await self._changed_or_timeout(remaining)
         return decided is UploadStatus.UPLOADING
 
@@ -177,9 +186,43 @@ class RemoteTier:
 
     async def _commit(self, step: int) -> None:
         try:
-            await self._commit_step(step)
+            if await self._withdraw_other_record(step):
+                await self._commit_step(step)
         finally:
+            self._cleared.discard(step)
             self._on_upload_end()
+
+    async def _withdraw_other_record(self, step: int) -> bool:
+        """Before any rank is told to upload `step`: a remote step `step` holding another
+        save's commit record (left by a rollback or a resume fallback) loses that record
+        first, so that objects written under it never sit under a record that is not
+        theirs (tier.withdraw_other_remote_record). False (the upload failed) when the
+        store could not be asked."""
+        record = step_dir(self._root, step) / COMMIT_RECORD_FILENAME
+
+        def withdraw() -> bool:
+            return withdraw_other_remote_record(self._store, step, record.read_bytes())
+
+        try:
+            await asyncio.to_thread(
+                call_with_deadline, withdraw, min(60.0, self._timeout_s), self.url
+            )
+        except Exception as exc:  # noqa: BLE001 - the remote tier never fails the local one
+            error = describe_store_error(exc)
+            logger.error(
+                "step %d is not uploaded to the remote tier %s (the next upload catches up): "
+                "its remote commit record could not be checked: %s",
+                step,
+                self.url,
+                error,
+            )
+            self._ledger.begin_commit(step)
+            self._ledger.finish_commit(step, error)
+            self.notify()
+            return False
+        self._cleared.add(step)
+        self.notify()
+        return True
 
     async def _commit_step(self, step: int) -> None:
         deadline = time.monotonic() + self._timeout_s
@@ -252,11 +295,16 @@ class RemoteTier:
         if status in (UploadStatus.UPLOADING, UploadStatus.COMMITTING, UploadStatus.COMMITTED):
             return False
         if status is None:
+            # Not there, or another save's record (or an unreadable one): upload it again.
+            record = step_dir(self._root, step) / COMMIT_RECORD_FILENAME
+            rel = f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
             try:
-                record = await asyncio.to_thread(read_remote_record, self._store, step)
+                local, remote = await asyncio.to_thread(
+                    lambda: (record.read_bytes(), self._store.read_bytes(rel))
+                )
             except Exception:  # noqa: BLE001 - unreadable: upload it again
                 return True
-            return record is None
+            return remote != local
         return True
 
     async def _changed_or_timeout(self, timeout_s: float) -> None:

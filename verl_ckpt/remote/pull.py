@@ -25,7 +25,14 @@ from verl_ckpt.remote.store import RemoteStore
 from verl_ckpt.remote.transfer import download_files
 from verl_ckpt.retention import delete_step_dir
 
-__all__ = ["PULLING_PREFIX", "PullSummary", "pull_step"]
+__all__ = [
+    "PULLING_PREFIX",
+    "PullSummary",
+    "StagedStep",
+    "install_staged",
+    "pull_step",
+    "stage_step",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,16 @@ class PullSummary:
     downloaded: bool = True
 
 
+@dataclass(frozen=True)
+class StagedStep:
+    """A remote step downloaded and verified beside the root, its record written last: it
+    only has to take its `global_step_<N>` name (install_staged)."""
+
+    staging: Path
+    target: Path
+    summary: PullSummary
+
+
 def pull_step(
     store: RemoteStore, step: int, root: Path, threads: int, timeout_s: float
 ) -> PullSummary:
@@ -50,6 +67,15 @@ def pull_step(
     target = step_dir(root, step)
     if is_committed(target):
         return PullSummary(step, target, 0, 0, 0.0, downloaded=False)
+    return install_staged(stage_step(store, step, root, threads, timeout_s))
+
+
+def stage_step(
+    store: RemoteStore, step: int, root: Path, threads: int, timeout_s: float
+) -> StagedStep:
+    """Download and verify the remote committed `step` into `.pulling_global_step_<N>/`,
+    record last; nothing in the step namespace changes. On failure nothing is left."""
+    target = step_dir(root, step)
     record_rel = f"{target.name}/{COMMIT_RECORD_FILENAME}"
     data = store.read_bytes(record_rel)
     if data is None:
@@ -77,10 +103,17 @@ def pull_step(
         fsync_dir(directory)
     # The record last: a staging directory without it is never mistaken for a step.
     atomic_write_bytes(staging / COMMIT_RECORD_FILENAME, data)
+    summary = PullSummary(step, target, len(record.files), outcome.nbytes, outcome.seconds)
+    return StagedStep(staging, target, summary)
+
+
+def install_staged(staged: StagedStep) -> PullSummary:
+    """Give a staged step its `global_step_<N>` name by one atomic rename, made durable."""
+    target = staged.target
     if target.exists():
         # An uncommitted leftover of the same step (a save that never finished).
         logger.warning("replacing uncommitted leftover %s by the remote tier's step", target)
         delete_step_dir(target)
-    os.replace(staging, target)
-    fsync_dir(root)
-    return PullSummary(step, target, len(record.files), outcome.nbytes, outcome.seconds)
+    os.replace(staged.staging, target)
+    fsync_dir(target.parent)
+    return staged.summary

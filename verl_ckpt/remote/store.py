@@ -7,7 +7,10 @@
 
 Every listing goes to the store (no fsspec listings cache: other processes write the same
 prefix), and every call runs under the deadlines given in storage_options (botocore's
-connect and read timeouts for s3); `call_with_deadline` bounds calls whose client has none.
+connect and read timeouts for s3). Those alone do not bound a call: s3fs retries a timed
+out request on top of botocore's attempts (a 2 s read timeout took 25 s with one attempt;
+the defaults, minutes). A store opened with `call_timeout_s` (start-up, the CLI) runs each
+of its calls through `call_with_deadline`, which ends it at that deadline naming the object.
 """
 
 from __future__ import annotations
@@ -64,11 +67,19 @@ class RemoteListing:
 
 
 class RemoteStore:
-    """An fsspec filesystem and the prefix of one remote tier URL."""
+    """An fsspec filesystem and the prefix of one remote tier URL. With `call_timeout_s`,
+    each call of the methods below (not the transfers, which have their own deadline) ends
+    within it, or raises CommitTimeoutError naming the object."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
         import fsspec
 
+        self.call_timeout_s = call_timeout_s
         self.url = url.rstrip("/")
         protocol = self.url.split("://", 1)[0]
         options = _with_defaults(protocol, dict(storage_options or {}))
@@ -100,39 +111,59 @@ class RemoteStore:
 
     def read_bytes(self, rel: str) -> bytes | None:
         """The whole object `rel`, or None when it does not exist."""
-        try:
-            return self.fs.cat_file(self.key(rel))
-        except FileNotFoundError:
-            return None
+
+        def read() -> bytes | None:
+            try:
+                return self.fs.cat_file(self.key(rel))
+            except FileNotFoundError:
+                return None
+
+        return self._bounded(read, rel)
 
     def put_bytes(self, rel: str, data: bytes) -> None:
         """Replace object `rel` whole: one PUT on object stores, which readers see entirely
         or not at all; on a local filesystem, tmp file + fsync + rename (fsio)."""
-        if self.is_local:
-            os.makedirs(os.path.dirname(self.key(rel)), exist_ok=True)
-            atomic_write_bytes(self.key(rel), data)
-        else:
-            self.fs.pipe_file(self.key(rel), data)
+
+        def put() -> None:
+            if self.is_local:
+                os.makedirs(os.path.dirname(self.key(rel)), exist_ok=True)
+                atomic_write_bytes(self.key(rel), data)
+            else:
+                self.fs.pipe_file(self.key(rel), data)
+
+        self._bounded(put, rel)
 
     def remove(self, rel: str) -> None:
-        try:
-            self.fs.rm_file(self.key(rel))
-        except FileNotFoundError:
-            pass
+        def remove() -> None:
+            try:
+                self.fs.rm_file(self.key(rel))
+            except FileNotFoundError:
+                pass
+
+        self._bounded(remove, rel)
 
     def remove_tree(self, rel: str) -> None:
-        try:
-            self.fs.rm(self.key(rel), recursive=True)
-        except FileNotFoundError:
-            pass
+        def remove_tree() -> None:
+            try:
+                self.fs.rm(self.key(rel), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._bounded(remove_tree, rel)
 
     def listing(self) -> RemoteListing:
         """Every step's objects and sizes, in one recursive listing of the prefix."""
+
+        def find() -> dict[str, Any]:
+            try:
+                return self.fs.find(self.path, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        return self._listing_of(self._bounded(find, ""))
+
+    def _listing_of(self, found: dict[str, Any]) -> RemoteListing:
         steps: dict[int, dict[str, int]] = {}
-        try:
-            found = self.fs.find(self.path, detail=True)
-        except FileNotFoundError:
-            found = {}
         prefix = self.path + "/"
         for name, info in found.items():
             if info.get("type") == "directory" or not name.startswith(prefix):
@@ -147,6 +178,13 @@ class RemoteStore:
     def tracker_bytes(self) -> bytes | None:
         return self.read_bytes(TRACKER_FILENAME)
 
+    def _bounded(self, call: Callable[[], _T], rel: str) -> _T:
+        """`call()`, ended at `call_timeout_s` (if set) with an error naming `rel`'s URL."""
+        if self.call_timeout_s is None:
+            return call()
+        where = self.uri(rel) if rel else self.url
+        return call_with_deadline(call, self.call_timeout_s, f"the remote tier {where}")
+
 
 def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> RemoteStore:
     """Open the store and prove that it takes a write: one small object put and removed.
@@ -154,7 +192,8 @@ def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> 
     A wrong scheme, a missing bucket, wrong credentials or an unreachable endpoint is one
     CheckpointConfigError naming the URL, within `timeout_s`.
     """
-    store = RemoteStore(url, storage_options)
+    # Every later call of the returned store ends within `timeout_s` too (start-up's reads).
+    store = RemoteStore(url, storage_options, call_timeout_s=timeout_s)
     probe = f".verl_ckpt_probe_{uuid.uuid4().hex}"
 
     def write_and_remove() -> None:
