@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.saves import Op
-from benchmarks.systems import DCP_PEER, RAW_CHECKSUMMED, REFERENCE
+from benchmarks.systems import (
+    DCP_CRC,
+    DCP_PEER,
+    EARLY_FLOOR,
+    NO_WRITEBACK,
+    RAW_CHECKSUMMED,
+    REFERENCE,
+)
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM
 
 __all__ = ["Row", "machine_description", "summarize", "targets", "timing_tables"]
@@ -596,15 +603,20 @@ def write_path_table(found: dict[str, list[float]]) -> str:
         f"checksum ({CHECKSUM_ALGORITHM} on the writing thread): {RAW_CHECKSUMMED} vs write "
         f"floor {diff(RAW_CHECKSUMMED, 'write floor')} (crc32, used before: "
         f"{diff('raw + crc32', 'write floor')})",
-        "serialisation (torch.save per tensor, DCP `_write_item`) without checksum: "
-        f"plain files x1 vs write floor {diff('plain files x1', 'write floor')}",
-        "verl_ckpt's checksumming stream: verl files x1 vs plain files x1 "
+        "serialisation (a torch.save blob per tensor, without torch's zip CRC32) without "
+        f"checksum or early writeback: plain files x1 vs write floor "
+        f"{diff('plain files x1', 'write floor')}",
+        "verl_ckpt's checksumming stream with early writeback: verl files x1 vs plain files x1 "
         f"{diff('verl files x1', 'plain files x1')}",
         "two files in two threads (writer.threads=2): verl files x2 vs x1 "
         f"{diff('verl files x2', 'verl files x1')}",
-        "torch.save's own zip-record CRC32 (a second checksum pass, never verified by "
-        "torch.load by default): verl files x2 with it off vs on "
-        f"{diff('verl files x2, torch.save zip crc32 off', 'verl files x2')}",
+        "early writeback (the disk writes while later bytes are serialised, so the fsync "
+        f"finds little left): verl files x2 vs without it "
+        f"{diff('verl files x2', f'verl files x2, {NO_WRITEBACK}')}; on the write floor "
+        f"{diff(EARLY_FLOOR, 'write floor')}",
+        "torch.save's own zip-record CRC32 (DCP's `_write_item`, what verl_ckpt wrote before; "
+        "torch.load never checks it): DCP items vs CRC-free blobs, both without early "
+        f"writeback {diff(f'verl files x2, {DCP_CRC}', f'verl files x2, {NO_WRITEBACK}')}",
         "the snapshot copy before the write (copy-then-write designs): "
         f"{diff('copy, then write floor', 'write floor')}",
     ]

@@ -314,11 +314,16 @@ WRITE_PATH_NOTE = (
     "Each variant writes the rank's 504 MiB (at the default size) on both ranks at once, "
     "like the systems, fsync included: `raw + xxh3_64` (verl_ckpt's checksum) and `raw + "
     "crc32` (zlib's, used before) are the write floor with that checksum over the bytes on "
-    "the writing thread; `plain files xN` is DCP's `_write_item` (a `torch.save` per tensor) "
-    "into N files by N threads; `verl files xN` is verl_ckpt's own "
-    "`file_writer.write_bucket` (the same plus its checksumming stream) as its writer "
-    "runs it; `copy, then write floor` is the copy floor followed by the write floor, the "
-    "least a design that snapshots by copying and then writes can take."
+    "the writing thread; `write floor, early writeback` is the write floor handing its bytes "
+    "to the disk every 32 MiB (sync_file_range) as verl_ckpt's stream does; `plain files x1` "
+    "is verl_ckpt's CRC-free torch.save blobs (torch_format.py) into one file, without its "
+    "checksumming stream; `verl files xN` is verl_ckpt's own `file_writer.write_bucket` (the "
+    "same blobs, its checksumming stream with early writeback) into N files by N threads, as "
+    "its writer runs it; `, no early writeback` the same with the writeback off; `, DCP items "
+    "with torch's crc32` the blobs written by DCP's `_write_item` (torch.save with its CRC32, "
+    "what verl_ckpt wrote before), also without early writeback; `copy, then write floor` is "
+    "the copy floor followed by the write floor, the least a design that snapshots by "
+    "copying and then writes can take."
 )
 
 LOAD_NOTE = (

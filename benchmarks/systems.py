@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.state import RankState
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM, new_hasher
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, new_hasher, start_writeback
 
 __all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
 
@@ -325,12 +326,16 @@ class WriteFloor:
 class WritePath:
     """The pieces of verl_ckpt's write path, each timed alone on the same bytes.
 
-    `verl files` runs verl_ckpt's own `file_writer.write_bucket` (DCP `_write_item`, i.e.
-    `torch.save` of each tensor, through the checksumming stream, then fsync) on the rank's
-    tensors split into `files` files written by as many threads, as its thread writer does;
-    `plain files` is the same without the checksumming stream; `raw + <algorithm>` is the
-    write floor plus that checksum over the bytes, on the writing thread (verl_ckpt's
-    current algorithm and crc32, which it used before).
+    `verl files xN` runs verl_ckpt's own `file_writer.write_bucket` (a torch.save blob per
+    tensor without torch's zip CRC32, torch_format.py; the checksumming stream with early
+    writeback; fsync) on the rank's tensors split into N files written by N threads, as its
+    thread writer does; `, no early writeback` is the same with the stream's writeback off;
+    `, DCP items with torch's crc32` writes the blobs with DCP's `_write_item` (torch.save
+    with its CRC32, what verl_ckpt did before); `plain files x1` is the CRC-free blobs
+    without the checksumming stream or early writeback; `raw + <algorithm>` is the write
+    floor plus that checksum over the bytes on the writing thread; `write floor, early
+    writeback` is the write floor handing its bytes to the disk every 32 MiB, as verl_ckpt's
+    stream does.
     """
 
     def __init__(self, state: RankState) -> None:
@@ -342,64 +347,71 @@ class WritePath:
         tensors = [t for _, t in self.sources]
         if variant.startswith("raw + "):
             _raw_write(directory / "raw.bin", tensors, checksum=variant.removeprefix("raw + "))
+        elif variant == EARLY_FLOOR:
+            _raw_write(directory / "raw.bin", tensors, checksum=None, early_writeback=True)
         elif variant == "copy, then write floor":
             copy_floor.run()
             _raw_write(directory / "raw.bin", tensors, checksum=None)
         elif variant.startswith(("verl files", "plain files")):
             files = int(variant.split(",")[0].split("x")[-1])
-            checksum = variant.startswith("verl")
-            if variant.endswith(ZIP_CRC_OFF):
-                import torch.utils.serialization as serialization
-
-                # torch.save's own CRC32 of every zip record (which torch.load does not check
-                # by default) off, verl_ckpt's own file checksum kept.
-                serialization.config.save.compute_crc32 = False
-                try:
-                    self._files(directory, files, checksum)
-                finally:
-                    serialization.config.save.compute_crc32 = True
+            if variant.startswith("plain"):
+                write = partial(_write_bucket_bare, dcp_items=False)
+            elif variant.endswith(DCP_CRC):
+                write = partial(_write_bucket_bare, dcp_items=True, checksummed=True)
+            elif variant.endswith(NO_WRITEBACK):
+                write = partial(_write_bucket_bare, dcp_items=False, checksummed=True)
             else:
-                self._files(directory, files, checksum)
+                from verl_ckpt.file_writer import write_bucket as write
+            self._files(directory, files, write)
         else:
             raise ValueError(variant)
 
-    def _files(self, directory: Path, files: int, checksum: bool) -> None:
+    def _files(self, directory: Path, files: int, write: Any) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
-        from verl_ckpt.file_writer import write_bucket
-
         buckets = _buckets(self.sources, directory, files)
         transforms = _StorageWriterTransforms()
-        write = write_bucket if checksum else _write_bucket_plain
         with ThreadPoolExecutor(files) as pool:
             list(pool.map(write, buckets, [transforms] * len(buckets)))
 
 
-ZIP_CRC_OFF = "torch.save zip crc32 off"
+DCP_CRC = "DCP items with torch's crc32"
+NO_WRITEBACK = "no early writeback"
+EARLY_FLOOR = "write floor, early writeback"
 RAW_CHECKSUMMED = f"raw + {CHECKSUM_ALGORITHM}"
 WRITE_PATH_VARIANTS = (
+    EARLY_FLOOR,
     RAW_CHECKSUMMED,
     "raw + crc32",
     "plain files x1",
     "verl files x1",
     "verl files x2",
-    f"verl files x2, {ZIP_CRC_OFF}",
+    f"verl files x2, {NO_WRITEBACK}",
+    f"verl files x2, {DCP_CRC}",
     "copy, then write floor",
 )
 
 
-def _raw_write(path: Path, tensors: list[torch.Tensor], checksum: str | None) -> None:
+def _raw_write(
+    path: Path, tensors: list[torch.Tensor], checksum: str | None, early_writeback: bool = False
+) -> None:
     hasher = new_hasher(checksum) if checksum else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    handed = written = 0
     try:
         for tensor in tensors:
             view = memoryview(tensor.numpy()).cast("B")
             if hasher is not None:
                 hasher.update(view)
             while view:
-                view = view[os.write(fd, view) :]
+                done = os.write(fd, view)
+                view = view[done:]
+                written += done
+                if early_writeback and written - handed >= WRITEBACK_EVERY:
+                    start_writeback(fd, handed, written - handed)
+                    handed = written
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -437,20 +449,27 @@ def _buckets(sources: list[tuple[str, torch.Tensor]], directory: Path, files: in
     ]
 
 
-def _write_bucket_plain(bucket: tuple, transforms: Any) -> None:
-    """`write_bucket` without the checksumming stream (to isolate the checksum's cost)."""
+def _write_bucket_bare(
+    bucket: tuple, transforms: Any, dcp_items: bool, checksummed: bool = False
+) -> None:
+    """One bucket's file like `write_bucket`, with pieces taken out: `dcp_items` writes the
+    blobs with DCP's `_write_item` (torch.save with its zip CRC32) instead of verl_ckpt's
+    CRC-free blobs; without `checksummed`, no checksumming stream; never early writeback."""
     from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+
+    from verl_ckpt.fsio import ChecksummingWriter
+    from verl_ckpt.torch_format import write_item
 
     path, storage_key, (_, tensor_data) = bucket
     with open(path, "wb") as raw:
+        stream = ChecksummingWriter(raw, writeback_every=0) if checksummed else raw
         for item, data in tensor_data:
-            _write_item(
-                transforms,
-                raw,
-                data,
-                item,
-                storage_key,
-                serialization_format=SerializationFormat.TORCH_SAVE,
-            )
+            if dcp_items:
+                format = SerializationFormat.TORCH_SAVE
+                _write_item(
+                    transforms, stream, data, item, storage_key, serialization_format=format
+                )
+            else:
+                write_item(transforms, stream, data, item, storage_key)
         raw.flush()
         os.fsync(raw.fileno())

@@ -260,3 +260,37 @@ def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path, where):
         timeout=120,
     )
     assert f"ERRNO {errno.EFBIG} {target}" in done.stdout, done.stdout + done.stderr
+
+
+def test_early_writeback_is_a_hint_a_stream_that_refuses_it_still_gets_every_byte(tmp_path):
+    """The checksumming stream hands written bytes to the disk early (sync_file_range);
+    where a file refuses that (a pipe), writing goes on exactly as without it."""
+    import os
+    import threading
+
+    from verl_ckpt.fsio import ChecksummingWriter, file_checksum, start_writeback
+
+    with open(tmp_path / "f.bin", "wb") as regular:
+        regular.write(b"x" * 4096)
+        regular.flush()
+        assert start_writeback(regular.fileno(), 0, 4096)
+    read_end, write_end = os.pipe()
+    received = bytearray()
+
+    def drain() -> None:
+        while chunk := os.read(read_end, 1 << 16):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    with os.fdopen(write_end, "wb") as pipe:
+        assert not start_writeback(pipe.fileno(), 0, 1)
+        stream = ChecksummingWriter(pipe, writeback_every=1024)
+        for start in range(0, len(payload), 100_000):
+            stream.write(payload[start : start + 100_000])
+    reader.join(timeout=30)
+    os.close(read_end)
+    (tmp_path / "expected.bin").write_bytes(payload)
+    assert bytes(received) == payload
+    assert (stream.size, stream.checksum) == file_checksum(tmp_path / "expected.bin")

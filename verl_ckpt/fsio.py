@@ -23,11 +23,13 @@ __all__ = [
     "ChecksummingWriter",
     "Gate",
     "RenameNotDurable",
+    "WRITEBACK_EVERY",
     "atomic_write_bytes",
     "file_checksum",
     "fsync_dir",
     "new_hasher",
     "remove_stale_temporaries",
+    "start_writeback",
 ]
 
 # The checksum detects truncation and bit flips; it is no defence against tampering. xxh3_64
@@ -157,9 +159,18 @@ _sync_file_range = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Have the disk start writing bytes [offset, offset + nbytes) of the open file `fd`,
+    without waiting (Linux's sync_file_range with SYNC_FILE_RANGE_WRITE; ctypes releases
+    the GIL for the call). False where that is not available or the filesystem refused."""
+    if _sync_file_range is None:
+        return False
+    return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+
 class _EarlyWriteback:
     """Start the disk writing a file's new bytes every `every` bytes, without waiting for it
-    (sync_file_range with SYNC_FILE_RANGE_WRITE; ctypes releases the GIL for the call).
+    (start_writeback).
 
     Without it the kernel keeps the whole file dirty in the page cache and the final fsync
     writes it all while the writer waits: serialising and the disk take turns. With it the
@@ -183,7 +194,7 @@ class _EarlyWriteback:
         there are `every` of them."""
         if self._fd is None or end - self._started < self._every:
             return
-        if _sync_file_range(self._fd, self._started, end - self._started, _SYNC_FILE_RANGE_WRITE):
+        if not start_writeback(self._fd, self._started, end - self._started):
             self._fd = None
         self._started = end
 
