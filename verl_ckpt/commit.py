@@ -23,7 +23,7 @@ from verl_ckpt.commit_record import (
 )
 from verl_ckpt.errors import CheckpointError
 from verl_ckpt.fsio import RenameNotDurable, file_checksum, fsync_dir
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, RUN_MARKER_FILENAME, step_dir
 from verl_ckpt.protocol import Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, steps_to_delete
@@ -80,6 +80,9 @@ def commit_step(
         for role in sorted(participants):
             if role != DRIVER_ROLE:
                 files.extend(_complete_role(path, role, step, reports))
+        # The finalizer's mark of the job that opened the step goes: a committed step holds
+        # exactly the files its record names (and the record).
+        (path / RUN_MARKER_FILENAME).unlink(missing_ok=True)
         fsync_dir(path)
         faults.inject("commit")
         record = CommitRecord(step=step, participants=dict(participants), files=files)
