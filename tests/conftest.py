@@ -150,3 +150,34 @@ def own_s3_server(tmp_path):
     server = MotoServer(tmp_path).wait_ready()
     yield server
     server.stop()
+
+
+# ---- two workers (pyproject: pytest -n 2 --dist loadgroup) --------------------------------
+
+# The modules that use the session's recipe runs (`uninterrupted`, `four_step_run`): one
+# group, so that those runs happen once, on one worker. It is the longest group and starts
+# first; the other worker works through every other module meanwhile, a module at a time
+# (module fixtures are built once).
+RECIPE_RUN_MODULES = {
+    "test_job_kill",
+    "test_recipe",
+    "test_recipe_preemption",
+    "test_recipe_remote",
+    "test_recipe_resume_check",
+}
+RECIPE_RUNS_GROUP = "recipe runs"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        group = RECIPE_RUNS_GROUP if module in RECIPE_RUN_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
+    # xdist hands each worker two groups to begin with: the recipe group and a short module
+    # go to the first, everything else to the second.
+    order = {RECIPE_RUNS_GROUP: 0, "test_units": 1}
+    items.sort(key=lambda item: order.get(_group_of(item), 2))
+
+
+def _group_of(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]

@@ -45,7 +45,7 @@ _PATHLIB_INTERN_LINES = [
 
 @pytest.fixture
 def tmpfs_root():
-    """A root in /dev/shm: fsync is free there, so 10,000 commits take seconds."""
+    """A root in /dev/shm: fsync is free there, so thousands of commits take seconds."""
     root = Path(tempfile.mkdtemp(prefix="verl_ckpt_soak", dir="/dev/shm"))
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -75,11 +75,13 @@ def test_I3_finalizer_start_deletes_nothing_and_rolls_the_tracker_forward(tmp_pa
     assert read_tracker(tmp_path) == 40
 
 
-def test_I5_finalizer_memory_is_flat_over_10000_commits(tmpfs_root):
-    """After 10,000 commits the finalizer holds what it held after 100: the ledger keeps
-    only steps in flight, retention keeps the disk at max_ckpt_to_keep steps. (Latency of
-    begin_step over the same soak is a benchmark figure: benchmarks/finalizer_scale.py.)"""
-    logging.getLogger("verl_ckpt").setLevel(logging.WARNING)  # no 10,000 log records kept
+def test_I5_finalizer_memory_is_flat_over_3000_commits(tmpfs_root):
+    """After 3,000 commits the finalizer holds what it held after 100: the ledger keeps
+    only steps in flight, retention keeps the disk at max_ckpt_to_keep steps. 64 KiB over
+    2,900 commits catches a leak of 23 bytes a commit; the finalizer's bounded caches fill
+    by about 17 KiB and stop (measured). The benchmark's soak runs 10,000 commits and reports
+    begin_step's latency over them (benchmarks/finalizer_scale.py)."""
+    logging.getLogger("verl_ckpt").setLevel(logging.WARNING)  # no thousands of log records kept
 
     async def soak() -> tuple[int, int, int]:
         finalizer = CheckpointFinalizer(str(tmpfs_root), DRIVER_ONLY, max_ckpt_to_keep=2)
@@ -88,7 +90,7 @@ def test_I5_finalizer_memory_is_flat_over_10000_commits(tmpfs_root):
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
-        for step in range(101, 10_001):
+        for step in range(101, 3_001):
             await save_driver_step(finalizer, step)
         await finalizer.drain(10.0)
         gc.collect()
@@ -112,9 +114,9 @@ def test_I5_finalizer_memory_is_flat_over_10000_commits(tmpfs_root):
     finally:
         logging.getLogger("verl_ckpt").setLevel(logging.NOTSET)
     assert ledger_size == 0 and background == 0
-    assert grown < 256 * 1024, f"finalizer memory grew by {grown} bytes over 9,900 commits"
-    assert read_tracker(tmpfs_root) == 10_000
-    assert sorted(list_step_dirs(tmpfs_root)) == [9_999, 10_000]
+    assert grown < 64 * 1024, f"finalizer memory grew by {grown} bytes over 2,900 commits"
+    assert read_tracker(tmpfs_root) == 3_000
+    assert sorted(list_step_dirs(tmpfs_root)) == [2_999, 3_000]
 
 
 def test_wait_for_commit_returns_the_commit_timings_after_the_step_retired(tmp_path):
