@@ -328,9 +328,10 @@ class CheckpointFinalizer:
                     f"{timeout_s:.0f}s; the next start rolls forward any commit that got as "
                     "far as its commit record"
                 )
-            # A finished task leaves _background in its done callback, which runs on the
-            # next turn of the loop: let it, so that nothing finished looks pending.
-            await asyncio.sleep(0)
+        # A finished task leaves _background in its done callback, which runs on the next
+        # turn of the loop: let it, so that nothing finished looks pending (also when every
+        # task had finished before this call: their callbacks may not have run yet).
+        await asyncio.sleep(0)
         return self._ledger.in_flight()
 
     async def wait_for_exports(self, timeout_s: float) -> list[dict[str, Any]]:
