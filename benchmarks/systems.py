@@ -31,6 +31,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "verl_ckpt thread": ("verl", _THREAD),
     "verl_ckpt thread without prepare()": ("verl", {**_THREAD, "prepare": False}),
     "verl_ckpt thread nice 0": ("verl", {**_THREAD, "nice": 0}),
+    "verl_ckpt thread no early writeback": ("verl", {**_THREAD, "early_writeback_mb": 0}),
     "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
     "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),
@@ -52,6 +53,7 @@ def verl_config(
     snapshot: str = "now",
     nice: int = 10,
     prepare: bool = True,
+    early_writeback_mb: int = 32,
 ) -> dict[str, Any]:
     """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match).
     `prepare` is no config key: the system calls manager.prepare() or not."""
@@ -62,7 +64,12 @@ def verl_config(
         "load_contents": ["model", "optimizer"],
         "timeout_s": 600.0,
         "snapshot": snapshot,
-        "writer": {"mode": mode, "threads": 2, "nice": nice},
+        "writer": {
+            "mode": mode,
+            "threads": 2,
+            "nice": nice,
+            "early_writeback_mb": early_writeback_mb,
+        },
         "staging": {"offload_aware": offload_aware},
     }
 

@@ -132,6 +132,17 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
+def copy_of_the_tier(uploaded, s3_server, suffix: str) -> tuple:
+    """A copy of the uploaded tier under another prefix (the module's tier stays intact):
+    the S3 filesystem and the copy's path."""
+    fs = s3_server.filesystem()
+    source = uploaded["remote"]["url"].removeprefix("s3://")
+    copy = source + suffix
+    for path in fs.find(source):
+        fs.copy(path, copy + path[len(source) :])
+    return fs, copy
+
+
 def options_json(cfg) -> str:
     import json
 
@@ -228,12 +239,7 @@ def test_I3_cli_prune_a_remote_tier_removes_records_first_and_keeps_the_tracker(
     uploaded, s3_server, capsys, tmp_path
 ):
     """prune --dry-run lists, prune --keep 1 deletes step 1 (never the tracker's target)."""
-    # A copy of the uploaded tier under another prefix: the module's tier stays intact.
-    fs = s3_server.filesystem()
-    source = uploaded["remote"]["url"].removeprefix("s3://")
-    copy = source + "_copy"
-    for path in fs.find(source):
-        fs.copy(path, copy + path[len(source) :])
+    fs, copy = copy_of_the_tier(uploaded, s3_server, "_copy")
     url, options = f"s3://{copy}", options_json(uploaded)
     code, out, _ = cli(
         capsys, "prune", url, "--keep", "1", "--dry-run", "--storage-options", options
@@ -255,11 +261,7 @@ def test_I3_cli_rollback_a_remote_tier_deletes_the_newer_steps_then_moves_the_tr
 ):
     """`rollback URL --to 1 --delete` on S3: step 2 goes (its record first, then its
     objects), the remote tracker names step 1, which stays whole and verifies."""
-    fs = s3_server.filesystem()
-    source = uploaded["remote"]["url"].removeprefix("s3://")
-    copy = source + "_rolled_back"
-    for path in fs.find(source):
-        fs.copy(path, copy + path[len(source) :])
+    fs, copy = copy_of_the_tier(uploaded, s3_server, "_rolled_back")
     url, options = f"s3://{copy}", options_json(uploaded)
     code, out, err = cli(
         capsys, "rollback", url, "--to", "1", "--delete", "--storage-options", options

@@ -64,6 +64,10 @@ class WriterConfig:
     # 0 to 19: the background write yields the cores to the training thread. Their I/O is
     # lowered to the best-effort class's lowest level as well when this is above 0.
     nice: int = 10
+    # A file being written hands its new bytes to the disk every this many MiB, without
+    # waiting (Linux sync_file_range): the disk writes while later tensors are serialised,
+    # and the fsync at the end finds little left. 0 leaves it all to the final fsync.
+    early_writeback_mb: int = 32
 
     def __post_init__(self) -> None:
         if self.mode not in WRITER_MODES:
@@ -72,6 +76,13 @@ class WriterConfig:
             _fail("writer.threads", self.threads, "must be an integer >= 1")
         if not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             _fail("writer.nice", self.nice, "must be an integer from 0 (off) to 19")
+        if not isinstance(self.early_writeback_mb, int) or self.early_writeback_mb < 0:
+            _fail("writer.early_writeback_mb", self.early_writeback_mb, "must be an integer >= 0")
+
+    @property
+    def writeback_every(self) -> int:
+        """early_writeback_mb in bytes (0: off)."""
+        return self.early_writeback_mb << 20
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verl_ckpt.fsio import ChecksummingWriter, Gate
+from verl_ckpt.fsio import WRITEBACK_EVERY, ChecksummingWriter, Gate
 from verl_ckpt.torch_format import write_item
 
 __all__ = [
@@ -41,7 +41,10 @@ class WrittenFile:
 
 
 def write_checksummed(
-    path: str | Path, write: Callable[[ChecksummingWriter], Any], gate: Gate | None = None
+    path: str | Path,
+    write: Callable[[ChecksummingWriter], Any],
+    gate: Gate | None = None,
+    writeback_every: int = WRITEBACK_EVERY,
 ) -> WrittenFile:
     """Create `path`, let `write` fill it through a checksumming stream, fsync it.
 
@@ -51,7 +54,7 @@ def write_checksummed(
     writer hid it behind a RuntimeError.
     """
     with open(path, "wb") as raw:
-        stream = ChecksummingWriter(raw, gate)
+        stream = ChecksummingWriter(raw, gate, writeback_every)
         try:
             write(stream)
             raw.flush()
@@ -71,7 +74,7 @@ def write_checksummed(
 
 
 def write_bucket(
-    bucket: tuple, transforms: Any, gate: Gate | None = None
+    bucket: tuple, transforms: Any, gate: Gate | None = None, writeback_every: int = WRITEBACK_EVERY
 ) -> tuple[list, WrittenFile]:
     """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file."""
     path, storage_key, (bytes_data, tensor_data) = bucket
@@ -81,7 +84,7 @@ def write_bucket(
         for item, data in list(bytes_data) + list(tensor_data):
             results.append(write_item(transforms, stream, data, item, storage_key))
 
-    return results, write_checksummed(path, write_items, gate)
+    return results, write_checksummed(path, write_items, gate, writeback_every)
 
 
 def serialize_common(common_state_dict: dict) -> bytes:

@@ -185,7 +185,9 @@ class CheckpointManager:
         check_shared_root(self._root, self._finalizer, self._timeout_s, f"{role} rank {rank}")
         writer = self.config.writer
         mode = writer.mode if self.config.async_save else "inline"
-        self._writer = make_writer(mode, writer.threads, f"verl_ckpt_{role}{rank}", writer.nice)
+        self._writer = make_writer(
+            mode, writer.threads, f"verl_ckpt_{role}{rank}", writer.nice, writer.writeback_every
+        )
         self._pool = StagingPool(
             self.config.max_in_flight,
             self.config.staging.pin_memory,

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +24,7 @@ import torch.multiprocessing as torch_mp
 from verl_ckpt import faults
 from verl_ckpt.errors import CheckpointWriteError, CommitTimeoutError
 from verl_ckpt.file_writer import WrittenFile, write_bucket
+from verl_ckpt.fsio import WRITEBACK_EVERY
 from verl_ckpt.staging import StagingSlot
 from verl_ckpt.threads import DaemonPool, lower_priority
 
@@ -89,10 +91,11 @@ class InlineWriter:
 
     shares_memory = False
 
-    def __init__(self) -> None:
+    def __init__(self, writeback_every: int = WRITEBACK_EVERY) -> None:
         # Open (set) unless the trainer holds writes back while it changes its state.
         self._gate = threading.Event()
         self._gate.set()
+        self._writeback_every = writeback_every
 
     def pause(self) -> None:
         self._gate.clear()
@@ -113,7 +116,8 @@ class InlineWriter:
         fault_scope: tuple[str, int],
     ) -> list[Outcome]:
         faults.inject("write", *fault_scope)
-        return [write_bucket(bucket, transforms, self._gate) for bucket in buckets]
+        every = self._writeback_every
+        return [write_bucket(bucket, transforms, self._gate, every) for bucket in buckets]
 
     def forget_slot(self, slot: StagingSlot) -> None:
         pass
@@ -128,8 +132,10 @@ class InlineWriter:
 class ThreadWriter(InlineWriter):
     """A pool of threads in the rank writes one file each (file I/O releases the GIL)."""
 
-    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
-        super().__init__()
+    def __init__(
+        self, threads: int, name: str, nice: int = 0, writeback_every: int = WRITEBACK_EVERY
+    ) -> None:
+        super().__init__(writeback_every)
         self._pool = DaemonPool(threads, name, nice)
 
     def write(
@@ -143,7 +149,12 @@ class ThreadWriter(InlineWriter):
         faults.inject("write", *fault_scope)
         futures = [
             self._pool.submit(
-                write_bucket, bucket, transforms, self._gate, label=f"write {bucket[0]}"
+                write_bucket,
+                bucket,
+                transforms,
+                self._gate,
+                self._writeback_every,
+                label=f"write {bucket[0]}",
             )
             for bucket in buckets
         ]
@@ -174,10 +185,13 @@ class ProcessWriter:
 
     shares_memory = True
 
-    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
+    def __init__(
+        self, threads: int, name: str, nice: int = 0, writeback_every: int = WRITEBACK_EVERY
+    ) -> None:
         self._threads = threads
         self._name = name
         self._nice = nice
+        self._writeback_every = writeback_every
         self._ctx = torch_mp.get_context("spawn")
         # Shared with the writer process, which checks it between tensors.
         self._gate = self._ctx.Event()
@@ -274,7 +288,14 @@ class ProcessWriter:
         self._results = self._ctx.Queue()
         self._proc = self._ctx.Process(
             target=_writer_main,
-            args=(self._requests, self._results, self._threads, self._nice, self._gate),
+            args=(
+                self._requests,
+                self._results,
+                self._threads,
+                self._nice,
+                self._gate,
+                self._writeback_every,
+            ),
             name=self._name,
             daemon=True,
         )
@@ -335,7 +356,9 @@ def _exit_with_parent() -> None:
         os._exit(0)
 
 
-def _writer_main(requests: Any, results: Any, threads: int, nice: int, gate: Any) -> None:
+def _writer_main(
+    requests: Any, results: Any, threads: int, nice: int, gate: Any, writeback_every: int
+) -> None:
     """The writer process: serve slot registrations and writes until told to stop."""
     # Before any thread starts: every thread of this process inherits the lowered priority.
     lower_priority(nice)
@@ -362,19 +385,21 @@ def _writer_main(requests: Any, results: Any, threads: int, nice: int, gate: Any
             try:
                 faults.inject("write", *fault_scope)
                 buckets = [_rebuild_bucket(b, slots[slot_id]) for b in plan]
-                count = len(buckets)
-                outcomes = list(
-                    pool.map(write_bucket, buckets, [transforms] * count, [gate] * count)
+                write = partial(
+                    write_bucket, transforms=transforms, gate=gate, writeback_every=writeback_every
                 )
+                outcomes = list(pool.map(write, buckets))
                 results.put(("done", job, outcomes))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the rank
                 results.put(("error", job, f"{type(exc).__name__}: {exc}"))
     pool.shutdown()
 
 
-def make_writer(mode: str, threads: int, name: str, nice: int = 0) -> Writer:
+def make_writer(
+    mode: str, threads: int, name: str, nice: int = 0, writeback_every: int = WRITEBACK_EVERY
+) -> Writer:
     if mode == "process":
-        return ProcessWriter(threads, name, nice)
+        return ProcessWriter(threads, name, nice, writeback_every)
     if mode == "thread":
-        return ThreadWriter(threads, name, nice)
-    return InlineWriter()
+        return ThreadWriter(threads, name, nice, writeback_every)
+    return InlineWriter(writeback_every)

@@ -37,7 +37,7 @@ from verl_ckpt.errors import (
 )
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.remote.pull import pull_step
-from verl_ckpt.remote.store import RemoteStore, describe_store_error
+from verl_ckpt.remote.store import RemoteListing, RemoteStore, describe_store_error
 from verl_ckpt.remote.tier import (
     apply_remote_retention,
     newest_remote_step,
@@ -203,12 +203,7 @@ def _inspect(store: RemoteStore, args: argparse.Namespace) -> int:
 def _prune(store: RemoteStore, args: argparse.Namespace) -> int:
     listing = store.listing()
     outcome = apply_remote_retention(store, args.keep, dry_run=args.dry_run)
-    verb = "would delete" if args.dry_run else "deleted"
-    for step in outcome.deleted:
-        name = step_dir("", step).name
-        print(f"{verb} step {step}: {store.uri(name)} ({_human_bytes(listing.size(step))})")
-    for step in outcome.purged:
-        print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
+    _print_removed(store, listing, outcome.deleted, outcome.purged, args.dry_run)
     for error in outcome.errors:
         print(f"FAILED {error}")
     kept = sorted(set(listing.committed()) - set(outcome.deleted) - set(outcome.unreadable))
@@ -239,17 +234,29 @@ def _rollback(store: RemoteStore, args: argparse.Namespace) -> int:
         before = "unreadable"
     if not args.dry_run:
         roll_back_remote(store, plan)
-    verb = "would delete" if args.dry_run else "deleted"
-    for step in plan.steps:
-        name = step_dir("", step).name
-        print(f"{verb} step {step}: {store.uri(name)} ({_human_bytes(listing.size(step))})")
-    for step in plan.leftovers:
-        print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
+    _print_removed(store, listing, plan.steps, plan.leftovers, args.dry_run)
     if not plan.steps and not plan.leftovers:
         print(f"no step newer than {plan.to}")
     suffix = " (dry run: nothing changed)" if args.dry_run else ""
     print(f"tracker: {before} -> {plan.to}{suffix}")
     return 0
+
+
+def _print_removed(
+    store: RemoteStore,
+    listing: RemoteListing,
+    steps: list[int],
+    leftovers: list[int],
+    dry_run: bool,
+) -> None:
+    """One line per committed step and per unfinished upload deleted (or, dry, that would
+    be), as prune and rollback of a URL report them."""
+    verb = "would delete" if dry_run else "deleted"
+    for step in steps:
+        name = step_dir("", step).name
+        print(f"{verb} step {step}: {store.uri(name)} ({_human_bytes(listing.size(step))})")
+    for step in leftovers:
+        print(f"{verb} leftover {store.uri(step_dir('', step).name)} (an unfinished upload)")
 
 
 def _pull(store: RemoteStore, args: argparse.Namespace) -> int:
