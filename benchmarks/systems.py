@@ -53,7 +53,7 @@ def verl_config(
     snapshot: str = "now",
     nice: int = 10,
     prepare: bool = True,
-    early_writeback_mb: int = 32,
+    early_writeback_mb: int = 16,
 ) -> dict[str, Any]:
     """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match).
     `prepare` is no config key: the system calls manager.prepare() or not."""
@@ -341,7 +341,7 @@ class WritePath:
     with its CRC32, what verl_ckpt did before); `plain files x1` is the CRC-free blobs
     without the checksumming stream or early writeback; `raw + <algorithm>` is the write
     floor plus that checksum over the bytes on the writing thread; `write floor, early
-    writeback` is the write floor handing its bytes to the disk every 32 MiB, as verl_ckpt's
+    writeback` is the write floor handing its bytes to the disk every 16 MiB, as verl_ckpt's
     stream does.
     """
 

@@ -139,6 +139,7 @@ class RankWorker:
         `fence, inplace`: fence() first (the deferred snapshot's contract), then `inplace`;
         `step`: one training step (its optimizer.step() may fence through fence_before);
         `extra`: change the counter saved in the extra state in place;
+        `optimizer inplace`: in-place writes to every optimizer tensor only;
         `quiet, data`: inside quiet(), change the optimizer state through `.data`."""
         from verl_ckpt import describe_gpt_model
 
@@ -166,6 +167,11 @@ class RankWorker:
                 for s in self.optimizer.state.values():
                     for value in s.values():
                         value.data.mul_(3.0)
+        if after == "optimizer inplace":
+            with torch.no_grad():
+                for s in self.optimizer.state.values():
+                    for value in s.values():
+                        value.mul_(3.0)
         if after == "fence, inplace":
             self.manager.fence()
             after = "inplace"

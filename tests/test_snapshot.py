@@ -24,6 +24,7 @@ from tests.helpers import (
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointWriteError,
+    StepNotCommittedError,
     read_tracker,
 )
 from verl_ckpt.faults import ENV_VAR
@@ -71,6 +72,38 @@ def test_I4_a_change_before_the_fence_fails_the_deferred_save_loudly(ranks, tmp_
             ray.get(w.wait.remote())
         except CheckpointWriteError as exc:
             assert "modified in place before the deferred" in str(exc)
+    close_all(ranks, coordinator)
+
+
+def test_I4_offload_aware_deferred_save_judges_live_tensors_by_their_version_at_save(
+    ranks, tmp_path
+):
+    """A deferred save chooses which host tensors it writes live (offload-aware staging) on
+    the save thread, later than save(). An optimizer tensor changed in place between save()
+    and that choice must still fail the save: the versions that count are those at save()."""
+    cfg = ckpt_config(tmp_path, snapshot="deferred", staging={"offload_aware": True})
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    critic = ranks["critic"][0]
+    # The critic's deferred snapshot starts 1 s late: its optimizer tensors change first.
+    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=sleep=1"))
+    try:
+        second = save_everyone(ranks, coordinator, 2, after="optimizer inplace")
+        assert all(s["snapshot"] == "deferred" for s in second)
+        with pytest.raises(CheckpointWriteError, match="written without a copy were modified"):
+            ray.get(critic.wait.remote())
+        with pytest.raises(StepNotCommittedError):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert read_tracker(cfg["root_dir"]) == 1
+    for w in ranks["actor"]:  # not held back: a clean write or the same loud failure
+        try:
+            ray.get(w.wait.remote())
+        except CheckpointWriteError as exc:
+            assert "modified" in str(exc)
     close_all(ranks, coordinator)
 
 

@@ -67,7 +67,7 @@ class WriterConfig:
     # A file being written hands its new bytes to the disk every this many MiB, without
     # waiting (Linux sync_file_range): the disk writes while later tensors are serialised,
     # and the fsync at the end finds little left. 0 leaves it all to the final fsync.
-    early_writeback_mb: int = 32
+    early_writeback_mb: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in WRITER_MODES:

@@ -51,14 +51,15 @@ from verl_ckpt.layout import DRIVER_ROLE, step_dir
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.snapshot_plan import (
+    SaveTimeMarks,
     SnapshotPlan,
     check_copied_unchanged,
     check_live_unchanged,
     freeze_objects,
-    nbytes,
+    live_bytes,
     split_live,
 )
-from verl_ckpt.staging import StagingPool, copy_into, device_ready_events
+from verl_ckpt.staging import StagingPool, copy_into
 from verl_ckpt.structure import structure_hash
 from verl_ckpt.threads import DaemonPool
 from verl_ckpt.verification import verify_files
@@ -121,17 +122,22 @@ class _Layout:
     # the save thread checks before begin_step (group_agreement).
     agreement: Future | None = None
 
+    @property
+    def tensors(self) -> list[ShardedTensor]:
+        return [item for item in self.items if isinstance(item, ShardedTensor)]
+
 
 @dataclass
 class _SaveJob:
     """One save from step 1 to step 4; the save thread takes it over from save()."""
 
     layout: _Layout
-    copy: SnapshotPlan
+    copy: SnapshotPlan | None  # None until a deferred snapshot acquires it (save thread)
     save_id: str
     common_bytes: bytes | None
     stats: SaveStats
     deadline: float
+    marks: SaveTimeMarks | None = None  # a deferred snapshot's, recorded in save()
     directory: Path | None = None
     prepared: megatron_compat.PreparedSave | None = None
     # Rank 0 only: the model description the Hugging Face export reads (hf/model_spec.py).
@@ -293,7 +299,13 @@ class CheckpointManager:
             background = layout.reuse_plan and self._save_thread is not None
             if background:
                 freeze_objects(layout.items)  # their bytes are made when the plan runs, later
-            job = self._new_job(layout, self._acquire_copy(layout, deferred))
+            if deferred:
+                # Which tensors to copy, and into which buffers, is chosen on the save thread
+                # before the copy: save() reads only what must be read now.
+                marks = SaveTimeMarks.record(layout.tensors)
+                job = self._new_job(layout, None, marks)
+            else:
+                job = self._new_job(layout, self._acquire_copy(layout))
         except Exception as exc:
             # The other participants save this step: tell the finalizer now that this rank
             # will not, or the step would wait for this report until its deadline.
@@ -305,6 +317,7 @@ class CheckpointManager:
             try:
                 if not background:
                     self._begin(job)
+                faults.inject("stage", self.role, self.rank)
                 self._copy(job)  # step 2: from here on the live tensors are free
                 if not background:
                     self._plan(job)
@@ -474,8 +487,7 @@ class CheckpointManager:
 
     def _layout(self, step: int, state: dict, go_ahead: bool = True) -> _Layout:
         started = time.perf_counter()
-        sharded, common = megatron_compat.split_common_state(state)
-        items = megatron_compat.sharded_items(sharded)
+        sharded, common, items = megatron_compat.split_common_state(state)
         digest = structure_hash(items)
         # Agreement comes before begin_step: ranks that disagree on the step or the root fail
         # together before any directory or file exists.
@@ -509,18 +521,23 @@ class CheckpointManager:
 
     # ---- step 2: stage -------------------------------------------------------------------
 
-    def _acquire_copy(self, layout: _Layout, deferred: bool = False) -> SnapshotPlan:
-        """Which tensors to copy (and into which reused buffers), which to write live."""
-        tensors = [item for item in layout.items if isinstance(item, ShardedTensor)]
+    def _acquire_copy(self, layout: _Layout, marks: SaveTimeMarks | None = None) -> SnapshotPlan:
+        """Which tensors to copy (and into which reused buffers), which to write live.
+        `marks` are those a deferred save() recorded; without them, this is save() now."""
         # A writer process reads only shared memory: it cannot write live host tensors.
         offload_aware = self.config.staging.offload_aware and not self._writer.shares_memory
-        live, staged = split_live(tensors, layout.sharded.get("optimizer"), offload_aware)
+        versions = marks.versions if marks is not None else None
+        live, staged = split_live(
+            layout.tensors, layout.sharded.get("optimizer"), offload_aware, versions
+        )
         sources = [item.data for item in staged]
         slot, dropped = self._pool.acquire([item.key for item in staged], sources)
         for old in dropped:
             self._writer.forget_slot(old)
-        ready = device_ready_events(sources) if deferred else {}
-        return SnapshotPlan(slot, staged, [t._version for t in sources], live, ready)
+        if marks is None:
+            return SnapshotPlan(slot, staged, [t._version for t in sources], live)
+        staged_versions = [marks.versions[id(item)] for item in staged]
+        return SnapshotPlan(slot, staged, staged_versions, live, marks.ready)
 
     def _begin(self, job: _SaveJob) -> None:
         """Step 1's begin_step on the finalizer: the step's directory for this rank."""
@@ -541,7 +558,6 @@ class CheckpointManager:
     def _copy(self, job: _SaveJob) -> None:
         """Step 2: copy into the staging slot; from then on the save references the copies,
         never the live tensors. A deferred copy checks that nothing changed them first."""
-        faults.inject("stage", self.role, self.rank)
         started = time.perf_counter()
         copy = job.copy
         sources = [item.data for item in copy.items]
@@ -571,13 +587,16 @@ class CheckpointManager:
 
     # ---- steps 3-4: write and report (background) ----------------------------------------
 
-    def _new_job(self, layout: _Layout, copy: SnapshotPlan) -> _SaveJob:
+    def _new_job(
+        self, layout: _Layout, copy: SnapshotPlan | None, marks: SaveTimeMarks | None = None
+    ) -> _SaveJob:
         try:
             # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
             # requires common.pt even when it holds nothing): serialised now, the snapshot.
             common_bytes = serialize_common(layout.common) if self.rank == 0 else None
         except BaseException:
-            self._pool.release(copy.slot)
+            if copy is not None:
+                self._pool.release(copy.slot)
             raise
         stats = SaveStats(
             step=layout.step,
@@ -586,10 +605,10 @@ class CheckpointManager:
             stage_s=0.0,
             plan_reused=layout.reuse_plan,
             bytes_staged=0,
-            bytes_zero_copy=sum(nbytes(t.tensor) for t in copy.live),
+            bytes_zero_copy=live_bytes(copy) if copy is not None else 0,
         )
         deadline = time.monotonic() + self._timeout_s
-        return _SaveJob(layout, copy, uuid.uuid4().hex, common_bytes, stats, deadline)
+        return _SaveJob(layout, copy, uuid.uuid4().hex, common_bytes, stats, deadline, marks)
 
     def _launch(self, job: _SaveJob, deferred: bool, background: bool) -> None:
         if self._save_thread is None:
@@ -612,7 +631,7 @@ class CheckpointManager:
         try:
             if deferred:
                 try:
-                    self._copy(job)
+                    self._take_deferred_snapshot(job)
                 finally:
                     job.snapshot_taken.set()  # fence() returns; a failure is raised below
             if background:
@@ -632,10 +651,20 @@ class CheckpointManager:
             ) from exc
         self._write_and_report(job)
 
+    def _take_deferred_snapshot(self, job: _SaveJob) -> None:
+        """Step 2 of a deferred save, on the save thread: choose and acquire the buffers,
+        then copy, judged against the version counters save() recorded (job.marks)."""
+        faults.inject("stage", self.role, self.rank)
+        job.copy = self._acquire_copy(job.layout, job.marks)
+        # Set before the fence opens: quiet() then waits for the live writes (I4).
+        job.stats.bytes_zero_copy = live_bytes(job.copy)
+        self._copy(job)
+
     def _abandon(self, job: _SaveJob, phase: Phase, exc: BaseException) -> None:
         """Steps 1-2 failed after the staging slot was taken: free it, and tell the
         finalizer, so that the step fails now rather than at the deadline."""
-        self._pool.release(job.copy.slot)
+        if job.copy is not None:  # a deferred snapshot acquires its slot on the save thread
+            self._pool.release(job.copy.slot)
         # Reported even before begin_step (a copy that failed first): the step then fails
         # for every rank now, instead of at the deadline.
         self._report_failure(job.step, job.save_id, phase, exc)

@@ -11,10 +11,12 @@ that moves them needs changes in this file only.
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
@@ -22,7 +24,12 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.exchange_utils import (
     determine_main_replica_uniform_distribution,
 )
-from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+)
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import state_dict_saver
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
@@ -67,8 +74,9 @@ class SavePlanCache:
     central_plan: Any
     local_plan: Any
     replica_distribution: Any
-    # Only the coordinator (rank 0 of the save group) holds the global DCP metadata.
-    global_metadata: Any
+    # Only the coordinator (rank 0 of the save group) holds the global DCP metadata, pickled
+    # (see PreparedSave).
+    global_metadata: bytes | None
 
 
 @dataclass
@@ -77,7 +85,10 @@ class PreparedSave:
 
     write_buckets: list
     transforms: Any
-    global_metadata: Any
+    # The coordinator's DCP Metadata, pickled once per plan: the same Metadata goes with
+    # every save while the plan is cached, and Ray pickling it anew for each report (a
+    # dataclass per tensor and chunk) was most of the report's round trip.
+    global_metadata: bytes | None
     plan_cache: SavePlanCache
 
 
@@ -111,13 +122,90 @@ class _PlanOnlyWriter(FileSystemWriterAsync):
         self.results_queue = None
 
 
-def split_common_state(sharded_state_dict: dict) -> tuple[dict, dict]:
-    """Apply factories, drop non-persistent entries, split sharded from common state.
+def split_common_state(sharded_state_dict: dict) -> tuple[dict, dict, list[ShardedBase]]:
+    """Apply factories, drop non-persistent entries, split sharded from common state; also
+    the sharded part's items, in `sharded_items` order.
 
-    Validation is done separately on the save group (`validate_sharding`): megatron's own
-    validation gathers over the default group, which may hold ranks that never save.
+    The result is megatron-core's `save_preprocess`'s. It walks the state five times (and
+    once more for the items), with isinstance checks against an abstract class: the
+    largest part of a deferred save()'s time. Without factories and empty flattened ranges
+    (what the models and optimizers here give), one walk (`_split_plain`) reproduces its
+    two passes that matter, the non-persistent objects' removal and the split, container
+    rules included; otherwise megatron-core runs. Validation is done separately on the save
+    group (`validate_sharding`): megatron's own gathers over the default group, which may
+    hold ranks that never save.
     """
-    return save_preprocess(sharded_state_dict, validate_access_integrity=False)
+    items: list[ShardedBase] = []
+    try:
+        sharded, common = _split_plain(sharded_state_dict, items)
+    except _NotPlain:
+        sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+        items = sharded_items(sharded)
+    return sharded, common, items
+
+
+class _NotPlain(Exception):
+    """The state holds something only megatron-core's save_preprocess handles."""
+
+
+_SHARDED, _COMMON, _DROPPED = range(3)
+_PLAIN_LEAVES = frozenset({int, float, str, bool, type(None), bytes, torch.Tensor})
+
+
+def _leaf_kind(value: Any, items: list[ShardedBase]) -> int:
+    kind = type(value)
+    if kind is ShardedTensor:
+        flat = value.flattened_range
+        if flat is not None and flat.start == flat.stop:
+            raise _NotPlain  # megatron-core filters these out
+        items.append(value)
+        return _SHARDED
+    if kind is ShardedObject:
+        items.append(value)
+        return _SHARDED
+    if kind in _PLAIN_LEAVES:
+        return _COMMON
+    if isinstance(value, LocalNonpersistentObject):
+        return _DROPPED  # restored locally on load, never saved
+    if isinstance(value, ShardedBase):
+        raise _NotPlain  # a factory (applied in place by megatron-core), a subclass
+    return _COMMON
+
+
+def _split_plain(x: dict | list, items: list[ShardedBase]) -> tuple[Any, Any]:
+    """megatron-core's extract_nonpersistent, then extract_sharded_base on what it kept
+    (both extract_matching_values), in one walk: the sharded and common parts, matches
+    collected into `items` in order. Their container rules hold: a container that the
+    removal of non-persistent objects empties disappears, one empty from the start stays
+    on the common side (in a dict; in a list too, as a plain element)."""
+    if isinstance(x, dict):
+        sharded: Any = {}
+        common: Any = {}
+        for key, value in x.items():
+            if isinstance(value, (list, dict)):
+                match, rest = _split_plain(value, items)
+                if match:
+                    sharded[key] = match
+                if rest or not value:
+                    common[key] = rest
+                continue
+            kind = _leaf_kind(value, items)
+            if kind != _DROPPED:
+                (sharded if kind == _SHARDED else common)[key] = value
+        return sharded, common
+    sharded, common = [], []
+    for value in x:
+        if isinstance(value, (list, dict)) and value:
+            match, rest = _split_plain(value, items)
+            if match:
+                sharded.append(match)
+            if rest:
+                common.append(rest)
+            continue
+        kind = _COMMON if isinstance(value, (list, dict)) else _leaf_kind(value, items)
+        if kind != _DROPPED:
+            (sharded if kind == _SHARDED else common).append(value)
+    return sharded, common
 
 
 def sharded_items(sharded_part: dict) -> list[ShardedBase]:
@@ -188,6 +276,8 @@ def plan_save(
     )
     if cache is not None:
         global_metadata = cache.global_metadata
+    elif global_metadata is not None:
+        global_metadata = pickle.dumps(global_metadata, protocol=pickle.HIGHEST_PROTOCOL)
     new_cache = SavePlanCache(
         structure_hash, central_plan, local_plan, replica_distribution, global_metadata
     )
@@ -195,13 +285,15 @@ def plan_save(
     return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)
 
 
-def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results: list) -> None:
+def complete_role_dir(checkpoint_dir: Path, global_metadata: bytes, write_results: list) -> None:
     """Write `.metadata` and `metadata.json`, the files that make a torch_dist directory whole.
+    `global_metadata` is the coordinator's pickled DCP Metadata (PreparedSave).
 
     `metadata.json` goes last: megatron-core refuses a directory without it, so until it is
     durable the directory is not loadable even by code that ignores our commit record.
     """
-    FileSystemWriterAsync(checkpoint_dir).finish(global_metadata, write_results)
+    metadata = pickle.loads(global_metadata)  # from a rank of this job, as any Ray argument
+    FileSystemWriterAsync(checkpoint_dir).finish(metadata, write_results)
     fsync_dir(checkpoint_dir)
     save_config(CheckpointingConfig(*BACKEND), checkpoint_dir)
     with open(checkpoint_dir / "metadata.json", "rb") as f:

@@ -19,9 +19,9 @@ class RankReport:
     """One participant's outcome for one step; reports are idempotent by (step, role, rank).
 
     `files` are relative to the step directory. `write_results` are DCP WriteResults and
-    `global_metadata` the DCP Metadata (coordinator rank only) that the finalizer turns into
-    the role's `.metadata`. `failure` set means this participant failed and the step will
-    not commit.
+    `global_metadata` the pickled DCP Metadata (coordinator rank only; pickled once per save
+    plan, megatron_compat.PreparedSave) that the finalizer turns into the role's
+    `.metadata`. `failure` set means this participant failed and the step will not commit.
     """
 
     step: int
@@ -31,7 +31,7 @@ class RankReport:
     save_id: str
     files: list[FileEntry] = field(default_factory=list)
     write_results: list[Any] = field(default_factory=list)
-    global_metadata: Any = None
+    global_metadata: bytes | None = None
     failure: Failure | None = None
 
     @property

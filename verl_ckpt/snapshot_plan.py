@@ -13,14 +13,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from verl_ckpt import megatron_compat
 from verl_ckpt.errors import CheckpointError
-from verl_ckpt.staging import StagingSlot
+from verl_ckpt.staging import StagingSlot, device_ready_events
 
 __all__ = [
     "LiveTensor",
+    "SaveTimeMarks",
     "SnapshotPlan",
     "check_copied_unchanged",
     "check_live_unchanged",
     "freeze_objects",
+    "live_bytes",
     "nbytes",
     "split_live",
 ]
@@ -47,8 +49,30 @@ class SnapshotPlan:
     ready: dict = field(default_factory=dict)  # CUDA device -> event, for a deferred copy
 
 
+@dataclass
+class SaveTimeMarks:
+    """What a deferred snapshot must read inside save(), when it leaves choosing and
+    acquiring its buffers to the save thread: every tensor's version counter (a change
+    between save() and the copy fails the save) and, on CUDA, one event per device marking
+    the end of the work the training thread had queued (the copy waits for it)."""
+
+    versions: dict[int, int]  # id(ShardedTensor) -> its data's version counter
+    ready: dict  # CUDA device -> event
+
+    @classmethod
+    def record(cls, tensors: list[ShardedTensor]) -> SaveTimeMarks:
+        sources = [item.data for item in tensors]
+        versions = {id(item): data._version for item, data in zip(tensors, sources, strict=True)}
+        return cls(versions, device_ready_events(sources))
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def live_bytes(plan: SnapshotPlan) -> int:
+    """Bytes the save writes from live host tensors, without a copy."""
+    return sum(nbytes(t.tensor) for t in plan.live)
 
 
 def freeze_objects(items: list) -> None:
@@ -65,7 +89,10 @@ def freeze_objects(items: list) -> None:
 
 
 def split_live(
-    tensors: list[ShardedTensor], optimizer_part: dict | None, allowed: bool
+    tensors: list[ShardedTensor],
+    optimizer_part: dict | None,
+    allowed: bool,
+    versions: dict[int, int] | None = None,
 ) -> tuple[list[LiveTensor], list[ShardedTensor]]:
     """Offload-aware staging: which optimizer tensors are written live, which are copied.
 
@@ -73,7 +100,8 @@ def split_live(
     updates, while parameters are updated in place by every step. A tensor is written live
     only if it is a whole host tensor (not a view, which megatron-core would clone anyway).
     `allowed` is false when offload-aware staging is off or the writer reads another
-    process's memory (then everything is copied).
+    process's memory (then everything is copied). A live tensor's version counter is taken
+    from `versions` (recorded inside save(), when this runs later) or read now.
     """
     if not allowed or not optimizer_part:
         return [], tensors
@@ -84,7 +112,8 @@ def split_live(
         whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == nbytes(data)
         host = data.device.type == "cpu" and data.is_contiguous() and whole
         if id(item) in candidates and host:
-            live.append(LiveTensor(item.key, data, data._version))
+            version = data._version if versions is None else versions[id(item)]
+            live.append(LiveTensor(item.key, data, version))
         else:
             staged.append(item)
     return live, staged

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import pickle
 import threading
 from dataclasses import dataclass, field
 
@@ -26,11 +27,13 @@ def staging_signature(keys: list[str], tensors: list[torch.Tensor]) -> str:
     order. Two saves may reuse one slot only if this is equal: the set of tensors copied can
     change while the saved structure does not (offload-aware staging references host
     tensors instead of copying them), so neither the structure hash nor a count will do."""
-    digest = hashlib.sha256()
-    for key, tensor in zip(keys, tensors, strict=True):
-        entry = (key, tuple(tensor.shape), str(tensor.dtype), tensor.device.type)
-        digest.update(repr(entry).encode())
-    return digest.hexdigest()
+    entries = [
+        (key, tuple(tensor.shape), str(tensor.dtype), tensor.device.type)
+        for key, tensor in zip(keys, tensors, strict=True)
+    ]
+    # Pickled as a whole (exact for strings and integers): half the time of hashing each
+    # entry's repr, inside save().
+    return hashlib.sha256(pickle.dumps(entries, protocol=5)).hexdigest()
 
 
 @dataclass

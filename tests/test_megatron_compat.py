@@ -1,0 +1,208 @@
+"""megatron_compat.split_common_state: its one-walk split must give exactly what
+megatron-core's save_preprocess gives (sharded part, common part, container rules), and hand
+anything it does not handle (factories, empty flattened ranges, subclasses) to
+megatron-core itself. Checked on hand-built state dicts that hit every rule,
+and on a real GPT model's and Adam's sharded state dicts in a process of its own (megatron's
+parallel state is global)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+from verl_ckpt import megatron_compat
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def described(x):
+    """The structure with each leaf replaced by what identifies it (leaves of two builds of
+    the same state are different objects)."""
+    if isinstance(x, dict):
+        return {key: described(value) for key, value in x.items()}
+    if isinstance(x, list):
+        return [described(value) for value in x]
+    if isinstance(x, ShardedBase):
+        return (type(x).__name__, x.key, tuple(x.global_offset), x.replica_id)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.flatten()[:3].tolist())
+    return x
+
+
+def assert_same_split(build) -> tuple[dict, dict, list]:
+    """split_common_state(build()) equals save_preprocess(build()), items included."""
+    sharded, common, items = megatron_compat.split_common_state(build())
+    expected_sharded, expected_common = save_preprocess(build(), validate_access_integrity=False)
+    assert described(sharded) == described(expected_sharded)
+    assert described(common) == described(expected_common)
+    assert described(items) == described(list(nested_values(expected_sharded)))
+    assert all(a is b for a, b in zip(items, nested_values(sharded), strict=True))
+    return sharded, common, items
+
+
+def tensor(key: str, n: int = 4, rank: int = 0) -> ShardedTensor:
+    return ShardedTensor.from_rank_offsets(key, torch.arange(float(n)) + rank, (0, rank, 2))
+
+
+def plain_state() -> dict:
+    return {
+        "model": {
+            "layer.weight": tensor("layer.weight"),
+            "layer.bias": tensor("layer.bias", 2),
+            "buffers": [
+                tensor("b0"),
+                [],
+                {},
+                [tensor("b1"), 3],
+                {"x": tensor("b2"), "y": 1},
+                [tensor("b3")],
+                {"z": tensor("b4")},
+            ],
+            "empty": {},
+            "empty_list": [],
+            "nested_empty": {"a": {}, "b": [[]]},
+        },
+        "optimizer": {
+            "state": {"exp_avg": {"w": tensor("optimizer.exp_avg.w")}},
+            "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.99)}],
+            "step_tensor": torch.tensor([3.0]),
+        },
+        "extra": ShardedObject("extra", {"rng": torch.arange(3)}, (2,), (0,), replica_id=0),
+        "counters": [1, "two", None, b"3", 4.5, True],
+    }
+
+
+def test_a_plain_state_splits_as_megatron_core_splits_it():
+    _, common, items = assert_same_split(plain_state)
+    assert [item.key for item in items] == [
+        "layer.weight",
+        "layer.bias",
+        "b0",
+        "b1",
+        "b2",
+        "b3",
+        "b4",
+        "optimizer.exp_avg.w",
+        "extra",
+    ]
+    assert common["optimizer"]["param_groups"][0]["lr"] == 0.1
+    assert common["model"]["empty"] == {} and "layer.weight" not in common["model"]
+
+
+def with_factory() -> dict:
+    state = plain_state()
+    state["model"]["fused"] = ShardedTensorFactory(
+        "fused",
+        torch.arange(4.0),
+        lambda key, data, replica_id, flat: {
+            "a": ShardedTensor.from_rank_offsets(f"{key}.a", data[:2], replica_id=replica_id),
+            "b": ShardedTensor.from_rank_offsets(f"{key}.b", data[2:], replica_id=replica_id),
+        },
+        lambda parts: torch.cat([parts["a"], parts["b"]]),
+    )
+    return state
+
+
+def with_nonpersistent() -> dict:
+    state = plain_state()
+    state["optimizer"]["local"] = LocalNonpersistentObject({"not": "saved"})
+    state["model"]["buffers"].append(LocalNonpersistentObject(7))
+    # Containers that only the removal of non-persistent objects empties disappear; those
+    # empty from the start stay.
+    state["model"]["only_local"] = {"a": LocalNonpersistentObject(1)}
+    state["model"]["only_local_list"] = [
+        [LocalNonpersistentObject(5)],
+        {"d": LocalNonpersistentObject(6)},
+    ]
+    state["model"]["buffers"].append([LocalNonpersistentObject(2)])
+    state["model"]["buffers"].append({"b": LocalNonpersistentObject(3), "c": {}})
+    state["model"]["mixed"] = {"x": [LocalNonpersistentObject(4), tensor("m0")], "y": []}
+    return state
+
+
+def with_empty_flattened_range() -> dict:
+    state = plain_state()
+    empty = tensor("flat.empty")
+    empty.flattened_range = slice(2, 2)  # megatron-core drops these before saving
+    state["model"]["flat"] = empty
+    return state
+
+
+@pytest.mark.parametrize("build", [plain_state, with_nonpersistent])
+def test_states_without_factories_take_the_one_walk(build, monkeypatch):
+    assert_same_split(build)
+
+    def not_expected(*_args, **_kwargs):
+        raise AssertionError("megatron-core's save_preprocess ran")
+
+    monkeypatch.setattr(megatron_compat, "save_preprocess", not_expected)
+    megatron_compat.split_common_state(build())
+
+
+@pytest.mark.parametrize(
+    "build, wanted",
+    [(with_factory, {"fused.a", "fused.b"}), (with_empty_flattened_range, set())],
+    ids=["factory", "empty-flattened-range"],
+)
+def test_what_only_megatron_core_handles_is_left_to_it(build, wanted, monkeypatch):
+    _, _, items = assert_same_split(build)
+    keys = {item.key for item in items}
+    assert wanted <= keys and "flat.empty" not in keys
+    calls = []
+    real = megatron_compat.save_preprocess
+    monkeypatch.setattr(
+        megatron_compat, "save_preprocess", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    megatron_compat.split_common_state(build())
+    assert calls == [1]
+
+
+def test_a_real_gpt_and_adam_state_splits_as_megatron_core_splits_it():
+    # In a process of its own: megatron's parallel state and the process group are global.
+    script = f"""
+import socket, sys
+sys.path[:0] = [{str(REPO_ROOT)!r}]
+import torch
+from recipes import megatron_cpu as mc
+from tests.test_megatron_compat import assert_same_split
+from verl_ckpt import megatron_compat
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+mc.init_distributed(0, 1, port)
+shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=128)
+model = mc.build_tiny_gpt(shape, seed=1)
+optimizer = mc.make_adam(model)
+for p in model.parameters():
+    p.grad = torch.ones_like(p)
+optimizer.step()
+def build():
+    return {{
+        "model": model.sharded_state_dict(),
+        "optimizer": mc.optimizer_sharded_state_dict(model, optimizer),
+    }}
+_, common, items = assert_same_split(build)
+assert len(items) > 20 and "param_groups" in str(common), (len(items), common)
+# The fast walk ran: the model holds a non-persistent object, and no factory.
+megatron_compat.save_preprocess = None
+megatron_compat.split_common_state(build())
+print("ok", len(items))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok")
