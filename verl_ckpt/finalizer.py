@@ -208,6 +208,7 @@ class CheckpointFinalizer:
 
     async def report(self, report: RankReport) -> None:
         """Record one participant's outcome; start the commit when the last one arrives."""
+        report.unpack()
         self._check_participant(report.role, report.rank, report.world_size)
         step = report.step
         if self._ledger.status(step) is None and is_committed(step_dir(self._root, step)):

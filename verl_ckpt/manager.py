@@ -138,6 +138,8 @@ class _SaveJob:
     stats: SaveStats
     deadline: float
     marks: SaveTimeMarks | None = None  # a deferred snapshot's, recorded in save()
+    # The agreement's check and begin_step, run on the save thread during the copy.
+    begun: Future | None = None
     directory: Path | None = None
     prepared: megatron_compat.PreparedSave | None = None
     # Rank 0 only: the model description the Hugging Face export reads (hf/model_spec.py).
@@ -317,6 +319,13 @@ class CheckpointManager:
             try:
                 if not background:
                     self._begin(job)
+                else:
+                    # The save thread waits for the agreement and calls begin_step (a round
+                    # trip to the finalizer) while this thread copies: the write can start
+                    # as soon as the copy ends. Its failure is raised by the save thread.
+                    job.begun = self._save_thread.submit(
+                        self._agree_and_begin, job, label=f"begin_step of step {step}"
+                    )
                 faults.inject("stage", self.role, self.rank)
                 self._copy(job)  # step 2: from here on the live tensors are free
                 if not background:
@@ -636,11 +645,10 @@ class CheckpointManager:
                     job.snapshot_taken.set()  # fence() returns; a failure is raised below
             if background:
                 phase = Phase.PLAN
-                if job.layout.agreement is not None:
-                    waited = time.perf_counter()
-                    check_went_ahead(self._agreement.outcome(job.layout.agreement), self.role)
-                    job.stats.agree_s = time.perf_counter() - waited
-                self._begin(job)
+                if job.begun is not None:
+                    job.begun.result()  # done: it ran on this thread, before this job
+                else:
+                    self._agree_and_begin(job)
                 self._plan(job)
         except Exception as exc:
             self._abandon(job, phase, exc)
@@ -650,6 +658,16 @@ class CheckpointManager:
                 f"{self._root}: {type(exc).__name__}: {exc}"
             ) from exc
         self._write_and_report(job)
+
+    def _agree_and_begin(self, job: _SaveJob) -> None:
+        """On the save thread: every rank's statement fits (the rank went ahead on its cached
+        plan), and only then begin_step: ranks that disagree fail before any directory
+        exists."""
+        if job.layout.agreement is not None:
+            waited = time.perf_counter()
+            check_went_ahead(self._agreement.outcome(job.layout.agreement), self.role)
+            job.stats.agree_s = time.perf_counter() - waited
+        self._begin(job)
 
     def _take_deferred_snapshot(self, job: _SaveJob) -> None:
         """Step 2 of a deferred save, on the save thread: choose and acquire the buffers,
@@ -689,7 +707,7 @@ class CheckpointManager:
         job.stats.files_written = len(report.files)
         try:
             faults.inject("report", self.role, self.rank)
-            self._call_finalizer("report", report, deadline=job.deadline + RPC_SLACK_S)
+            self._call_finalizer("report", report.pack(), deadline=job.deadline + RPC_SLACK_S)
         except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
             if report.failure is None:
                 report.failure = Failure.from_exception(self.role, self.rank, Phase.REPORT, exc)
