@@ -45,9 +45,10 @@ after a whole-job restart (everything killed, the job started again).
                       the structure hash holds). Durable: an empty step directory.
                       A save() that raises before this (an earlier failure, raised once
                       instead of saving) reports a failure for its step at once.
-                      With a cached plan (no collective left), begin_step and the plan run
-                      on the save thread after step 2: the trainer never waits for an
-                      earlier step's commit or retention (the back-pressure still holds).
+                      With a cached plan (no collective left), the agreement's check and
+                      begin_step run on the save thread while step 2 copies, and the plan
+                      after it: the trainer never waits for an earlier step's commit or
+                      retention (the back-pressure still holds).
                       Crash: the directory is an uncommitted leftover, removed when the step
                       is saved again.
  2. stage             rank, training thread (the only other blocking part).
