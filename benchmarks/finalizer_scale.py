@@ -31,7 +31,6 @@ import functools
 import inspect
 import io
 import os
-import pickle
 import pstats
 import shutil
 import statistics
@@ -120,7 +119,7 @@ def _reports(step: int, world: int, directory: Path) -> list[RankReport]:
         report.write_results = results
         report.files = [entry]
         if rank == 0:
-            report.global_metadata = pickle.dumps(_global_metadata(world))
+            report.global_metadata = _global_metadata(world)
         reports.append(report)
     return reports
 

@@ -744,7 +744,7 @@ class CheckpointManager:
             report.files = [FileEntry(f"{self.role}/{f.name}", f.size, f.checksum) for f in files]
             job.stats.fsync_s = max((f.fsync_s for f in files), default=0.0)
             if self.rank == 0:
-                report.global_metadata = job.prepared.global_metadata
+                report.packed_global_metadata = job.prepared.global_metadata
             return None
         except WriteTimeout as exc:
             buffers_free = not exc.buffers_in_use

@@ -285,15 +285,13 @@ def plan_save(
     return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)
 
 
-def complete_role_dir(checkpoint_dir: Path, global_metadata: bytes, write_results: list) -> None:
+def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results: list) -> None:
     """Write `.metadata` and `metadata.json`, the files that make a torch_dist directory whole.
-    `global_metadata` is the coordinator's pickled DCP Metadata (PreparedSave).
 
     `metadata.json` goes last: megatron-core refuses a directory without it, so until it is
     durable the directory is not loadable even by code that ignores our commit record.
     """
-    metadata = pickle.loads(global_metadata)  # from a rank of this job, as any Ray argument
-    FileSystemWriterAsync(checkpoint_dir).finish(metadata, write_results)
+    FileSystemWriterAsync(checkpoint_dir).finish(global_metadata, write_results)
     fsync_dir(checkpoint_dir)
     save_config(CheckpointingConfig(*BACKEND), checkpoint_dir)
     with open(checkpoint_dir / "metadata.json", "rb") as f:

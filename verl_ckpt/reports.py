@@ -20,9 +20,9 @@ class RankReport:
     """One participant's outcome for one step; reports are idempotent by (step, role, rank).
 
     `files` are relative to the step directory. `write_results` are DCP WriteResults and
-    `global_metadata` the pickled DCP Metadata (coordinator rank only; pickled once per save
-    plan, megatron_compat.PreparedSave) that the finalizer turns into the role's
-    `.metadata`. `failure` set means this participant failed and the step will not commit.
+    `global_metadata` the DCP Metadata (coordinator rank only) that the finalizer turns into
+    the role's `.metadata`. `failure` set means this participant failed and the step will
+    not commit.
     """
 
     step: int
@@ -32,11 +32,13 @@ class RankReport:
     save_id: str
     files: list[FileEntry] = field(default_factory=list)
     write_results: list[Any] = field(default_factory=list)
-    global_metadata: bytes | None = None
+    global_metadata: Any = None
     failure: Failure | None = None
-    # write_results in transit (pack/unpack): plain pickle, about half of what Ray's own
-    # serialisation of a hundred WriteResult dataclasses costs on the report's round trip.
+    # In transit (pack/unpack), as plain pickles: about half of what Ray's own serialisation
+    # of a hundred WriteResult dataclasses costs on the report's round trip. The global
+    # metadata arrives pickled already (once per save plan: megatron_compat.PreparedSave).
     packed_write_results: bytes | None = None
+    packed_global_metadata: bytes | None = None
 
     def pack(self) -> RankReport:
         """Before sending: write_results as one pickled blob."""
@@ -46,10 +48,14 @@ class RankReport:
         return self
 
     def unpack(self) -> RankReport:
-        """On receipt (the finalizer's intake, not its commit): write_results back."""
+        """On receipt, at the finalizer's intake (not in its commit, which the last report
+        waits for): the objects back."""
         if self.packed_write_results is not None:
             self.write_results = pickle.loads(self.packed_write_results)
             self.packed_write_results = None
+        if self.packed_global_metadata is not None:
+            self.global_metadata = pickle.loads(self.packed_global_metadata)
+            self.packed_global_metadata = None
         return self
 
     @property
