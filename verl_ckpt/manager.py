@@ -12,6 +12,7 @@ Completion is never polled with collectives (I6): the finalizer learns it from t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import threading
@@ -122,8 +123,10 @@ class _Layout:
     # the save thread checks before begin_step (group_agreement).
     agreement: Future | None = None
 
-    @property
+    @functools.cached_property
     def tensors(self) -> list[ShardedTensor]:
+        # Read in save() (a deferred save's version counters) and again on the save thread
+        # (choosing the buffers): computed once.
         return [item for item in self.items if isinstance(item, ShardedTensor)]
 
 
