@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import ROLES
 from tests.helpers import ckpt_config, every_rank, open_all, save_everyone
+from tests.probes import imported
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -50,6 +51,9 @@ def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
             for key, value in plain[i].items():
                 assert torch.equal(value, expected[key]), key
     del i
+    # The finalizer committed those directories with torch's DCP alone (torch_dist_dir): it
+    # never paid for importing megatron-core, whose classes nothing it unpickles needs.
+    assert not ray.get(coordinator.finalizer.__ray_call__.remote(imported, "megatron.core"))
 
     # I4 through our own load: model, optimizer moments and step restored exactly.
     ray.get([w.load.remote(2) for w in every_rank(ranks)])

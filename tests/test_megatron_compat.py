@@ -3,7 +3,10 @@ megatron-core's save_preprocess gives (sharded part, common part, container rule
 anything it does not handle (factories, empty flattened ranges, subclasses) to
 megatron-core itself. Checked on hand-built state dicts that hit every rule,
 and on a real GPT model's and Adam's sharded state dicts in a process of its own (megatron's
-parallel state is global)."""
+parallel state is global).
+
+Also: the `metadata.json` that the finalizer writes without megatron-core (torch_dist_dir) is
+byte for byte what megatron-core's own save_config writes."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -22,8 +26,9 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+from torch.distributed.checkpoint.metadata import Metadata
 
-from verl_ckpt import megatron_compat
+from verl_ckpt import megatron_compat, torch_dist_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,3 +211,12 @@ print("ok", len(items))
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
+
+
+def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+    torch_dist_dir.complete_role_dir(ours, Metadata(state_dict_metadata={}), [])
+    save_config(CheckpointingConfig(*torch_dist_dir.BACKEND), str(theirs))
+    assert (ours / "metadata.json").read_bytes() == (theirs / "metadata.json").read_bytes()
+    assert sorted(p.name for p in ours.iterdir()) == sorted(torch_dist_dir.METADATA_FILENAMES)

@@ -202,7 +202,8 @@ def _reported_files(path: Path, reports: list[RankReport]) -> list[FileEntry]:
 
 
 def _complete_role(path: Path, role: str, step: int, reports: list[RankReport]) -> list[FileEntry]:
-    from verl_ckpt import megatron_compat
+    # Imported here: it imports torch, which the CLI's commands that read roots do not need.
+    from verl_ckpt.torch_dist_dir import METADATA_FILENAMES, complete_role_dir
 
     mine = sorted((r for r in reports if r.role == role), key=lambda r: r.rank)
     metadata = [r.global_metadata for r in mine if r.global_metadata is not None]
@@ -212,9 +213,9 @@ def _complete_role(path: Path, role: str, step: int, reports: list[RankReport]) 
             f"of the save group), got {len(metadata)}"
         )
     directory = path / role
-    megatron_compat.complete_role_dir(directory, metadata[0], [r.write_results for r in mine])
+    complete_role_dir(directory, metadata[0], [r.write_results for r in mine])
     entries = []
-    for name in megatron_compat.METADATA_FILENAMES:
+    for name in METADATA_FILENAMES:
         size, checksum = file_checksum(directory / name)
         entries.append(FileEntry(f"{role}/{name}", size, checksum))
     return entries

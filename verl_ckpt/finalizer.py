@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 import uuid
-import warnings
 from collections import OrderedDict
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -78,11 +77,10 @@ class CheckpointFinalizer:
         self._run_id = run_id
         self._participants = dict(participants)
         self._keep = max_ckpt_to_keep
-        # Reports carry DCP metadata whose classes live in torch and megatron-core: import
-        # them now, not while unpickling the first report (seconds of no answers).
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex)")
-            import verl_ckpt.megatron_compat  # noqa: F401
+        # Reports carry DCP metadata and write results, whose classes live in torch's DCP:
+        # import it now, not while unpickling the first report (seconds of no answers). Not
+        # megatron-core: nothing the finalizer unpickles or writes needs it (torch_dist_dir).
+        import verl_ckpt.torch_dist_dir  # noqa: F401
 
         self._root.mkdir(parents=True, exist_ok=True)
         # Recovery rolls an interrupted commit forward and deletes nothing (retention runs

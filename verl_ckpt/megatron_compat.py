@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 import pickle
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.core import CheckpointingConfig
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.exchange_utils import (
     determine_main_replica_uniform_distribution,
@@ -47,13 +47,12 @@ from megatron.core.dist_checkpointing.validation import (
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from verl_ckpt.fsio import fsync_dir
+from verl_ckpt.torch_dist_dir import BACKEND, CHECKPOINTING_CONFIG
 
 __all__ = [
     "BACKEND",
     "PreparedSave",
     "SavePlanCache",
-    "complete_role_dir",
     "load_role_dir",
     "plan_save",
     "sharded_items",
@@ -62,8 +61,13 @@ __all__ = [
     "validate_sharding",
 ]
 
-BACKEND = ("torch_dist", 1)
-METADATA_FILENAMES = (".metadata", "metadata.json")
+# The finalizer writes metadata.json without megatron-core (torch_dist_dir): a release that
+# writes another one must fail here, in every rank, before a step is saved with a stale one.
+if asdict(CheckpointingConfig(*BACKEND)) != CHECKPOINTING_CONFIG:
+    raise ImportError(
+        f"this megatron-core writes metadata.json as {asdict(CheckpointingConfig(*BACKEND))}, "
+        f"verl_ckpt.torch_dist_dir as {CHECKPOINTING_CONFIG}: update torch_dist_dir"
+    )
 
 
 @dataclass
@@ -283,20 +287,6 @@ def plan_save(
     )
     transforms = getattr(writer, "transforms", None)
     return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)
-
-
-def complete_role_dir(checkpoint_dir: Path, global_metadata: Any, write_results: list) -> None:
-    """Write `.metadata` and `metadata.json`, the files that make a torch_dist directory whole.
-
-    `metadata.json` goes last: megatron-core refuses a directory without it, so until it is
-    durable the directory is not loadable even by code that ignores our commit record.
-    """
-    FileSystemWriterAsync(checkpoint_dir).finish(global_metadata, write_results)
-    fsync_dir(checkpoint_dir)
-    save_config(CheckpointingConfig(*BACKEND), checkpoint_dir)
-    with open(checkpoint_dir / "metadata.json", "rb") as f:
-        os.fsync(f.fileno())
-    fsync_dir(checkpoint_dir)
 
 
 class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
