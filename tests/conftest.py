@@ -23,7 +23,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    """A free TCP port on loopback, for a gloo rendezvous."""
+    """A free TCP port on loopback, for a server started right after (moto, a Ray head).
+    Not for a gloo rendezvous: see rank_worker.start_world."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -118,12 +119,9 @@ ROLES = {"actor": 2, "critic": 1}
 def ranks(ray_local):
     """Real Megatron ranks in Ray actors, shared by the test modules (each test opens its own
     CheckpointManager on its own root). Each role is its own gloo world."""
-    from tests.rank_worker import RankWorker
+    from tests.rank_worker import start_world
 
-    workers = {}
-    for role, size in ROLES.items():
-        port = free_port()
-        workers[role] = [RankWorker.remote(role, r, size, port, size) for r in range(size)]
+    workers = {role: start_world(role, size, tp=size) for role, size in ROLES.items()}
     everyone = [w for group in workers.values() for w in group]
     ray.get([w.train.remote(1) for w in everyone])
     yield workers

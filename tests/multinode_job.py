@@ -12,19 +12,17 @@ import ray
 def main(address: str, root: str, remote: str | None = None) -> None:
     """`remote`: the JSON of checkpoint.remote (a remote tier the ranks upload to)."""
     ray.init(address=address, namespace="verl_ckpt_multinode", log_to_driver=False)
-    from tests.conftest import free_port
-    from tests.rank_worker import RankWorker
+    from tests.rank_worker import start_world
     from verl_ckpt import CheckpointCoordinator, read_tracker
 
     cfg = {"root_dir": root, "timeout_s": 60.0}
     if remote:
         cfg["remote"] = json.loads(remote)
     coordinator = CheckpointCoordinator(cfg, {"actor": 2})
-    port = free_port()
-    ranks = [
-        RankWorker.options(resources={node: 0.01}).remote("actor", rank, 2, port, 1)
-        for rank, node in enumerate(["node_a", "node_b"])
-    ]
+    placement = ["node_a", "node_b"]  # each rank on its own node (custom resources)
+    ranks = start_world(
+        "actor", 2, tp=1, options=lambda rank: {"resources": {placement[rank]: 0.01}}
+    )
     nodes = ray.get([r.node.remote() for r in ranks])
     outcome = {"nodes": nodes}
     try:

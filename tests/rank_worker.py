@@ -4,6 +4,7 @@ Adam with megatron-core sharded optimizer state, and a CheckpointManager."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -19,22 +20,35 @@ class RankWorker:
         role: str,
         rank: int,
         world_size: int,
-        port: int,
         tp: int,
         seed: int = 7,
         save_ranks: list[int] | None = None,
     ):
         """`save_ranks`: the ranks of this gloo world that save (others are rollout-like
-        ranks that never do); None: every rank saves, on the default group."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
+        ranks that never do); None: every rank saves, on the default group. The rank joins
+        its world in `join` (see `start_world`)."""
         from recipes import megatron_cpu
 
         self.mc = megatron_cpu
         self.role = role
-        megatron_cpu.init_distributed(rank, world_size, port, tensor_parallel_size=tp, seed=seed)
+        self._world = (rank, world_size, tp, seed, save_ranks)
+        self._store = None
+        self.manager = None
+
+    def open_rendezvous(self) -> int:
+        """Rank 0: host the world's rendezvous on a loopback port that stays bound; its port."""
+        self._store = self.mc.host_rendezvous(self._world[1])
+        return self._store.port
+
+    def join(self, port: int) -> None:
+        """Join the world whose rank 0 listens on `port`; build the model and optimizer."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        rank, world_size, tp, seed, save_ranks = self._world
+        store = self._store if rank == 0 else self.mc.join_rendezvous(port, world_size)
+        self.mc.init_distributed(rank, world_size, store=store, tensor_parallel_size=tp, seed=seed)
         self.group = None
         self.rank, self.world_size = rank, world_size
         if save_ranks is not None:
@@ -42,14 +56,13 @@ class RankWorker:
             self.group = dist.new_group(save_ranks, timeout=timedelta(seconds=60))
             if rank in save_ranks:
                 self.rank, self.world_size = save_ranks.index(rank), len(save_ranks)
-        self.cfg = megatron_cpu.TinyGPTConfig()
-        self.model = megatron_cpu.build_tiny_gpt(self.cfg, seed=seed)
-        self.optimizer = megatron_cpu.make_adam(self.model)
+        self.cfg = self.mc.TinyGPTConfig()
+        self.model = self.mc.build_tiny_gpt(self.cfg, seed=seed)
+        self.optimizer = self.mc.make_adam(self.model)
         self.generator = torch.Generator().manual_seed(seed)
         # Saved with the extra state as the same list object every time: a trainer's own
         # counters, which it changes in place after save() (after="extra").
         self.counter = [0]
-        self.manager = None
 
     def rebuild(self, hidden_size: int, seed: int = 7, tied_embeddings: bool = False) -> None:
         """A new model of another shape (and its optimizer): the saved structure changes.
@@ -319,3 +332,31 @@ class RankWorker:
         _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         soft = resource.RLIM_INFINITY if nbytes is None else nbytes
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# How long a world of rank workers may take to start and join (Ray starts their processes,
+# each imports megatron-core): a deadline for a loaded 2-core machine.
+WORLD_STARTUP_S = 300
+
+
+def start_world(
+    role: str,
+    world_size: int,
+    tp: int,
+    options: Callable[[int], dict] | None = None,
+    **worker_args: Any,
+) -> list:
+    """The ranks of one gloo world, joined. Rank 0 hosts the rendezvous on a port it binds
+    and keeps (`megatron_cpu.host_rendezvous`); the others join that port. Choosing a free
+    port, closing it and binding it again in rank 0 was a race that lost in CI: any process
+    on the machine (an outgoing connection's ephemeral port) could take it in between.
+    `options(rank)`: Ray actor options for that rank (resources, GPUs)."""
+    workers = [
+        RankWorker.options(**(options(rank) if options else {})).remote(
+            role, rank, world_size, tp, **worker_args
+        )
+        for rank in range(world_size)
+    ]
+    port = ray.get(workers[0].open_rendezvous.remote(), timeout=WORLD_STARTUP_S)
+    ray.get([w.join.remote(port) for w in workers], timeout=WORLD_STARTUP_S)
+    return workers

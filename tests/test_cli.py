@@ -20,8 +20,8 @@ import pytest
 import ray
 
 from recipes.megatron_cpu import TinyGPTConfig
-from tests.conftest import REPO_ROOT, free_port
-from tests.rank_worker import RankWorker
+from tests.conftest import REPO_ROOT
+from tests.rank_worker import start_world
 from verl_ckpt import CheckpointCoordinator, read_commit_record, step_dir
 from verl_ckpt.cli import main
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_STATE_FILENAME
@@ -38,7 +38,7 @@ def produced_root(ray_local, tmp_path_factory) -> Path:
     stopped in the middle of a save leaves them. Tests must not modify it: see `root_copy`."""
     root = tmp_path_factory.mktemp("cli") / "ckpt"
     cfg = {"root_dir": str(root), "timeout_s": 60}
-    worker = RankWorker.remote("actor", 0, 1, free_port(), 1)
+    (worker,) = start_world("actor", 1, tp=1)
     coordinator = CheckpointCoordinator(cfg, {"actor": 1})
     try:
         ray.get(worker.train.remote(1))

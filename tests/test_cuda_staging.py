@@ -15,7 +15,6 @@ import pytest
 import ray
 import torch
 
-from tests.conftest import free_port
 from tests.helpers import close_all, open_all, save_changed_before_the_fence, save_everyone
 from verl_ckpt import (
     CheckpointCoordinator,
@@ -95,9 +94,9 @@ def test_device_to_host_throughput_against_the_pinned_copy_limit(capsys):
 def gpu_rank(ray_local):
     """One Megatron rank on the GPU (num_gpus=1: Ray hides the GPUs from other actors), its
     process group NCCL, as megatron_cpu.init_distributed makes it when CUDA is present."""
-    from tests.rank_worker import RankWorker
+    from tests.rank_worker import start_world
 
-    worker = RankWorker.options(num_gpus=1).remote("actor", 0, 1, free_port(), 1)
+    (worker,) = start_world("actor", 1, tp=1, options=lambda rank: {"num_gpus": 1})
     ray.get(worker.train.remote(1))
     yield {"actor": [worker]}
     ray.kill(worker)

@@ -21,9 +21,9 @@ import pytest
 import ray
 import torch
 
-from tests.conftest import REPO_ROOT, ROLES, free_port
+from tests.conftest import REPO_ROOT, ROLES
 from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
-from tests.rank_worker import RankWorker
+from tests.rank_worker import start_world
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -74,7 +74,7 @@ def wait_for_file(path: Path, timeout_s: float = 30.0) -> None:
 @pytest.fixture
 def lone_rank(ray_local):
     """A fresh one-rank role `victim` that a test may kill or hang."""
-    worker = RankWorker.remote("victim", 0, 1, free_port(), 1)
+    (worker,) = start_world("victim", 1, tp=1)
     ray.get(worker.train.remote(1))
     yield worker
     ray.kill(worker)
@@ -405,7 +405,7 @@ def test_resume_with_another_world_size_reshards_model_and_refuses_extra(ranks, 
     save_everyone(ranks, coordinator, 1)
     coordinator.wait_for_commit(1)
     ray.get([w.close.remote() for w in every_rank(ranks)])
-    loader = RankWorker.remote("actor", 0, 1, free_port(), 1)
+    (loader,) = start_world("actor", 1, tp=1)
     try:
         ray.get(loader.open_manager.remote(cfg))
         with pytest.raises(CheckpointError, match="saved with 2 ranks, loading with 1"):

@@ -16,9 +16,9 @@ import pytest
 import ray
 import torch
 
-from tests.conftest import ROLES, free_port
+from tests.conftest import ROLES
 from tests.helpers import close_all, every_rank, open_all, save_everyone
-from tests.rank_worker import RankWorker
+from tests.rank_worker import start_world
 from verl_ckpt import CheckpointCoordinator, export_role, read_tracker, step_dir
 from verl_ckpt.cli import main as verl_ckpt_cli
 from verl_ckpt.commit_record import is_committed
@@ -113,8 +113,7 @@ def test_step8_tied_embeddings_export_as_gpt2_ties_them_tp2(ray_local, tmp_path)
     (share_embeddings_and_output_weights, no output layer of its own) at TP=2 exports without
     an lm_head tensor, with tie_word_embeddings set, and transformers' logits equal the
     megatron-core model's at that step."""
-    port = free_port()
-    ranks = {"actor": [RankWorker.remote("actor", r, 2, port, 2) for r in range(2)]}
+    ranks = {"actor": start_world("actor", 2, tp=2)}
     cfg = config(tmp_path, hf_export={"architectures": {"actor": "gpt2"}})
     try:
         ray.get([w.rebuild.remote(32, tied_embeddings=True) for w in ranks["actor"]])

@@ -10,9 +10,9 @@ import pytest
 import ray
 import torch
 
-from tests.conftest import ROLES, free_port
+from tests.conftest import ROLES
 from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
-from tests.rank_worker import RankWorker
+from tests.rank_worker import start_world
 from verl_ckpt import CheckpointCoordinator, CheckpointWriteError, CommitTimeoutError, read_tracker
 from verl_ckpt.faults import ENV_VAR
 
@@ -199,8 +199,7 @@ def test_I5_no_leaks_after_many_saves_and_close(ranks, tmp_path, writer):
 def world_with_rollout(ray_local):
     """One gloo world of 3 ranks (TP=1, so DP=3): ranks 0 and 1 save, rank 2 is a rollout
     rank that never calls save()."""
-    port = free_port()
-    workers = [RankWorker.remote("actor", r, 3, port, 1, save_ranks=[0, 1]) for r in range(3)]
+    workers = start_world("actor", 3, tp=1, save_ranks=[0, 1])
     ray.get([w.train.remote(1) for w in workers])
     yield workers
     for w in workers:
