@@ -15,6 +15,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # otherwise build NCCL groups of several ranks on one device (refused by NCCL). Ray hid the
 # GPUs from such actors until 2.4x; this variable, read by each worker, restores that.
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
+# Ray starts its worker processes at nice 15 (its worker_niceness). The suite's processes
+# that are not Ray workers (the other pytest worker, recipe drivers, CLI runs, raylets) run
+# at nice 0 and then take nearly all of a 2-core CI machine from the ranks and finalizers
+# under test, whose 30-60 s deadlines passed (CI failed so). At 0, every process of the
+# suite shares the CPU fairly. Read by each raylet: set before any cluster starts, and
+# inherited by the clusters that recipe runs and `ray start` make.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
