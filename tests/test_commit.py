@@ -11,11 +11,22 @@ from pathlib import Path
 import pytest
 
 from verl_ckpt import fsio
-from verl_ckpt.commit import CommitPhaseError, advance_tracker, apply_retention, commit_step
+from verl_ckpt.commit import (
+    CommitPhaseError,
+    advance_tracker,
+    apply_retention,
+    commit_step,
+    discard_failed_steps,
+)
 from verl_ckpt.commit_record import CommitRecord, FileEntry, is_committed, write_commit_record
 from verl_ckpt.faults import ENV_VAR
 from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.layout import (
+    COMMIT_RECORD_FILENAME,
+    DRIVER_STATE_FILENAME,
+    list_step_dirs,
+    step_dir,
+)
 from verl_ckpt.protocol import Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.tracker import read_tracker, write_tracker
@@ -130,3 +141,17 @@ def test_I3_retention_failure_is_collected_not_raised_and_the_next_retention_fin
         subprocess.run(["chattr", "-i", str(tmp_path / ".deleting_global_step_1" / "pinned")])
     outcome = apply_retention(tmp_path, keep=1)
     assert outcome.purged == [".deleting_global_step_1"] and outcome.errors == []
+
+
+def test_I1_I3_a_failed_step_is_deleted_but_never_one_holding_a_commit_record(tmp_path):
+    """The finalizer deletes failed steps' directories; a commit whose record could not be
+    withdrawn is committed whatever the ledger says (the next start rolls forward to it)."""
+    failed = step_dir(tmp_path, 3)
+    (failed / "actor").mkdir(parents=True)
+    (failed / "actor" / "__0_0.distcp").write_bytes(b"partial")
+    kept = step_dir(tmp_path, 4)
+    kept.mkdir()
+    (kept / COMMIT_RECORD_FILENAME).write_bytes(b"{")  # even unreadable: left alone
+    assert discard_failed_steps(tmp_path, [3, 4, 5]) == []  # 5: never created, no error
+    assert sorted(list_step_dirs(tmp_path)) == [4]
+    assert not list(tmp_path.glob(".deleting_*"))

@@ -272,7 +272,12 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_I1_disk_full_during_shard_write_keeps_previous_step(ranks, small_disk):
+def test_I1_I3_disk_full_during_shard_write_keeps_previous_step_and_frees_the_failed_one(
+    ranks, small_disk
+):
+    """A real full disk fails step 2; step 1 stays committed and loadable. The bytes step 2's
+    ranks did write stayed on the disk for ever (no retention deletes an uncommitted step):
+    now the finalizer deletes the failed step's directory once every rank reported."""
     cfg = {"root_dir": str(small_disk / "ckpt"), "timeout_s": 30.0}
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
@@ -299,7 +304,13 @@ def test_I1_disk_full_during_shard_write_keeps_previous_step(ranks, small_disk):
     root = Path(cfg["root_dir"])
     assert read_tracker(root) == 1
     assert verify_files(step_dir(root, 1), read_commit_record(step_dir(root, 1))) == []
-    # Space freed (the failed step's files too): the next save commits.
+    # Every rank reported (wait() returned): nobody writes into step 2 any more.
+    deadline = time.monotonic() + 30
+    while step_dir(root, 2).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not step_dir(root, 2).exists(), "the failed step's directory is still there"
+    assert not list(root.glob(".deleting_*"))
+    # Space freed: the next save commits.
     (small_disk / "ballast").unlink()
     save_everyone(ranks, coordinator, 3)
     coordinator.wait_for_commit(3)

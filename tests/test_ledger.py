@@ -174,3 +174,47 @@ def test_I5_a_step_missing_reports_fails_at_its_deadline_naming_who_is_missing()
     assert ledger.status(5) is StepStatus.FAILED
     assert "actor rank 1, driver rank 0" in describe_failures(ledger.failures(5))
     assert ledger.has_room_for(6) and ledger.next_expiry() == float("inf")
+
+
+def test_I3_a_failed_step_is_discardable_once_every_save_that_began_has_reported():
+    """A failed step's directory held its files for ever (space a full disk needs back).
+    It may go once nobody writes into it: every save that began reported, once."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    for participant, save_id in [(("actor", 0), "a"), (("actor", 1), "b"), (("driver", 0), "d")]:
+        ledger.begin(6, participant, save_id, 100.0)
+    ledger.record(report(6, "actor", 0, save_id="a"))
+    ledger.record(
+        report(6, "driver", 0, failure=Failure("driver", 0, Phase.WRITE, "full"), save_id="d")
+    )
+    assert ledger.status(6) is StepStatus.FAILED
+    assert ledger.discardable(now=1.0) == []  # actor rank 1 may still be writing
+    # A report from a save that the registered one replaced says nothing about the latter.
+    assert ledger.record(report(6, "actor", 1, save_id="old")) is Recorded.IGNORED
+    assert ledger.discardable(now=1.0) == []
+    assert ledger.record(report(6, "actor", 1, save_id="b")) is Recorded.IGNORED
+    assert ledger.discardable(now=1.0) == [6]
+    assert ledger.discardable(now=1.0) == []  # handed out once
+
+
+def test_I3_a_failed_step_whose_writer_never_reports_is_discardable_after_its_deadline():
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=1)
+    ledger.begin(2, ("actor", 0), "a", 50.0)
+    ledger.begin(2, ("actor", 1), "b", 60.0)  # dies without reporting
+    ledger.record(
+        report(2, "actor", 0, failure=Failure("actor", 0, Phase.WRITE, "EIO"), save_id="a")
+    )
+    assert ledger.discardable(now=59.0) == []
+    assert ledger.discardable(now=61.0) == [2]
+    # A step that failed at its deadline, or whose commit failed, has no writer left.
+    ledger.begin(3, ("actor", 0), "a", 70.0)
+    ledger.expire(71.0)
+    all_succeed(ledger, 4)
+    ledger.begin_commit(4)
+    ledger.finish_commit(4, Failure("finalizer", None, Phase.TRACKER, "OSError: no space", 28))
+    assert ledger.discardable(now=71.0) == [3, 4]
+    # Committed and lost steps are never handed out.
+    lost = StepLedger(PARTICIPANTS, max_in_flight=1, lost=[9])
+    all_succeed(lost, 5)
+    lost.begin_commit(5)
+    lost.finish_commit(5)
+    assert lost.discardable(now=1e9) == []

@@ -36,6 +36,7 @@ __all__ = [
     "advance_tracker",
     "apply_retention",
     "commit_step",
+    "discard_failed_steps",
     "step_summary",
 ]
 
@@ -168,6 +169,27 @@ def apply_retention(
             where = exc.filename if isinstance(exc, OSError) and exc.filename else path
             outcome.errors.append(f"{where}: {detail}")
     return outcome
+
+
+def discard_failed_steps(root: Path, steps: Iterable[int]) -> list[str]:
+    """Delete the directories of steps that failed, once nobody writes into them (the
+    ledger's `discardable`): their files can never be loaded, and a disk that filled up
+    needs their space back before the next step can commit. Deleted as retention deletes
+    (out of the step namespace first). A directory holding a commit record is left alone
+    whatever the ledger says (a commit whose record could not be withdrawn is committed,
+    and the next start rolls the tracker forward to it). Errors are returned, not raised:
+    a leftover is removed anyway before its step number is saved again."""
+    errors = []
+    for step in steps:
+        path = step_dir(root, step)
+        if not path.is_dir() or (path / COMMIT_RECORD_FILENAME).exists():
+            continue
+        try:
+            logger.info("deleting the directory of failed step %d (%s)", step, path)
+            delete_step_dir(path)
+        except OSError as exc:
+            errors.append(f"{exc.filename or path}: {exc.strerror or exc}")
+    return errors
 
 
 def step_summary(root: Path, step: int) -> CommitSummary:

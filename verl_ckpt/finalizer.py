@@ -23,6 +23,7 @@ from verl_ckpt.commit import (
     CommitSummary,
     apply_retention,
     commit_step,
+    discard_failed_steps,
     step_summary,
 )
 from verl_ckpt.commit_record import committed_steps, is_committed
@@ -172,6 +173,9 @@ class CheckpointFinalizer:
         every report by `timeout_s` + slack after the last participant's begin_step.
         """
         self._check_participant(role, rank, world_size)
+        # A failed step whose last writer died settles only at its deadline, which nothing
+        # else may notice: a new step is when its space is wanted.
+        self._discard_settled_failures()
         await self._wait_until(
             lambda: self._ledger.has_room_for(step),
             timeout_s,
@@ -233,9 +237,29 @@ class CheckpointFinalizer:
             # The commit runs on its own: the last reporter (often the driver, in its training
             # loop) is not kept waiting for fsyncs it does not need to see.
             self._spawn(self._commit(step, list(entry.reports.values()), time.time()))
+        self._discard_settled_failures()  # this report may be the last of a failed step
         self._notify()
 
     # ---- protocol steps 5-7: commit record, tracker, retention ----------------------------
+
+    def _discard_settled_failures(self) -> None:
+        """Delete, in the background, the directories of failed steps that nobody writes
+        into any more (ledger.discardable). Called wherever a step may have settled: a
+        failure, a late report of a failed step, an expiry, a begin_step."""
+        steps = self._ledger.discardable(time.monotonic())
+        if steps:
+            self._spawn(self._discard(steps))
+
+    async def _discard(self, steps: list[int]) -> None:
+        # Under the lock of commits and retention: one of them lists the step directories.
+        async with self._file_work:
+            errors = await asyncio.to_thread(discard_failed_steps, self._root, steps)
+        if errors:
+            logger.error(
+                "could not delete failed steps %s (removed before the step is saved again): %s",
+                steps,
+                "; ".join(errors),
+            )
 
     async def _commit(self, step: int, reports: list[RankReport], ready_at: float) -> None:
         async with self._file_work:
@@ -250,6 +274,8 @@ class CheckpointFinalizer:
                 failure = Failure("finalizer", None, phase, str(exc), code)
                 self._ledger.finish_commit(step, failure)
                 self._notify()
+                # Queued behind this commit's lock: it runs once the commit has let go.
+                self._discard_settled_failures()
                 return
             summary = replace(summary, ready_at=ready_at)
             self._ledger.finish_commit(step, summary=summary)
@@ -427,6 +453,7 @@ class CheckpointFinalizer:
                 "step %d will not commit: %s", entry.step, describe_failures(entry.failures)
             )
         if expired:
+            self._discard_settled_failures()
             self._notify()
 
     def _refusal(self, step: int, role: str, rank: int, begun: Begun) -> str:

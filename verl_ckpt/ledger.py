@@ -7,6 +7,10 @@ Each step the finalizer hears of moves through explicit states:
          +--(a participant reported a failure)--> failed <-+ (the commit itself failed)
     lost: the step was in flight when the finalizer restarted; its reports are gone.
 
+A failed step's directory holds what its participants wrote (disk space a full disk needs
+back). It may be deleted once nobody writes into it any more: every participant whose
+begin_step was joined has reported, or the step's deadline passed (`discardable`).
+
 A participant's begin_step registers the save id of its save (one per CheckpointManager), so
 that a report of another save of the same participant (a restarted rank, an earlier attempt)
 is never counted for this one, and a second save of a step the participant already reported
@@ -83,6 +87,11 @@ class StepEntry:
     expires_at: float = math.inf
     # What the commit produced (commit.CommitSummary), kept until the step is retired.
     summary: Any = None
+    # Failed steps: the saves (participant -> save id) that had begun and not reported when
+    # the step failed; they may still write into its directory.
+    writing: dict[Participant, str] = field(default_factory=dict)
+    # Failed steps: whether `discardable` handed the directory out for deletion already.
+    discarded: bool = False
 
 
 class StepLedger:
@@ -201,6 +210,11 @@ class StepLedger:
         entry = self.entry(report.step)
         if entry is not None and entry.status is StepStatus.LOST:
             return Recorded.REFUSED_LOST
+        if entry is not None and entry.status is StepStatus.FAILED:
+            # Too late to count, but this save has stopped writing into the directory.
+            if entry.writing.get(report.participant) == report.save_id:
+                del entry.writing[report.participant]
+            return Recorded.IGNORED
         if entry is None:
             entry = self.open(report.step)
         # Committing means every participant already reported success: anything more is a
@@ -241,6 +255,22 @@ class StepLedger:
         else:
             self._decide(entry, StepStatus.FAILED, failure)
 
+    def discardable(self, now: float) -> list[int]:
+        """Failed steps whose directory nobody writes into any more (every save that began
+        reported, or the step's deadline passed: a participant's own write deadline ends
+        before it), each returned once: the caller deletes them."""
+        settled = [
+            entry
+            for entry in self._decided.values()
+            if entry.status is StepStatus.FAILED
+            and not entry.discarded
+            and (not entry.writing or entry.expires_at < now)
+        ]
+        for entry in settled:
+            entry.discarded = True
+            entry.writing.clear()
+        return [entry.step for entry in settled]
+
     def retire(self, step: int) -> None:
         """The retention after `step`'s commit ran: forget the step, free its slot."""
         entry = self._open.get(step)
@@ -251,6 +281,11 @@ class StepLedger:
     def _decide(self, entry: StepEntry, status: StepStatus, failure: Failure) -> None:
         entry.status = status
         entry.failures.append(failure)
+        # A begun save that has not reported may still write; begin_step refuses any other
+        # from now on (a step number is saved once), so no one is added to this.
+        entry.writing = {
+            p: save_id for p, save_id in entry.attempts.items() if p not in entry.reports
+        }
         entry.reports.clear()  # DCP metadata can be large; the failure is what is kept
         entry.attempts.clear()
         self._open.pop(entry.step, None)

@@ -69,6 +69,9 @@ after a whole-job restart (everything killed, the job started again).
                       still missing reports `timeout_s` + 2 x RPC_SLACK_S after its last
                       begin_step fails, naming who is missing (back-pressure never waits on
                       a participant that died or never saved it).
+                      A failed step's directory is deleted (as in 7, from the finalizer's
+                      commit thread) once nobody writes into it: every save that began it
+                      reported, or its deadline passed. Never one holding a commit record.
                       Actor restart: the reports of this job's steps in flight are lost; the
                       restarted finalizer refuses them and those steps never commit (an
                       earlier job's leftovers are plain leftovers, saved over).
