@@ -29,26 +29,40 @@ class MotoServer:
     INITIAL_NO_AUTH_ACTION_COUNT=0: unknown access keys are refused, as AWS refuses them)."""
 
     def __init__(self, log_dir: Path, auth: bool = False) -> None:
+        self._log_dir = log_dir
+        self._env = {**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"}
+        if auth:
+            self._env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
+        self._stopped = False
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "MOTO_ALLOW_NONEXISTENT_REGION": "true"}
-        if auth:
-            env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
-        self._log = open(log_dir / f"moto_{self.port}.log", "wb")  # noqa: SIM115 - closed in stop
+        self._log_path = self._log_dir / f"moto_{self.port}.log"
+        self._log = open(self._log_path, "wb")  # noqa: SIM115 - closed in stop
         self.proc = subprocess.Popen(
             [MOTO_SERVER, "-H", "127.0.0.1", "-p", str(self.port)],
-            env=env,
+            env=self._env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._stopped = False
 
-    def wait_ready(self, timeout_s: float = 60.0) -> MotoServer:
+    def wait_ready(self, timeout_s: float = 60.0, port_attempts: int = 3) -> MotoServer:
+        """Until the server answers. The port was free when chosen but is bound only by the
+        server, later: another process may take it in between (then moto exits saying so),
+        and the server starts again on another port, `port_attempts` times in all."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"moto_server exited early with status {self.proc.returncode}")
+                self._log.close()
+                taken = "is in use" in self._log_path.read_text(errors="replace")
+                port_attempts -= 1
+                if not (taken and port_attempts > 0):
+                    pytest.fail(f"moto_server exited early with status {self.proc.returncode}")
+                self._start()
+                continue
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2):
                     return self
