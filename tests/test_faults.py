@@ -161,6 +161,41 @@ def test_I5_a_rank_whose_save_raises_instead_of_saving_fails_that_step_at_once(r
     close_all(ranks, coordinator)
 
 
+def test_I5_a_save_refused_because_its_step_already_failed_does_not_fail_the_next_step(
+    ranks, tmp_path
+):
+    """The critic's write of step 2 fails before the actors save it: their begin_step (on the
+    save thread, their plans being cached) is refused, step 2 having failed. That refusal
+    was kept as the actors' own write failure and raised by their save(3) instead of saving
+    step 3, so step 3 failed for everyone too. In CI this happened by timing alone (the
+    critic's failure reached the finalizer before an actor's begin_step). Now the refused
+    save ends quietly (step 2's failure is the driver's to see, and the save's stats say
+    it), and only the critic's own failure is raised to it."""
+    cfg = ckpt_config(tmp_path, timeout_s=30.0)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=enospc"))
+    try:
+        ray.get(critic.save.remote(2))
+        with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write ENOSPC\]"):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    refused = ray.get([w.save.remote(2) for w in ranks["actor"]])
+    assert all(s["plan_reused"] for s in refused)  # begin_step ran on the save thread
+    done = [ray.get(w.wait.remote()) for w in ranks["actor"]]
+    assert all("step 2" in s[-1]["error"] and "failed" in s[-1]["error"] for s in done)
+    with pytest.raises(CheckpointWriteError, match="failed to save step 2"):
+        ray.get(critic.save.remote(3))  # the critic's own write failure, raised once
+    save_everyone(ranks, coordinator, 4)
+    coordinator.wait_for_commit(4)
+    assert read_tracker(cfg["root_dir"]) == 4
+    close_all(ranks, coordinator)
+
+
 @pytest.mark.parametrize("phase", ["commit", "tracker"])
 def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
     """Killed after every report arrived but before the commit record (the step is lost),

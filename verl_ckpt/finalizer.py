@@ -197,6 +197,10 @@ class CheckpointFinalizer:
         # report call's slack: after that, a missing report will not come.
         expires_at = time.monotonic() + timeout_s + 2 * RPC_SLACK_S
         begun = self._ledger.begin(step, (role, rank), save_id, expires_at)
+        if begun is Begun.FAILED:
+            # Its own type: another participant's failure decided the step, and a rank
+            # refused so has no failure of its own to raise (manager._in_background).
+            raise StepNotCommittedError(self._refusal(step, role, rank, begun))
         if begun is not Begun.JOINED:
             raise CheckpointError(self._refusal(step, role, rank, begun))
         if status is None and self._run_id is not None:
@@ -237,7 +241,10 @@ class CheckpointFinalizer:
             # The commit runs on its own: the last reporter (often the driver, in its training
             # loop) is not kept waiting for fsyncs it does not need to see.
             self._spawn(self._commit(step, list(entry.reports.values()), time.time()))
-        self._discard_settled_failures()  # this report may be the last of a failed step
+        if outcome in (Recorded.FAILED, Recorded.IGNORED):
+            # This report failed its step, or may be the last one of a failed step. Only
+            # then: every rank's report of every step passes here.
+            self._discard_settled_failures()
         self._notify()
 
     # ---- protocol steps 5-7: commit record, tracker, retention ----------------------------

@@ -37,6 +37,7 @@ from verl_ckpt.errors import (
     CheckpointWriteError,
     CommitRecordError,
     CommitTimeoutError,
+    StepNotCommittedError,
 )
 from verl_ckpt.file_writer import serialize_common, write_common
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, get_finalizer
@@ -653,6 +654,15 @@ class CheckpointManager:
                 else:
                     self._agree_and_begin(job)
                 self._plan(job)
+        except StepNotCommittedError as exc:
+            # begin_step refused (the finalizer's only StepNotCommittedError here): the step
+            # had already failed, another participant's failure having reached the finalizer
+            # first, and nothing was written. Not this rank's failure: raised at its next
+            # save(), it would fail the next step for everyone.
+            self._abandon(job, phase, exc)
+            job.stats.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("%s: not saving step %d: %s", self._who, job.step, exc)
+            return
         except Exception as exc:
             self._abandon(job, phase, exc)
             job.stats.error = f"{type(exc).__name__}: {exc}"

@@ -41,7 +41,9 @@ after a whole-job restart (everything killed, the job started again).
                       of the step, creates the directory (marked with the job's run id).
                       Refused, in one line: a committed, failed or lost step (a step number
                       is saved once) and a second save of a step this participant already
-                      reported. Then validate sharding and build the DCP plan (cached while
+                      reported. A refusal of a failed step on the save thread ends that
+                      save quietly: not the rank's own failure, it must not fail the next
+                      step when raised by the next save(). Then validate sharding and build the DCP plan (cached while
                       the structure hash holds). Durable: an empty step directory.
                       A save() that raises before this (an earlier failure, raised once
                       instead of saving) reports a failure for its step at once.
