@@ -43,8 +43,9 @@ after a whole-job restart (everything killed, the job started again).
                       is saved once) and a second save of a step this participant already
                       reported. A refusal of a failed step on the save thread ends that
                       save quietly: not the rank's own failure, it must not fail the next
-                      step when raised by the next save(). Then validate sharding and build the DCP plan (cached while
-                      the structure hash holds). Durable: an empty step directory.
+                      step when raised by the next save(). Then validate sharding and
+                      build the DCP plan (cached while the structure hash holds).
+                      Durable: an empty step directory.
                       A save() that raises before this (an earlier failure, raised once
                       instead of saving) reports a failure for its step at once.
                       With a cached plan (no collective left), the agreement's check and
