@@ -71,6 +71,26 @@ def wait_for_file(path: Path, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def critic_fails_step_2(ranks, tmp_path, save_step_2):
+    """Everyone commits step 1; then the critic's write of step 2 fails (ENOSPC, injected)
+    while `save_step_2(coordinator)` saves it, and wait_for_commit(2) names the critic.
+    Returns the config and the coordinator."""
+    cfg = ckpt_config(tmp_path, timeout_s=30.0)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=enospc"))
+    try:
+        save_step_2(coordinator)
+        with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write ENOSPC\]"):
+            coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    return cfg, coordinator
+
+
 @pytest.fixture
 def lone_rank(ray_local):
     """A fresh one-rank role `victim` that a test may kill or hang."""
@@ -125,19 +145,10 @@ def test_I5_a_rank_whose_save_raises_instead_of_saving_fails_that_step_at_once(r
     report for ever, and with max_in_flight=1 no later step could start. Now the critic's
     save() tells the finalizer that it will not save step 3: the step fails at once, naming
     it, and step 4 commits."""
-    cfg = ckpt_config(tmp_path, timeout_s=30.0)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    cfg, coordinator = critic_fails_step_2(
+        ranks, tmp_path, lambda coordinator: save_everyone(ranks, coordinator, 2)
+    )
     critic = ranks["critic"][0]
-    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=enospc"))
-    try:
-        save_everyone(ranks, coordinator, 2)
-        with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write ENOSPC\]"):
-            coordinator.wait_for_commit(2)
-    finally:
-        ray.get(critic.set_env.remote(ENV_VAR, None))
     actors = [w.save.remote(3) for w in ranks["actor"]]
     with pytest.raises(CheckpointWriteError, match="failed to save step 2"):
         ray.get(critic.save.remote(3))
@@ -171,19 +182,10 @@ def test_I5_a_save_refused_because_its_step_already_failed_does_not_fail_the_nex
     critic's failure reached the finalizer before an actor's begin_step). Now the refused
     save ends quietly (step 2's failure is the driver's to see, and the save's stats say
     it), and only the critic's own failure is raised to it."""
-    cfg = ckpt_config(tmp_path, timeout_s=30.0)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
     critic = ranks["critic"][0]
-    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=enospc"))
-    try:
-        ray.get(critic.save.remote(2))
-        with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write ENOSPC\]"):
-            coordinator.wait_for_commit(2)
-    finally:
-        ray.get(critic.set_env.remote(ENV_VAR, None))
+    cfg, coordinator = critic_fails_step_2(
+        ranks, tmp_path, lambda coordinator: ray.get(critic.save.remote(2))
+    )
     refused = ray.get([w.save.remote(2) for w in ranks["actor"]])
     assert all(s["plan_reused"] for s in refused)  # begin_step ran on the save thread
     done = [ray.get(w.wait.remote()) for w in ranks["actor"]]
