@@ -17,7 +17,15 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from verl_ckpt.torch_format import _WRITE_ITEM_KWARGS, CRC_FREE_BLOBS, save_tensor_blob, write_item
+from verl_ckpt import torch_format
+from verl_ckpt.torch_format import (
+    _WRITE_ITEM_KWARGS,
+    BLOB_TEMPLATES,
+    CRC_FREE_BLOBS,
+    save_tensor_blob,
+    write_item,
+    write_tensor_blob,
+)
 
 TENSORS = {
     "fp32 matrix": torch.randn(300, 17),
@@ -34,22 +42,96 @@ def test_this_torch_writes_crc_free_blobs():
     assert CRC_FREE_BLOBS
 
 
-@pytest.mark.parametrize("name", list(TENSORS))
-def test_I7_blob_is_torch_save_byte_for_byte_without_its_crc(name):
-    tensor = TENSORS[name]
-    ours = io.BytesIO()
-    save_tensor_blob(tensor, ours)
-    assert torch_serialization.get_crc32_options(), "the process-global switch was touched"
+def _torch_save_without_crc(tensor: torch.Tensor) -> bytes:
     reference = io.BytesIO()
     torch_serialization.set_crc32_options(False)
     try:
         torch.save(tensor, reference)
     finally:
         torch_serialization.set_crc32_options(True)
-    assert ours.getvalue() == reference.getvalue()
+    return reference.getvalue()
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_I7_blob_is_torch_save_byte_for_byte_without_its_crc(name):
+    tensor = TENSORS[name]
+    ours = io.BytesIO()
+    save_tensor_blob(tensor, ours)
+    assert torch_serialization.get_crc32_options(), "the process-global switch was touched"
+    assert ours.getvalue() == _torch_save_without_crc(tensor)
     ours.seek(0)
     loaded = torch.load(ours, weights_only=True)
     assert loaded.dtype == tensor.dtype and torch.equal(loaded, tensor)
+
+
+def test_this_torch_writes_blobs_from_templates():
+    """The probe at import found torch.save's bytes equal to a template around the storage
+    (if a torch upgrade breaks that, every blob goes through torch.save and this says so)."""
+    assert BLOB_TEMPLATES
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass: its type goes into the pickle."""
+
+
+def _with_attribute(tensor: torch.Tensor) -> torch.Tensor:
+    tensor.tag = "pickled with the tensor"
+    return tensor
+
+
+def _base() -> torch.Tensor:
+    return torch.arange(60, dtype=torch.float32)
+
+
+# Every field of a plain tensor's pickle varied once, and tensors whose pickle holds more;
+# built afresh by each test (they change the values).
+TEMPLATED = {
+    **{name: tensor.clone for name, tensor in TENSORS.items()},
+    "view at an offset": lambda: _base()[7:19],
+    "transposed view": lambda: _base()[:12].view(3, 4).t(),
+    "same shape, other stride": lambda: _base()[:24].view(4, 6)[:, :3],
+    "same shape, other offset": lambda: _base()[12:36].view(4, 6)[:, :3],
+    "requires_grad": lambda: torch.ones(5, requires_grad=True),
+    "conj bit": lambda: torch.randn(4, dtype=torch.complex64).conj(),
+    "neg bit": lambda: torch._neg_view(torch.randn(4, dtype=torch.complex64).conj()),
+    "fp16 3-d": lambda: torch.randn(2, 3, 5).half(),
+    "bool": lambda: torch.tensor([True, False, True]),
+    "subclass": lambda: torch.arange(6.0).as_subclass(_Tagged),
+    "Python attribute": lambda: _with_attribute(torch.arange(6.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(TEMPLATED))
+def test_I7_blob_from_its_template_is_torch_save_byte_for_byte(name):
+    """write_tensor_blob writes exactly torch.save's bytes (CRC off), the first time (the
+    template is made) and the second (taken from the cache), and after the tensor's values
+    changed: the template never carries a tensor's data."""
+    tensor = TEMPLATED[name]()
+    for _ in range(2):
+        ours = io.BytesIO()
+        write_tensor_blob(tensor, ours)
+        assert ours.getvalue() == _torch_save_without_crc(tensor)
+    if tensor.numel() and not tensor.requires_grad:
+        before = ours.getvalue()
+        tensor.logical_not_() if tensor.dtype == torch.bool else tensor.fill_(7)
+        ours = io.BytesIO()
+        write_tensor_blob(tensor, ours)
+        assert ours.getvalue() == _torch_save_without_crc(tensor) != before
+    ours.seek(0)
+    loaded = torch.load(ours, weights_only=False)
+    assert loaded.dtype == tensor.dtype and torch.equal(loaded.resolve_conj(), tensor)
+
+
+def test_only_plain_tensors_are_written_from_templates():
+    """A subclass or a tensor with Python attributes pickles more than its geometry: those go
+    through torch.save every time (the bytes above prove them right, this the route)."""
+    torch_format._TEMPLATES.clear()
+    write_tensor_blob(TEMPLATED["subclass"](), io.BytesIO())
+    write_tensor_blob(TEMPLATED["Python attribute"](), io.BytesIO())
+    assert not torch_format._TEMPLATES
+    write_tensor_blob(torch.ones(3), io.BytesIO())
+    write_tensor_blob(torch.zeros(3), io.BytesIO())
+    assert len(torch_format._TEMPLATES) == 1
 
 
 def _tensor_item(key: str, tensor: torch.Tensor) -> WriteItem:
@@ -84,3 +166,28 @@ def test_I7_write_item_places_items_as_dcp_does():
         torch_serialization.set_crc32_options(True)
     assert our_results == their_results
     assert ours.getvalue() == theirs.getvalue()
+
+
+# Pairs that differ in one field of the template's key only (the same storage size and
+# shape unless that is the field): the second must not be written from the first's template.
+ONE_FIELD_APART = {
+    "stride": (lambda: _base()[:24].view(4, 6)[:, :3], lambda: _base()[:24].view(6, 4).t()[:4, :3]),
+    "storage offset": (lambda: _base()[:12], lambda: _base()[12:24]),
+    "storage size": (lambda: torch.zeros(12), lambda: torch.zeros(24)[:12]),
+    "dtype": (lambda: torch.zeros(4), lambda: torch.zeros(4, dtype=torch.int32)),
+    "requires_grad": (lambda: torch.ones(4), lambda: torch.ones(4, requires_grad=True)),
+    "conj bit": (
+        lambda: torch.ones(4, dtype=torch.complex64),
+        lambda: torch.ones(4, dtype=torch.complex64).conj(),
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(ONE_FIELD_APART))
+def test_I7_tensors_one_template_field_apart_get_their_own_bytes(field):
+    torch_format._TEMPLATES.clear()
+    for make in ONE_FIELD_APART[field]:
+        tensor = make()
+        ours = io.BytesIO()
+        write_tensor_blob(tensor, ours)
+        assert ours.getvalue() == _torch_save_without_crc(tensor)

@@ -14,13 +14,28 @@ The torch internals this relies on (`torch._C.PyTorchFileWriter(stream, compute_
 alignment)` and `torch.serialization._save`, as `torch.save` itself calls them) are probed
 once at import. Where they differ (another torch release), every item goes through DCP's own
 `_write_item`, CRC included, so the files are the same either way apart from the CRC fields.
-tests/test_units.py pins the blob, byte for byte, to torch.save's with its CRC switched off.
+tests/test_torch_format.py pins the blob, byte for byte, to torch.save's with its CRC off.
+
+Blob templates: without the CRC, every byte of a tensor's blob but its storage's depends on
+the tensor's geometry alone (dtype, shape, strides, storage offset and size, requires_grad,
+the conj/neg bits: all the pickle reads of a plain tensor). torch.save pickles, builds zip
+records and makes about forty small writes per tensor, which cost as much CPU as copying
+its bytes into the page cache. So the bytes before and after the storage are made once per
+geometry (torch.save itself under `torch.serialization.skip_data`, which writes everything
+but the storage and seeks over it) and a blob is then three writes: head, the storage's own
+bytes, tail. Also probed at import against save_tensor_blob; tensors whose pickle could
+hold more (subclasses, Python attributes, other layouts) are always written by torch.save.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
+import os
 import pickle
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
@@ -36,7 +51,13 @@ try:  # torch >= 2.5 takes the serialization format explicitly
 except ImportError:  # pragma: no cover - older torch
     _WRITE_ITEM_KWARGS = {}
 
-__all__ = ["CRC_FREE_BLOBS", "save_tensor_blob", "write_item"]
+__all__ = [
+    "BLOB_TEMPLATES",
+    "CRC_FREE_BLOBS",
+    "save_tensor_blob",
+    "write_item",
+    "write_tensor_blob",
+]
 
 
 def save_tensor_blob(tensor: torch.Tensor, stream: IO[bytes]) -> None:
@@ -63,6 +84,147 @@ def _crc_free_blobs_work() -> bool:
 CRC_FREE_BLOBS = _crc_free_blobs_work()
 
 
+@dataclass(frozen=True)
+class _BlobTemplate:
+    """A tensor's blob around its storage's bytes (see the module's docstring)."""
+
+    head: bytes
+    storage_nbytes: int
+    tail: bytes
+
+
+class _TemplateCapture:
+    """The stream a template is captured into: torch.save under skip_data writes the bytes
+    before the storage, seeks over the storage (once, forward), and writes the rest."""
+
+    def __init__(self) -> None:
+        self.head: bytes | None = None
+        self.skipped = 0
+        self._bytes = bytearray()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._bytes += view
+        return view.nbytes
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_CUR or self.head is not None:
+            raise io.UnsupportedOperation("a blob template skips one storage, forward")
+        self.head, self.skipped, self._bytes = bytes(self._bytes), offset, bytearray()
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+    def template(self) -> _BlobTemplate:
+        if self.head is None:  # an empty storage: nothing was skipped
+            return _BlobTemplate(bytes(self._bytes), 0, b"")
+        return _BlobTemplate(self.head, self.skipped, bytes(self._bytes))
+
+
+# Templates of the geometries seen lately. A structure has few distinct geometries and keeps
+# them from save to save; the bound only stops a stream of new ones from growing memory.
+_TEMPLATES: OrderedDict[tuple, _BlobTemplate] = OrderedDict()
+_TEMPLATES_MAX = 4096
+_templates_lock = threading.Lock()
+
+
+def _template_key(tensor: torch.Tensor) -> tuple | None:
+    """Everything save_tensor_blob's bytes depend on besides the storage's bytes, or None
+    for a tensor whose pickle may hold more (it is then written by torch.save itself)."""
+    if (
+        type(tensor) is not torch.Tensor  # a subclass pickles its type and state
+        or tensor.layout != torch.strided
+        or tensor.device.type != "cpu"
+        or tensor.is_quantized
+        or tensor.__dict__  # Python attributes are pickled with the tensor
+    ):
+        return None
+    return (
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+        tensor.requires_grad,
+        tuple(sorted(torch._C._get_tensor_metadata(tensor).items())),  # conj, neg bits
+        torch_serialization._get_storage_alignment(),
+    )
+
+
+def _blob_template(tensor: torch.Tensor, key: tuple) -> _BlobTemplate:
+    with _templates_lock:
+        template = _TEMPLATES.get(key)
+        if template is not None:
+            _TEMPLATES.move_to_end(key)
+            return template
+    template = _capture_template(tensor)
+    with _templates_lock:
+        _TEMPLATES[key] = template
+        while len(_TEMPLATES) > _TEMPLATES_MAX:
+            _TEMPLATES.popitem(last=False)
+    return template
+
+
+def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """The bytes of the tensor's whole storage, as torch.save writes them, without a copy
+    (valid while `tensor` lives)."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != nbytes:  # the key holds the size: a mismatch is a bug here
+        raise ValueError(f"storage of {storage.nbytes()} bytes, template for {nbytes}")
+    return memoryview((ctypes.c_char * nbytes).from_address(storage.data_ptr())).cast("B")
+
+
+def write_tensor_blob(tensor: torch.Tensor, stream: IO[bytes]) -> None:
+    """save_tensor_blob's bytes, exactly; from the geometry's template where it can be."""
+    key = _template_key(tensor) if BLOB_TEMPLATES else None
+    if key is None:
+        save_tensor_blob(tensor, stream)
+        return
+    _write_templated(_blob_template(tensor, key), tensor, stream)
+
+
+def _capture_template(tensor: torch.Tensor) -> _BlobTemplate:
+    capture = _TemplateCapture()
+    with torch_serialization.skip_data():
+        save_tensor_blob(tensor, capture)
+    return capture.template()
+
+
+def _write_templated(template: _BlobTemplate, tensor: torch.Tensor, stream: IO[bytes]) -> None:
+    stream.write(template.head)
+    if template.storage_nbytes:
+        stream.write(_storage_bytes(tensor, template.storage_nbytes))
+    stream.write(template.tail)
+
+
+def _blob_templates_work() -> bool:
+    """Whether a template and the storage's bytes make save_tensor_blob's bytes exactly, on
+    this torch (skip_data, the one seek, every pickled field in the key)."""
+    if not CRC_FREE_BLOBS or not hasattr(torch_serialization, "skip_data"):
+        return False
+    base = torch.arange(24, dtype=torch.float32)
+    probes = [
+        base,
+        base[5:17].view(3, 4).t(),
+        torch.ones(3, dtype=torch.bfloat16, requires_grad=True),
+        torch.empty(0),
+    ]
+    try:
+        for probe in probes:
+            expected, ours = io.BytesIO(), io.BytesIO()
+            save_tensor_blob(probe, expected)
+            _write_templated(_capture_template(probe), probe, ours)
+            if ours.getvalue() != expected.getvalue():
+                return False
+    except Exception:  # noqa: BLE001 - any difference means: torch.save for every blob
+        return False
+    return True
+
+
+BLOB_TEMPLATES = _blob_templates_work()
+
+
 def write_item(
     transforms: Any, stream: IO[bytes], data: Any, item: WriteItem, storage_key: str
 ) -> WriteResult:
@@ -77,7 +239,7 @@ def write_item(
     target, descriptors = (
         transforms.transform_save_stream(item, stream) if transforms else (stream, [])
     )
-    save_tensor_blob(data, target)
+    write_tensor_blob(data, target)
     if target is not stream:
         target.close()  # a transform's wrapper: closing it flushes, never closes `stream`
     length = stream.tell() - offset
