@@ -12,12 +12,24 @@ import gc
 import inspect
 import logging
 import pathlib
+import pickle
 import shutil
 import tempfile
 import tracemalloc
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from verl_ckpt.commit_record import (
     CommitRecord,
@@ -28,9 +40,11 @@ from verl_ckpt.commit_record import (
 from verl_ckpt.errors import CheckpointError, StepNotCommittedError
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer import CheckpointFinalizer
+from verl_ckpt.fsio import ChecksummingWriter
 from verl_ckpt.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
+from verl_ckpt.torch_format import write_item
 from verl_ckpt.tracker import read_tracker, write_tracker
 from verl_ckpt.verification import verify_files
 
@@ -233,3 +247,88 @@ def test_I5_a_step_whose_participant_never_reports_fails_at_its_deadline(tmp_pat
 
     asyncio.run(run())
     assert read_tracker(tmp_path) == 8
+
+
+# ---- a role's `.metadata`, forecast while its ranks write (metadata_forecast) -------------
+
+ACTOR = {"actor": 2}
+WIDTH = 8
+
+
+def _actor_plan() -> bytes:
+    """The DCP plan metadata of one [2, WIDTH] tensor, a row per rank, pickled once as a
+    coordinator rank sends it (megatron_compat.PreparedSave)."""
+    properties = TensorProperties.create_from_tensor(torch.zeros(1, WIDTH))
+    chunks = [ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, WIDTH])) for r in (0, 1)]
+    sizes = torch.Size([2, WIDTH])
+    plan = Metadata(state_dict_metadata={"w": TensorStorageMetadata(properties, sizes, chunks)})
+    return pickle.dumps(plan, pickle.HIGHEST_PROTOCOL)
+
+
+async def save_actor_step(finalizer, step: int, plan: bytes, gap: tuple[int, int]) -> None:
+    """Both ranks write their row of step `step` (values 10 * step + rank) after `gap` bytes
+    of their file, and report it packed as ranks do."""
+    for rank in (0, 1):
+        save_id = f"s{step}r{rank}"
+        directory = Path(await finalizer.begin_step(step, "actor", rank, 2, 10.0, save_id))
+        name = f"__{rank}_0.distcp"
+        offsets = torch.Size([rank, 0])
+        item = WriteItem(
+            index=MetadataIndex("w", offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets, torch.Size([1, WIDTH])),
+                properties=TensorProperties.create_from_tensor(torch.zeros(1, WIDTH)),
+                size=torch.Size([2, WIDTH]),
+            ),
+        )
+        row = torch.full((1, WIDTH), float(10 * step + rank))
+        with open(directory / name, "wb") as raw:
+            stream = ChecksummingWriter(raw)
+            stream.write(bytes(gap[rank]))
+            result = write_item(_StorageWriterTransforms(), stream, row, item, name)
+        entry = FileEntry(f"actor/{name}", stream.size, stream.checksum)
+        report = RankReport(step, "actor", rank, 2, save_id, files=[entry])
+        report.write_results = [result]
+        if rank == 0:
+            report.packed_global_metadata = plan
+        await finalizer.report(report.pack())
+    await finalizer.wait_for_commit(step, 10.0)
+
+
+def test_I1_I7_a_forecast_metadata_is_used_only_when_every_rank_reports_the_same_bytes(tmp_path):
+    """Step 2 reports what step 1 did (the role's plan and every rank's write results): its
+    `.metadata`, made while the ranks wrote, is used. At step 3 rank 1's row moved within its
+    file (same plan, other write results): the forecast made from step 2 must not be used,
+    or the step would commit pointing at step 2's offsets. Step 4 repeats step 3's layout.
+    Every step loads back, with DCP, exactly what its ranks wrote."""
+    plan = _actor_plan()
+    layouts = {1: (0, 0), 2: (0, 0), 3: (0, 64), 4: (0, 64)}
+
+    async def run() -> list[dict]:
+        finalizer = CheckpointFinalizer(str(tmp_path), ACTOR, max_ckpt_to_keep=None)
+        seen = []
+        for step, gap in layouts.items():
+            await save_actor_step(finalizer, step, plan, gap)
+            seen.append(dict(finalizer.status()["metadata_forecasts"]))
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen == [
+        {"used": 0, "missed": 0},  # nothing committed before: no forecast
+        {"used": 1, "missed": 0},
+        {"used": 1, "missed": 1},  # rank 1's write results changed
+        {"used": 2, "missed": 1},
+    ]
+    for step in layouts:
+        directory = step_dir(tmp_path, step) / "actor"
+        loaded = {"w": torch.zeros(2, WIDTH)}
+        dcp.load(loaded, checkpoint_id=directory, no_dist=True)
+        expected = torch.stack([torch.full((WIDTH,), float(10 * step + r)) for r in (0, 1)])
+        assert torch.equal(loaded["w"], expected), step
+        with open(directory / ".metadata", "rb") as f:
+            assert Path(pickle.load(f).storage_meta.checkpoint_id) == directory
+        assert (
+            verify_files(step_dir(tmp_path, step), read_commit_record(step_dir(tmp_path, step)))
+            == []
+        )

@@ -10,6 +10,7 @@ byte for byte what megatron-core's own save_config writes."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -220,3 +221,54 @@ def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
     save_config(CheckpointingConfig(*torch_dist_dir.BACKEND), str(theirs))
     assert (ours / "metadata.json").read_bytes() == (theirs / "metadata.json").read_bytes()
     assert sorted(p.name for p in ours.iterdir()) == sorted(torch_dist_dir.METADATA_FILENAMES)
+
+
+def test_I7_one_plan_metadata_shared_by_steps_gives_each_its_own_metadata_file(tmp_path):
+    """The finalizer hands every step of a plan the same unpickled metadata
+    (reports.GlobalMetadataCache): completing a role directory must leave it unchanged, and
+    each step's `.metadata` must describe that step's directory and files."""
+    shared = Metadata(state_dict_metadata={})
+    for step in (1, 2):
+        directory = tmp_path / f"global_step_{step}" / "actor"
+        directory.mkdir(parents=True)
+        torch_dist_dir.complete_role_dir(directory, shared, [])
+        with open(directory / ".metadata", "rb") as f:
+            written = pickle.load(f)
+        assert Path(written.storage_meta.checkpoint_id) == directory
+        assert written.storage_data == {}
+    assert shared.storage_meta is None and shared.storage_data is None
+
+
+def test_I7_the_metadata_file_is_what_dcps_own_finish_writes(tmp_path):
+    """The finalizer makes `.metadata` by running DCP's own finish against a filesystem that
+    keeps the bytes (torch_dist_dir.metadata_file_bytes), then writes them itself: the same
+    metadata as DCP's finish writing the file, naming the new directory, and loadable."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    state = {"w": torch.arange(12.0).view(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+    dcp.save(state, checkpoint_id=theirs, no_dist=True)
+    with open(theirs / ".metadata", "rb") as f:
+        written_by_dcp = pickle.load(f)
+    results = [
+        WriteResult(index=index, size_in_bytes=info.length, storage_data=info)
+        for index, info in written_by_dcp.storage_data.items()
+    ]
+    plan = Metadata(
+        state_dict_metadata=written_by_dcp.state_dict_metadata,
+        planner_data=written_by_dcp.planner_data,
+    )
+    ours.mkdir()
+    for data_file in theirs.glob("*.distcp"):
+        (ours / data_file.name).write_bytes(data_file.read_bytes())
+    torch_dist_dir.complete_role_dir(ours, plan, [results])
+    with open(ours / ".metadata", "rb") as f:
+        written_by_us = pickle.load(f)
+    for field in ("state_dict_metadata", "storage_data", "planner_data", "version"):
+        assert getattr(written_by_us, field) == getattr(written_by_dcp, field), field
+    assert Path(written_by_us.storage_meta.checkpoint_id) == ours
+    assert plan.storage_data is None  # the caller's metadata is left as it was
+    loaded = {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    dcp.load(loaded, checkpoint_id=ours, no_dist=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)

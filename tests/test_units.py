@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 import subprocess
 import sys
 
@@ -22,6 +23,7 @@ from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.layout import list_step_dirs, step_dir
+from verl_ckpt.reports import GlobalMetadataCache, RankReport
 from verl_ckpt.retention import delete_step_dir, steps_to_delete
 from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
 from verl_ckpt.verification import verify_files
@@ -294,3 +296,21 @@ def test_early_writeback_is_a_hint_a_stream_that_refuses_it_still_gets_every_byt
     (tmp_path / "expected.bin").write_bytes(payload)
     assert bytes(received) == payload
     assert (stream.size, stream.checksum) == file_checksum(tmp_path / "expected.bin")
+
+
+def test_the_finalizer_unpickles_a_roles_plan_metadata_once_per_plan():
+    """Coordinator ranks send their plan's metadata with every report, the same bytes while
+    the plan holds: unpickled once, and again as soon as the bytes change (a new plan)."""
+    cache = GlobalMetadataCache()
+
+    def received(role: str, metadata: dict) -> object:
+        report = RankReport(1, role, 0, 2, "save")
+        report.packed_global_metadata = pickle.dumps(metadata)
+        return report.unpack(cache).global_metadata
+
+    first = received("actor", {"plan": 1})
+    assert received("actor", {"plan": 1}) is first
+    assert received("critic", {"plan": 1}) is not first  # one entry per role
+    replanned = received("actor", {"plan": 2})
+    assert replanned == {"plan": 2} and replanned is not first
+    assert received("actor", {"plan": 2}) is replanned

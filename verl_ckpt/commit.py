@@ -67,11 +67,16 @@ class CommitSummary:
 
 
 def commit_step(
-    root: Path, step: int, participants: dict[str, int], reports: Iterable[RankReport]
+    root: Path,
+    step: int,
+    participants: dict[str, int],
+    reports: Iterable[RankReport],
+    metadata_files: dict[str, bytes | None] | None = None,
 ) -> CommitSummary:
     """Steps 5 and 6: complete every role's directory, write the commit record, move the
     tracker. Raises CommitPhaseError when the step did not commit; once the record is
-    durable it stays committed, whatever the tracker does."""
+    durable it stays committed, whatever the tracker does. `metadata_files`: a role's
+    `.metadata` made beforehand from exactly these reports (metadata_forecast), if any."""
     path = step_dir(root, step)
     reports = list(reports)
     try:
@@ -80,7 +85,8 @@ def commit_step(
         # record naming an incomplete directory would make the step committed but unloadable.
         for role in sorted(participants):
             if role != DRIVER_ROLE:
-                files.extend(_complete_role(path, role, step, reports))
+                made = (metadata_files or {}).get(role)
+                files.extend(_complete_role(path, role, step, reports, made))
         # The finalizer's mark of the job that opened the step goes: a committed step holds
         # exactly the files its record names (and the record).
         (path / RUN_MARKER_FILENAME).unlink(missing_ok=True)
@@ -223,7 +229,9 @@ def _reported_files(path: Path, reports: list[RankReport]) -> list[FileEntry]:
     return files
 
 
-def _complete_role(path: Path, role: str, step: int, reports: list[RankReport]) -> list[FileEntry]:
+def _complete_role(
+    path: Path, role: str, step: int, reports: list[RankReport], metadata_file: bytes | None
+) -> list[FileEntry]:
     # Imported here: it imports torch, which the CLI's commands that read roots do not need.
     from verl_ckpt.torch_dist_dir import METADATA_FILENAMES, complete_role_dir
 
@@ -235,7 +243,7 @@ def _complete_role(path: Path, role: str, step: int, reports: list[RankReport]) 
             f"of the save group), got {len(metadata)}"
         )
     directory = path / role
-    complete_role_dir(directory, metadata[0], [r.write_results for r in mine])
+    complete_role_dir(directory, metadata[0], [r.write_results for r in mine], metadata_file)
     entries = []
     for name in METADATA_FILENAMES:
         size, checksum = file_checksum(directory / name)

@@ -38,9 +38,10 @@ from verl_ckpt.layout import (
     step_dir,
 )
 from verl_ckpt.ledger import Begun, Recorded, StepLedger, StepStatus
+from verl_ckpt.metadata_forecast import MetadataForecast, role_inputs
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase, describe_failures
 from verl_ckpt.recovery import recover_root
-from verl_ckpt.reports import Participant, RankReport
+from verl_ckpt.reports import GlobalMetadataCache, Participant, RankReport
 from verl_ckpt.retention import delete_step_dir
 from verl_ckpt.tracker import read_tracker
 
@@ -108,6 +109,10 @@ class CheckpointFinalizer:
         # The summaries of the last commits (with their timings), for waiters that ask after
         # the step was retired; bounded, like everything the finalizer keeps.
         self._recent: OrderedDict[int, CommitSummary] = OrderedDict()
+        # Each role's plan metadata, unpickled once per plan rather than at every step, and
+        # each role's `.metadata` made while its ranks write (both off the commit's path).
+        self._metadata_cache = GlobalMetadataCache()
+        self._forecast = MetadataForecast()
         self._changed = asyncio.Event()
         # One commit or retention at a time: two would race on the tracker and the listing.
         self._file_work = asyncio.Lock()
@@ -148,6 +153,7 @@ class CheckpointFinalizer:
             "pending": pending,
             "ledger_size": len(ledger),
             "hf_exports": self._exports.outcomes(),
+            "metadata_forecasts": {"used": self._forecast.used, "missed": self._forecast.missed},
         }
 
     # ---- protocol step 1: begin_step -----------------------------------------------------
@@ -208,13 +214,17 @@ class CheckpointFinalizer:
             _mark_run(path, self._run_id)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
         target.mkdir(parents=True, exist_ok=True)
+        if role != DRIVER_ROLE:
+            # The role's `.metadata` is made now, while its ranks write, if it can be
+            # foreseen; the commit checks it against what the ranks then report.
+            self._forecast.begin(step, role, target)
         return str(target)
 
     # ---- protocol step 4: report ---------------------------------------------------------
 
     async def report(self, report: RankReport) -> None:
         """Record one participant's outcome; start the commit when the last one arrives."""
-        report.unpack()
+        report.unpack(self._metadata_cache)
         self._check_participant(report.role, report.rank, report.world_size)
         step = report.step
         if self._ledger.status(step) is None and is_committed(step_dir(self._root, step)):
@@ -270,9 +280,17 @@ class CheckpointFinalizer:
 
     async def _commit(self, step: int, reports: list[RankReport], ready_at: float) -> None:
         async with self._file_work:
+            roles = [role for role in self._participants if role != DRIVER_ROLE]
+            inputs = {role: role_inputs([r for r in reports if r.role == role]) for role in roles}
+            made = {
+                role: await self._forecast.take(
+                    step, role, role_dir(self._root, step, role), inputs[role]
+                )
+                for role in roles
+            }
             try:
                 summary = await asyncio.to_thread(
-                    commit_step, self._root, step, self._participants, reports
+                    commit_step, self._root, step, self._participants, reports, made
                 )
             except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
                 logger.error("commit of step %d failed: %s", step, exc)
@@ -285,6 +303,8 @@ class CheckpointFinalizer:
                 self._discard_settled_failures()
                 return
             summary = replace(summary, ready_at=ready_at)
+            for role in roles:
+                self._forecast.committed(role, inputs[role])
             self._ledger.finish_commit(step, summary=summary)
             self._recent[step] = summary
             while len(self._recent) > _RECENT_SUMMARIES:

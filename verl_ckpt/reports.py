@@ -9,7 +9,7 @@ from typing import Any
 from verl_ckpt.commit_record import FileEntry
 from verl_ckpt.protocol import Failure
 
-__all__ = ["Participant", "RankReport"]
+__all__ = ["GlobalMetadataCache", "Participant", "RankReport"]
 
 # (role, rank): who takes part in a step. The driver is role "driver", rank 0.
 Participant = tuple[str, int]
@@ -47,17 +47,43 @@ class RankReport:
             self.write_results = []
         return self
 
-    def unpack(self) -> RankReport:
+    def unpack(self, metadata_cache: GlobalMetadataCache | None = None) -> RankReport:
         """On receipt, at the finalizer's intake (not in its commit, which the last report
-        waits for): the objects back."""
+        waits for): the objects back. The global metadata comes from `metadata_cache` when
+        its bytes are the ones unpickled last for this role: shared, never to be changed.
+        The bytes stay too: the finalizer compares them with its forecast of the step's
+        `.metadata` (metadata_forecast)."""
         if self.packed_write_results is not None:
             self.write_results = pickle.loads(self.packed_write_results)
-            self.packed_write_results = None
         if self.packed_global_metadata is not None:
-            self.global_metadata = pickle.loads(self.packed_global_metadata)
-            self.packed_global_metadata = None
+            packed = self.packed_global_metadata
+            if metadata_cache is None:
+                self.global_metadata = pickle.loads(packed)
+            else:
+                self.global_metadata = metadata_cache.unpickle(self.role, packed)
         return self
 
     @property
     def participant(self) -> Participant:
         return (self.role, self.rank)
+
+
+class GlobalMetadataCache:
+    """The finalizer's last unpickled global metadata of each role.
+
+    A save group whose plan is cached sends the same bytes at every step (pickled once per
+    plan), and unpickling them is most of the coordinator rank's report intake: on the
+    commit's path whenever that report comes last. One entry per role, replaced when the
+    plan changes; the objects handed out are shared between steps and never changed.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[bytes, Any]] = {}
+
+    def unpickle(self, role: str, packed: bytes) -> Any:
+        last = self._last.get(role)
+        if last is not None and last[0] == packed:
+            return last[1]
+        metadata = pickle.loads(packed)
+        self._last[role] = (packed, metadata)
+        return metadata
