@@ -243,7 +243,8 @@ def _complete_role(
             f"of the save group), got {len(metadata)}"
         )
     directory = path / role
-    complete_role_dir(directory, metadata[0], [r.write_results for r in mine], metadata_file)
+    results = [r.unpacked_write_results() for r in mine] if metadata_file is None else []
+    complete_role_dir(directory, metadata[0], results, metadata_file)
     entries = []
     for name in METADATA_FILENAMES:
         size, checksum = file_checksum(directory / name)

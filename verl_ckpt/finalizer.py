@@ -153,7 +153,11 @@ class CheckpointFinalizer:
             "pending": pending,
             "ledger_size": len(ledger),
             "hf_exports": self._exports.outcomes(),
-            "metadata_forecasts": {"used": self._forecast.used, "missed": self._forecast.missed},
+            "metadata_forecasts": {
+                "used": self._forecast.used,
+                "missed": self._forecast.missed,
+                "late": self._forecast.late,
+            },
         }
 
     # ---- protocol step 1: begin_step -----------------------------------------------------
@@ -282,8 +286,10 @@ class CheckpointFinalizer:
         async with self._file_work:
             roles = [role for role in self._participants if role != DRIVER_ROLE]
             inputs = {role: role_inputs([r for r in reports if r.role == role]) for role in roles}
+            # A role's `.metadata` made while its ranks wrote, where exactly these reports
+            # make it (otherwise commit_step makes it).
             made = {
-                role: await self._forecast.take(
+                role: self._forecast.take(
                     step, role, role_dir(self._root, step, role), inputs[role]
                 )
                 for role in roles

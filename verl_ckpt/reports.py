@@ -48,13 +48,11 @@ class RankReport:
         return self
 
     def unpack(self, metadata_cache: GlobalMetadataCache | None = None) -> RankReport:
-        """On receipt, at the finalizer's intake (not in its commit, which the last report
-        waits for): the objects back. The global metadata comes from `metadata_cache` when
-        its bytes are the ones unpickled last for this role: shared, never to be changed.
-        The bytes stay too: the finalizer compares them with its forecast of the step's
-        `.metadata` (metadata_forecast)."""
-        if self.packed_write_results is not None:
-            self.write_results = pickle.loads(self.packed_write_results)
+        """On receipt, at the finalizer's intake: the global metadata back, from
+        `metadata_cache` when its bytes are the ones unpickled last for this role (shared,
+        never to be changed). The write results stay packed until a commit needs them
+        (unpacked_write_results): with a forecast `.metadata` it does not, and the bytes are
+        what the forecast is checked against (metadata_forecast)."""
         if self.packed_global_metadata is not None:
             packed = self.packed_global_metadata
             if metadata_cache is None:
@@ -62,6 +60,12 @@ class RankReport:
             else:
                 self.global_metadata = metadata_cache.unpickle(self.role, packed)
         return self
+
+    def unpacked_write_results(self) -> list:
+        """The DCP write results, unpickled now if they arrived packed."""
+        if self.packed_write_results is None:
+            return self.write_results
+        return pickle.loads(self.packed_write_results)
 
     @property
     def participant(self) -> Participant:

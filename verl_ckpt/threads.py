@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["DaemonPool", "lower_priority"]
+__all__ = ["DaemonPool", "lower_priority", "run_when_idle"]
 
 _STOP = None
 
@@ -42,16 +42,31 @@ def lower_priority(nice: int) -> None:
         pass
 
 
+def run_when_idle() -> None:
+    """Put the calling thread in Linux's SCHED_IDLE class: it runs only on a core that
+    nothing else wants, however low its niceness (a nice-19 thread still takes a share of a
+    busy core). For work whose result is optional: its callers must never wait for it
+    unboundedly, since a busy machine may not run it at all. Elsewhere, does nothing."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except OSError:
+        pass
+
+
 class DaemonPool:
     """`threads` daemon threads running submitted calls in order of submission, at CPU
-    niceness `nice` (0: unchanged)."""
+    niceness `nice` (0: unchanged), or, with `idle`, only when a core is idle
+    (run_when_idle)."""
 
-    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
+    def __init__(self, threads: int, name: str, nice: int = 0, idle: bool = False) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._running: dict[int, str] = {}  # thread ident -> what it runs, for close()
         self._lock = threading.Lock()
         self._closed = False
         self._nice = nice
+        self._idle = idle
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
             for i in range(threads)
@@ -85,6 +100,8 @@ class DaemonPool:
 
     def _work(self) -> None:
         lower_priority(self._nice)
+        if self._idle:
+            run_when_idle()
         while True:
             # An idle worker's wait, deliberately without a deadline: every caller bounds
             # its own wait on the future it was handed, and close() posts _STOP for each
