@@ -9,8 +9,11 @@ What is simulated: the N ranks. One driver process plays them: it writes, per ra
 real DCP data file holding that rank's row of one global [N, 16] tensor (DCP's own
 `_write_item`, so the write results, the global metadata and the file sizes are real, and
 the committed directory loads with `torch.distributed.checkpoint.load`), then sends the N
-`RankReport`s. Real ranks would send them from N processes at about the same time; here the
-first N-1 are submitted at once and awaited, then the last one is timed alone.
+`RankReport`s packed as ranks send them (write results as one pickle, rank 0's plan metadata
+pickled once per plan), so that the finalizer's intake and its forecast of the role's
+`.metadata` (made at begin_step, used when every report matches) run as in a real job. Real
+ranks would send them from N processes at about the same time; here the first N-1 are
+submitted at once and awaited, then the last one is timed alone.
 
 Figures per N (median over the timed steps):
 - commit latency: last report sent -> tracker names the step (the driver polls the tracker
@@ -31,6 +34,7 @@ import functools
 import inspect
 import io
 import os
+import pickle
 import pstats
 import shutil
 import statistics
@@ -111,7 +115,15 @@ def _global_metadata(world: int) -> Metadata:
     )
 
 
+@functools.cache
+def _packed_global_metadata(world: int) -> bytes:
+    """Pickled once per plan, as a coordinator rank does (megatron_compat.PreparedSave)."""
+    return pickle.dumps(_global_metadata(world), pickle.HIGHEST_PROTOCOL)
+
+
 def _reports(step: int, world: int, directory: Path) -> list[RankReport]:
+    """Each rank's report as a real rank sends it: write results packed (RankReport.pack),
+    and rank 0's plan metadata in the bytes it pickled once."""
     reports = []
     for rank in range(world):
         results, entry = _rank_file(directory, rank, world)
@@ -119,8 +131,8 @@ def _reports(step: int, world: int, directory: Path) -> list[RankReport]:
         report.write_results = results
         report.files = [entry]
         if rank == 0:
-            report.global_metadata = _global_metadata(world)
-        reports.append(report)
+            report.packed_global_metadata = _packed_global_metadata(world)
+        reports.append(report.pack())
     return reports
 
 
