@@ -217,7 +217,8 @@ print("ok", len(items))
 def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     ours.mkdir(), theirs.mkdir()
-    torch_dist_dir.complete_role_dir(ours, Metadata(state_dict_metadata={}), [])
+    made = torch_dist_dir.metadata_file_bytes(ours, Metadata(state_dict_metadata={}), [])
+    torch_dist_dir.complete_role_dir(ours, made)
     save_config(CheckpointingConfig(*torch_dist_dir.BACKEND), str(theirs))
     assert (ours / "metadata.json").read_bytes() == (theirs / "metadata.json").read_bytes()
     assert sorted(p.name for p in ours.iterdir()) == sorted(torch_dist_dir.METADATA_FILENAMES)
@@ -225,13 +226,14 @@ def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
 
 def test_I7_one_plan_metadata_shared_by_steps_gives_each_its_own_metadata_file(tmp_path):
     """The finalizer hands every step of a plan the same unpickled metadata
-    (reports.GlobalMetadataCache): completing a role directory must leave it unchanged, and
-    each step's `.metadata` must describe that step's directory and files."""
+    (reports.GlobalMetadataCache): making a step's `.metadata` from it must leave it
+    unchanged, and each step's `.metadata` must describe that step's directory and files."""
     shared = Metadata(state_dict_metadata={})
     for step in (1, 2):
         directory = tmp_path / f"global_step_{step}" / "actor"
         directory.mkdir(parents=True)
-        torch_dist_dir.complete_role_dir(directory, shared, [])
+        made = torch_dist_dir.metadata_file_bytes(directory, shared, [])
+        torch_dist_dir.complete_role_dir(directory, made)
         with open(directory / ".metadata", "rb") as f:
             written = pickle.load(f)
         assert Path(written.storage_meta.checkpoint_id) == directory
@@ -262,7 +264,9 @@ def test_I7_the_metadata_file_is_what_dcps_own_finish_writes(tmp_path):
     ours.mkdir()
     for data_file in theirs.glob("*.distcp"):
         (ours / data_file.name).write_bytes(data_file.read_bytes())
-    torch_dist_dir.complete_role_dir(ours, plan, [results])
+    torch_dist_dir.complete_role_dir(
+        ours, torch_dist_dir.metadata_file_bytes(ours, plan, [results])
+    )
     with open(ours / ".metadata", "rb") as f:
         written_by_us = pickle.load(f)
     for field in ("state_dict_metadata", "storage_data", "planner_data", "version"):

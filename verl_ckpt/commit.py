@@ -233,7 +233,11 @@ def _complete_role(
     path: Path, role: str, step: int, reports: list[RankReport], metadata_file: bytes | None
 ) -> list[FileEntry]:
     # Imported here: it imports torch, which the CLI's commands that read roots do not need.
-    from verl_ckpt.torch_dist_dir import METADATA_FILENAMES, complete_role_dir
+    from verl_ckpt.torch_dist_dir import (
+        METADATA_FILENAMES,
+        complete_role_dir,
+        metadata_file_bytes,
+    )
 
     mine = sorted((r for r in reports if r.role == role), key=lambda r: r.rank)
     metadata = [r.global_metadata for r in mine if r.global_metadata is not None]
@@ -243,8 +247,10 @@ def _complete_role(
             f"of the save group), got {len(metadata)}"
         )
     directory = path / role
-    results = [r.unpacked_write_results() for r in mine] if metadata_file is None else []
-    complete_role_dir(directory, metadata[0], results, metadata_file)
+    if metadata_file is None:  # no forecast of it (metadata_forecast) fits these reports
+        results = [r.unpacked_write_results() for r in mine]
+        metadata_file = metadata_file_bytes(directory, metadata[0], results)
+    complete_role_dir(directory, metadata_file)
     entries = []
     for name in METADATA_FILENAMES:
         size, checksum = file_checksum(directory / name)

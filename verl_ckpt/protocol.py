@@ -81,7 +81,10 @@ after a whole-job restart (everything killed, the job started again).
  5. commit record     finalizer, its commit thread, once every expected report succeeded.
                       Fault phase `commit` (before the record). Completes each role's
                       torch_dist directory (.metadata, metadata.json), fsyncs, then writes
-                      the commit record atomically. THE COMMIT POINT: from here the step is
+                      the commit record atomically. A role's .metadata is made while its
+                      ranks write, from its last commit's reports, and used only if every
+                      rank reported byte-identical inputs (metadata_forecast; never
+                      waited for). THE COMMIT POINT: from here the step is
                       committed, whatever happens next.
                       Crash before: the step is lost (uncommitted leftover).
                       Crash after: both restarts roll the tracker forward to it (step 0).

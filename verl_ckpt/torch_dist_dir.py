@@ -63,23 +63,15 @@ def metadata_file_bytes(checkpoint_dir: Path, global_metadata: Any, write_result
     return capture.streams[0]
 
 
-def complete_role_dir(
-    checkpoint_dir: Path,
-    global_metadata: Any,
-    write_results: list,
-    metadata_bytes: bytes | None = None,
-) -> None:
-    """Write `.metadata` and `metadata.json`, the files that make a torch_dist directory whole.
+def complete_role_dir(checkpoint_dir: Path, metadata_file: bytes) -> None:
+    """Write `.metadata` (made by metadata_file_bytes) and `metadata.json`, the files that
+    make a torch_dist directory whole.
 
-    `metadata_bytes`: the `.metadata` made beforehand by metadata_file_bytes for exactly
-    these arguments (the finalizer's forecast), or None to make it now.
     `metadata.json` goes last: megatron-core refuses a directory without it, so until it is
     durable the directory is not loadable even by code that ignores our commit record.
     """
-    if metadata_bytes is None:
-        metadata_bytes = metadata_file_bytes(checkpoint_dir, global_metadata, write_results)
     # Temporary file, fsync, rename, directory fsync: as DCP's finish writes it, and durable.
-    atomic_write_bytes(checkpoint_dir / ".metadata", metadata_bytes)
+    atomic_write_bytes(checkpoint_dir / ".metadata", metadata_file)
     with open(checkpoint_dir / "metadata.json", "w") as f:
         json.dump(CHECKPOINTING_CONFIG, f)
         f.flush()
