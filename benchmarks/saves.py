@@ -30,6 +30,8 @@ from benchmarks.systems import REFERENCE, SYSTEMS, verl_config
 __all__ = ["Op", "SaveBench", "free_port"]
 
 CALL_TIMEOUT_S = 900.0
+# Pairs of (update alone, update right after save()) per system in the next-step measurement.
+AFTER_SAVE_PAIRS = 3
 
 
 def free_port() -> int:
@@ -253,20 +255,27 @@ class SaveBench:
 
     def _after_save(self, name: str) -> None:
         """The next training step: an update of the whole state alone, then the same update
-        right after save() returned, while the save's write runs."""
+        right after save() returned, while the save's write runs; AFTER_SAVE_PAIRS such
+        pairs, and the median of their ratios (one pair swung by several times with what
+        else the machine did, a finished inline save's update included)."""
         offload = bool(SYSTEMS[name][1].get("offload_aware"))
-        self._settle()
-        alone = max(
-            o["update_s"] for o in self._get([r.update.remote(offload) for r in self.ranks])
-        )
-        self._get([r.restore.remote() for r in self.ranks])
-        op, saved = self._save(name, name, -1, update=offload)
-        self._get([r.restore.remote() for r in self.ranks])
+        alone, after, ops = [], [], []
+        for _ in range(AFTER_SAVE_PAIRS):
+            self._settle()
+            updates = self._get([r.update.remote(offload) for r in self.ranks])
+            alone.append(max(o["update_s"] for o in updates))
+            self._get([r.restore.remote() for r in self.ranks])
+            op, saved = self._save(name, name, -1, update=offload)
+            self._get([r.restore.remote() for r in self.ranks])
+            after.append(max(s["update_s"] for s in saved))
+            ops.append(op)
         self.after_save[name] = {
-            "alone_s": alone,
-            "after_save_s": max(s["update_s"] for s in saved),
-            "blocking_s": op.blocking_s,
-            "durable_s": op.durable_s,
+            "alone_s": statistics.median(alone),
+            "after_save_s": statistics.median(after),
+            "slowdown": statistics.median(a / b for a, b in zip(after, alone, strict=True)),
+            "pairs": len(alone),
+            "blocking_s": statistics.median(op.blocking_s for op in ops),
+            "durable_s": statistics.median(op.durable_s for op in ops),
             "offload": offload,
         }
 
