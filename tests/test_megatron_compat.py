@@ -6,10 +6,12 @@ and on a real GPT model's and Adam's sharded state dicts in a process of its own
 parallel state is global).
 
 Also: the `metadata.json` that the finalizer writes without megatron-core (torch_dist_dir) is
-byte for byte what megatron-core's own save_config writes."""
+read by megatron-core as its own and starts with what its save_config writes (byte for byte
+on 0.16; 0.19 writes fewer fields)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -17,7 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.core import (
+    CheckpointingConfig,
+    maybe_load_config,
+    save_config,
+)
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -220,8 +226,58 @@ def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
     made = torch_dist_dir.metadata_file_bytes(ours, Metadata(state_dict_metadata={}), [])
     torch_dist_dir.complete_role_dir(ours, made)
     save_config(CheckpointingConfig(*torch_dist_dir.BACKEND), str(theirs))
-    assert (ours / "metadata.json").read_bytes() == (theirs / "metadata.json").read_bytes()
+    # megatron-core reads ours as its own config; ours starts with every field it writes
+    # (0.16: the same four, the same bytes; 0.19: its two, then the two it ignores).
+    assert maybe_load_config(str(ours)) == maybe_load_config(str(theirs))
+    assert maybe_load_config(str(ours)) == CheckpointingConfig(*torch_dist_dir.BACKEND)
+    ours_fields = list(json.loads((ours / "metadata.json").read_text()).items())
+    theirs_fields = list(json.loads((theirs / "metadata.json").read_text()).items())
+    assert ours_fields[: len(theirs_fields)] == theirs_fields
     assert sorted(p.name for p in ours.iterdir()) == sorted(torch_dist_dir.METADATA_FILENAMES)
+
+
+# megatron-core 0.19's CheckpointingConfig (it needs Python 3.12, so it cannot be installed
+# beside 0.16 here): the two common_backend fields are gone. A release is stood in for by
+# replacing the dataclass before megatron_compat is imported, in a process of its own.
+_RELEASE_CONFIG_SCRIPT = """
+import dataclasses
+from megatron.core.dist_checkpointing import core
+
+@dataclasses.dataclass
+class CheckpointingConfig:
+    sharded_backend: str
+    sharded_backend_version: int = 1
+{extra_field}
+
+core.CheckpointingConfig = CheckpointingConfig
+import verl_ckpt.megatron_compat
+print("imported")
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra_field", "imports"), [("", True), ("    sharded_layout: str = 'flat'", False)]
+)
+def test_a_release_that_writes_fewer_fields_imports_and_another_field_is_refused(
+    extra_field, imports
+):
+    """On 0.19.2 (an H200 machine, Python 3.12) megatron_compat refused to import: the guard
+    wanted 0.16's four fields byte for byte, although 0.19 reads the four-field file (it
+    ignores unknown fields) and 0.16 reads 0.19's two (defaults)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RELEASE_CONFIG_SCRIPT.format(extra_field=extra_field)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    if imports:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().endswith("imported")
+    else:
+        assert done.returncode != 0
+        assert "'sharded_layout': 'flat'" in done.stderr
+        assert "update torch_dist_dir" in done.stderr
 
 
 def test_I7_one_plan_metadata_shared_by_steps_gives_each_its_own_metadata_file(tmp_path):

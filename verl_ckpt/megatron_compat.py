@@ -61,11 +61,15 @@ __all__ = [
     "validate_sharding",
 ]
 
-# The finalizer writes metadata.json without megatron-core (torch_dist_dir): a release that
-# writes another one must fail here, in every rank, before a step is saved with a stale one.
-if asdict(CheckpointingConfig(*BACKEND)) != CHECKPOINTING_CONFIG:
+# The finalizer writes metadata.json without megatron-core (torch_dist_dir). It must hold
+# every field this release writes, with the same value and in the same order: 0.16 writes
+# and reads four fields, 0.19 writes the first two and ignores the others when it reads,
+# and each reads the other's file. A release that writes another field or value must fail
+# here, in every rank, before a step is saved with a stale metadata.json.
+_RELEASE_CONFIG = list(asdict(CheckpointingConfig(*BACKEND)).items())
+if _RELEASE_CONFIG != list(CHECKPOINTING_CONFIG.items())[: len(_RELEASE_CONFIG)]:
     raise ImportError(
-        f"this megatron-core writes metadata.json as {asdict(CheckpointingConfig(*BACKEND))}, "
+        f"this megatron-core writes metadata.json as {dict(_RELEASE_CONFIG)}, "
         f"verl_ckpt.torch_dist_dir as {CHECKPOINTING_CONFIG}: update torch_dist_dir"
     )
 

@@ -34,8 +34,10 @@ __all__ = [
 # (sharded_backend, sharded_backend_version) of megatron-core's CheckpointingConfig.
 BACKEND = ("torch_dist", 1)
 METADATA_FILENAMES = (".metadata", "metadata.json")
-# What megatron-core's save_config(CheckpointingConfig(*BACKEND)) writes to metadata.json,
-# key order included (it dumps the dataclass with json.dump).
+# What megatron-core 0.16's save_config(CheckpointingConfig(*BACKEND)) writes to
+# metadata.json, key order included (it dumps the dataclass with json.dump). 0.19 dropped the
+# two common_backend fields, writes the first two and ignores unknown ones when it reads
+# (megatron_compat checks this at import; tests/test_megatron_compat.py loads it).
 CHECKPOINTING_CONFIG = {
     "sharded_backend": BACKEND[0],
     "sharded_backend_version": BACKEND[1],
