@@ -4,6 +4,7 @@ Real signals and real threads; no Ray."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import threading
@@ -93,6 +94,35 @@ def test_I5_daemon_pool_close_is_bounded_and_names_a_hung_task():
     assert not not_done and all(f.cancelled() for f in queued)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(time.sleep, 0)
+
+
+def test_a_pause_takes_hold_inside_a_large_write(monkeypatch):
+    """A tensor's bytes reach the writer in one call (torch_format's blobs): a pause that
+    starts while it is written must hold the rest of it back, not only the next tensor.
+    The pause is started from inside the first slice's write (a BytesIO that clears the
+    gate): the one moment a real quiet() could not be placed at on purpose."""
+    from verl_ckpt import fsio
+
+    monkeypatch.setattr(fsio, "_WRITE_SLICE", 4)
+    gate = threading.Event()
+    gate.set()
+
+    class PausesAfterFirstSlice(io.BytesIO):
+        def write(self, data) -> int:
+            if self.tell() == 0:
+                gate.clear()  # the trainer enters quiet() while the first slice is written
+            return super().write(data)
+
+    raw = PausesAfterFirstSlice()
+    stream = fsio.ChecksummingWriter(raw, gate, writeback_every=0)
+    writer = threading.Thread(target=stream.write, args=(b"aaaabbbbcccc",))
+    writer.start()
+    writer.join(0.3)
+    assert raw.getvalue() == b"aaaa", "the rest of the tensor was written during the pause"
+    gate.set()  # quiet() ends: the write goes on where it stopped
+    writer.join(10)
+    assert not writer.is_alive() and raw.getvalue() == b"aaaabbbbcccc"
+    assert stream.size == 12
 
 
 def test_I5_paused_writes_wait_between_calls_and_a_lost_resume_ends_by_itself(

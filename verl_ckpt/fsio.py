@@ -223,13 +223,16 @@ class ChecksummingWriter:
         self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
-        if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
-            # Held back while the trainer changes its state (CheckpointManager.quiet): one
-            # check per write call, i.e. between tensors, never inside one. A pause whose
-            # resume never came (an optimizer step that raised) ends here, for good.
-            self._gate.set()
         view = memoryview(data).cast("B")
         for start in range(0, view.nbytes, _WRITE_SLICE):
+            # Held back while the trainer changes its state (CheckpointManager.quiet): one
+            # check per slice, so that a pause takes hold within one slice even in the middle
+            # of a large tensor (a tensor's bytes come in one call). The bytes are the
+            # writer's own (staged, or drained by quiet() before it pauses), so a pause
+            # anywhere leaves the file whole. A pause whose resume never came (an optimizer
+            # step that raised) ends here, for good.
+            if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
+                self._gate.set()
             piece = view[start : start + _WRITE_SLICE]
             try:
                 self._stream.write(piece)

@@ -360,9 +360,9 @@ class CheckpointManager:
     def quiet(self) -> Iterator[None]:
         """Around a change of the state (an optimizer step): fence(), wait for the writes
         that read host tensors in place (offload-aware staging), and hold the other
-        background writes back meanwhile, between tensors, so that the update has the cores
-        and the memory bandwidth to itself; they go on when the block ends (a pause never
-        lasts longer than fsio.MAX_PAUSE_S). The write's own deadline still counts."""
+        background writes back meanwhile (within one 8 MiB slice), so that the update has the
+        cores and the memory bandwidth to itself; they go on when the block ends (a pause
+        never lasts longer than fsio.MAX_PAUSE_S). The write's own deadline still counts."""
         self._before_change()
         try:
             yield

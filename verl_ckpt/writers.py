@@ -68,7 +68,8 @@ class Writer(Protocol):
         so that the first save does not pay for it."""
 
     def pause(self) -> None:
-        """Hold writes back between tensors (at most fsio.MAX_PAUSE_S) until resume()."""
+        """Hold writes back, within one slice of a write (at most fsio.MAX_PAUSE_S), until
+        resume()."""
 
     def resume(self) -> None:
         """Let writes go on."""
@@ -193,7 +194,7 @@ class ProcessWriter:
         self._nice = nice
         self._writeback_every = writeback_every
         self._ctx = torch_mp.get_context("spawn")
-        # Shared with the writer process, which checks it between tensors.
+        # Shared with the writer process, which checks it before each slice it writes.
         self._gate = self._ctx.Event()
         self._gate.set()
         self._proc = None
