@@ -107,16 +107,22 @@ def test_a_pause_takes_hold_inside_a_large_write(monkeypatch):
     gate = threading.Event()
     gate.set()
 
+    first_slice = threading.Event()
+
     class PausesAfterFirstSlice(io.BytesIO):
         def write(self, data) -> int:
             if self.tell() == 0:
                 gate.clear()  # the trainer enters quiet() while the first slice is written
+                first_slice.set()
             return super().write(data)
 
     raw = PausesAfterFirstSlice()
     stream = fsio.ChecksummingWriter(raw, gate, writeback_every=0)
     writer = threading.Thread(target=stream.write, args=(b"aaaabbbbcccc",))
     writer.start()
+    # Timed from the pause, not from the thread's start: on 2 loaded cores the thread may
+    # reach its first write late.
+    assert first_slice.wait(10), "the writer thread never wrote"
     writer.join(0.3)
     assert raw.getvalue() == b"aaaa", "the rest of the tensor was written during the pause"
     gate.set()  # quiet() ends: the write goes on where it stopped
