@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.state import RankState
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, new_hasher, start_writeback
+from verl_ckpt.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, EarlyWriteback, new_hasher
 
 __all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
 
@@ -406,7 +406,9 @@ def _raw_write(
 ) -> None:
     hasher = new_hasher(checksum) if checksum else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    handed = written = 0
+    # verl_ckpt's own early writeback (its helper thread), or none.
+    writeback = EarlyWriteback(fd, WRITEBACK_EVERY if early_writeback else 0)
+    written = 0
     try:
         for tensor in tensors:
             view = memoryview(tensor.numpy()).cast("B")
@@ -416,11 +418,10 @@ def _raw_write(
                 done = os.write(fd, view)
                 view = view[done:]
                 written += done
-                if early_writeback and written - handed >= WRITEBACK_EVERY:
-                    start_writeback(fd, handed, written - handed)
-                    handed = written
+                writeback.advance(written)
         os.fsync(fd)
     finally:
+        writeback.close()
         os.close(fd)
 
 

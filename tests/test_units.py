@@ -249,6 +249,41 @@ except OSError as exc:
 """
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path, monkeypatch):
+    """sync_file_range blocks once the disk's queue is full; made by the writer itself, it
+    held the writer back from the page cache (1.35x a plain write at 1 GiB per rank). The
+    hints go to a helper thread: the writing thread never makes one, every byte and the
+    checksum are as written, and the helper's duplicate descriptor is closed once the file is
+    done (no descriptor left open per file written)."""
+    import os
+    import threading
+    import time
+
+    from verl_ckpt import fsio
+    from verl_ckpt.file_writer import write_checksummed
+
+    callers: list[str] = []
+    real = fsio.start_writeback
+
+    def observed(fd: int, offset: int, nbytes: int) -> bool:  # records who calls, then calls
+        callers.append(threading.current_thread().name)
+        return real(fd, offset, nbytes)
+
+    monkeypatch.setattr(fsio, "start_writeback", observed)
+    open_before = len(os.listdir("/proc/self/fd"))
+    payload = os.urandom(1 << 20) * 40  # 40 MiB: hints at 16 and 32 MiB (writeback_every)
+    path = tmp_path / "shard.distcp"
+    written = write_checksummed(path, lambda stream: stream.write(payload))
+    assert path.read_bytes() == payload
+    assert (written.size, written.checksum) == file_checksum(path)
+    deadline = time.monotonic() + 30
+    while len(os.listdir("/proc/self/fd")) > open_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == open_before, "the helper kept its descriptor"
+    assert callers and set(callers) == {"verl_ckpt_writeback"}, callers
+
+
 @pytest.mark.parametrize("where", ["torch.save", "tensor blob", "flush"])
 def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path, where):
     """A failed write must say why (EFBIG/ENOSPC) and which file, wherever it surfaces:

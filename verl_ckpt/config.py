@@ -64,9 +64,10 @@ class WriterConfig:
     # 0 to 19: the background write yields the cores to the training thread. Their I/O is
     # lowered to the best-effort class's lowest level as well when this is above 0.
     nice: int = 10
-    # A file being written hands its new bytes to the disk every this many MiB, without
-    # waiting (Linux sync_file_range): the disk writes while later tensors are serialised,
-    # and the fsync at the end finds little left. 0 leaves it all to the final fsync.
+    # A file being written hands its new bytes to the disk every this many MiB (Linux
+    # sync_file_range, made on a helper thread: the writer never waits for the disk's queue):
+    # the disk writes while later tensors are serialised, and the fsync at the end finds
+    # little left. 0 leaves it all to the final fsync.
     early_writeback_mb: int = 16
 
     def __post_init__(self) -> None:

@@ -56,7 +56,10 @@ def write_checksummed(
     with open(path, "wb") as raw:
         stream = ChecksummingWriter(raw, gate, writeback_every)
         try:
-            write(stream)
+            try:
+                write(stream)
+            finally:
+                stream.done_writing()
             raw.flush()
             synced = time.perf_counter()
             os.fsync(raw.fileno())
