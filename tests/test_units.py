@@ -284,6 +284,37 @@ def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path
     assert callers and set(callers) == {"verl_ckpt_writeback"}, callers
 
 
+_WRITE_WITH_ONE_DESCRIPTOR_LEFT = """
+import os, resource, sys
+from verl_ckpt.file_writer import write_checksummed
+from verl_ckpt.fsio import file_checksum
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+payload = os.urandom(1 << 20) * 40  # the early writeback's helper wants a dup at 16 MiB
+held = []
+try:
+    while True:  # take every descriptor but one, for real: the file's own open gets it
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    os.close(held.pop())
+written = write_checksummed(sys.argv[1], lambda stream: stream.write(payload))
+for fd in held:
+    os.close(fd)
+print("SAME", (written.size, written.checksum) == file_checksum(sys.argv[1]))
+"""
+
+
+def test_early_writeback_out_of_descriptors_still_writes_the_file(tmp_path):
+    """The helper of the early writeback needs a duplicate descriptor; a process at its
+    descriptor limit gets none, and the write goes on without hints instead of failing."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_WITH_ONE_DESCRIPTOR_LEFT, str(tmp_path / "f.bin")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "SAME True" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("where", ["torch.save", "tensor blob", "flush"])
 def test_I1_write_failure_names_the_real_cause_and_the_file(tmp_path, where):
     """A failed write must say why (EFBIG/ENOSPC) and which file, wherever it surfaces:

@@ -206,16 +206,29 @@ class EarlyWriteback:
         there are `every` of them."""
         if self._fd is None or self._stopped or end - self._handed < self._every:
             return
-        if self._pending is None:
-            self._pending = queue.SimpleQueue()
-            threading.Thread(
-                target=self._hand_over,
-                args=(os.dup(self._fd),),
-                name="verl_ckpt_writeback",
-                daemon=True,
-            ).start()
+        if self._pending is None and not self._start_helper():
+            return
         self._pending.put(end)
         self._handed = end
+
+    def _start_helper(self) -> bool:
+        # Out of descriptors or threads: a hint is not worth failing the write for.
+        try:
+            own_fd = os.dup(self._fd)
+        except OSError:
+            self._fd = None
+            return False
+        self._pending = queue.SimpleQueue()
+        helper = threading.Thread(
+            target=self._hand_over, args=(own_fd,), name="verl_ckpt_writeback", daemon=True
+        )
+        try:
+            helper.start()
+        except RuntimeError:
+            os.close(own_fd)
+            self._fd, self._pending = None, None
+            return False
+        return True
 
     def close(self) -> None:
         """No more bytes come: the helper makes the hints already handed, then ends."""
