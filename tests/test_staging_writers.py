@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -139,6 +140,15 @@ def test_I4_offload_aware_load_waits_for_the_live_writes(ranks, slow_offload_awa
     assert_restores(ranks, 2, before)
 
 
+def writer_pid_within(rank, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    while (pid := ray.get(rank.writer_pid.remote())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no writer process running after {seconds:g}s")
+        time.sleep(0.05)
+    return pid
+
+
 def test_I5_killed_writer_process_fails_the_save_and_the_next_save_commits(ranks, tmp_path):
     cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "writer": {"mode": "process"}}
     coordinator = CheckpointCoordinator(cfg, ROLES)
@@ -149,8 +159,10 @@ def test_I5_killed_writer_process_fails_the_save_and_the_next_save_commits(ranks
     ray.get([w.open_manager.remote(cfg) for w in every_rank(ranks)])
     try:
         save_everyone(ranks, coordinator, 1)
-        pid = ray.get(critic.writer_pid.remote())
-        assert pid is not None and pid != ray.get(critic.pid.remote())
+        # The save thread spawns the writer process once save() has returned: on 2 loaded
+        # cores that can come after this call.
+        pid = writer_pid_within(critic, 60.0)
+        assert pid != ray.get(critic.pid.remote())
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(CheckpointWriteError, match=r"writer process died \(exit status -9\)"):
             ray.get(critic.wait.remote())
