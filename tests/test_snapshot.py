@@ -8,6 +8,8 @@ the trainer's change lands before the copy ends: the race the version counters m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -157,7 +159,11 @@ def test_prepare_makes_the_first_save_reuse_the_plan_buffers_and_writer(ranks, t
     cfg = ckpt_config(tmp_path, writer={"mode": writer})
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
+    root = Path(cfg["root_dir"])
+    opened = sorted(path.name for path in root.iterdir())
     ray.get([w.prepare.remote() for w in every_rank(ranks)])
+    # Planning writes nothing into the checkpoint root (it once left an empty prepare/).
+    assert sorted(path.name for path in root.iterdir()) == opened
     staged = ray.get([w.staged_bytes.remote() for w in every_rank(ranks)])
     assert all(n > 0 for n in staged)  # the buffers exist before the first save
     if writer == "process":

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import tempfile
 import threading
 import time
 import uuid
@@ -246,16 +247,18 @@ class CheckpointManager:
                 warm = self._save_thread.submit(self._call_finalizer, "describe", label="warm up")
                 warm.result(timeout=max(0.0, deadline - time.monotonic()))
             # The plan depends on the structure only: planned over the live tensors, nothing
-            # is written, and the first save reuses it.
-            prepared = megatron_compat.plan_save(
-                layout.sharded,
-                self._root / "prepare",
-                self._group,
-                self.config.writer.threads,
-                layout.digest,
-                self._plan_cache if layout.reuse_plan else None,
-                layout.distribution,
-            )
+            # is written, and the first save reuses it. DCP's planning makes the directory
+            # it plans for: a scratch one, not a stray entry in the checkpoint root.
+            with tempfile.TemporaryDirectory(prefix="verl_ckpt_plan_") as scratch:
+                prepared = megatron_compat.plan_save(
+                    layout.sharded,
+                    Path(scratch) / "plan",
+                    self._group,
+                    self.config.writer.threads,
+                    layout.digest,
+                    self._plan_cache if layout.reuse_plan else None,
+                    layout.distribution,
+                )
             if self.config.assume_constant_structure:
                 self._plan_cache = prepared.plan_cache
         finally:
