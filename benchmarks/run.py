@@ -302,12 +302,12 @@ BREAKDOWN_NOTE = (
     "includes building the model's and optimizer's sharded state dicts, as a trainer's save "
     "does (megatron-core systems build the same dicts; DCP builds DTensors). manager.save() "
     "and the parts after it are verl_ckpt's own SaveStats: stage = copying into the staging "
-    "pool; plan = structure hash, the group agreement (issued and checked on the save "
+    "pool; plan = structure description, the group agreement (issued and checked on the save "
     "thread when the plan is cached; waited for, with validation, when re-planning), and "
     "megatron-core planning (on the save thread when the plan is cached: "
-    "mcore_to_pyt_state_dict, save_state_dict_async_plan, prepare_write_data), common.pt; "
-    "rest = back-pressure wait, composing, submitting the write (and, for a save that "
-    "re-plans, the `begin_step` round trip to the finalizer actor)."
+    "mcore_to_pyt_state_dict, save_state_dict_async_plan, prepare_write_data), copying "
+    "common.pt's state; rest = back-pressure wait, composing, submitting the write (and, "
+    "for a save that re-plans, the `begin_step` round trip to the finalizer actor)."
 )
 
 WRITE_PATH_NOTE = (

@@ -90,6 +90,20 @@ class RankWorker:
             )
         )
 
+    def save_uncopyable_extra(self, step: int) -> dict[str, Any]:
+        """A save of save()'s structure whose extra state cannot be copied (it holds a lock):
+        save() fails after the save group's layout, on the training thread."""
+        import threading
+
+        return vars(
+            self.manager.save(
+                step,
+                model=self.model.sharded_state_dict(),
+                optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+                extra={"lock": threading.Lock()},
+            )
+        )
+
     def placement(self) -> dict[str, str]:
         """Where this rank's state lives and which backend its group has (the CUDA tests)."""
         import torch.distributed as dist

@@ -76,3 +76,29 @@ def test_a_structure_change_on_one_rank_only_fails_every_rank_at_once(ranks, tmp
         ray.get(first.wait.remote())
     assert read_tracker(cfg["root_dir"]) == 1
     close_all(ranks, coordinator)
+
+
+def test_a_save_that_fails_inside_save_on_one_rank_leaves_the_next_step_to_every_rank(
+    ranks, tmp_path
+):
+    # Rank 0 goes ahead on its cached plan, and its save() fails after the layout (its extra
+    # state holds a lock, which cannot be copied). Its peer went ahead too and waits for rank
+    # 0's statement in a collective: the statement must still be made, or the agreement of
+    # the next step would pair with this one and fail a step nobody failed.
+    cfg = ckpt_config(tmp_path, timeout_s=20.0)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    first, second = ranks["actor"]
+    broken, ahead = first.save_uncopyable_extra.remote(2), second.save.remote(2)
+    with pytest.raises(TypeError, match="lock"):
+        ray.get(broken, timeout=RETURNS_WITHIN_S)
+    assert ray.get(ahead, timeout=RETURNS_WITHIN_S)["plan_reused"]
+    ray.get(ranks["critic"][0].save.remote(2))
+    with pytest.raises(StepNotCommittedError, match="actor rank 0"):
+        coordinator.wait_for_commit(2)
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(cfg["root_dir"]) == 3
+    close_all(ranks, coordinator)

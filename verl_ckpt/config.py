@@ -233,7 +233,7 @@ class CheckpointConfig:
     # file) or previous (moved into <root>/quarantine/, never deleted; the run resumes from
     # the newest older committed step that passes, with a warning naming the bad file).
     resume_fallback: str = "error"
-    # Reuse the save plan while the structure hash of the state is unchanged on every rank.
+    # Reuse the save plan while the structure of the state is unchanged on every rank.
     assume_constant_structure: bool = True
     # Spread the writing of replicated shards over the role's data-parallel ranks instead of
     # having the first replica write them all.

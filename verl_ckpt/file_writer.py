@@ -91,7 +91,7 @@ def write_bucket(
 
 
 def serialize_common(common_state_dict: dict) -> bytes:
-    """common.pt's bytes, taken inside save(): the snapshot of the non-sharded state (I4)."""
+    """common.pt's bytes, from the copy of the non-sharded state save() took (I4)."""
     buffer = io.BytesIO()
     torch.save(common_state_dict, buffer)
     return buffer.getvalue()

@@ -51,6 +51,7 @@ from verl_ckpt.group_agreement import (
 from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.object_copy import snapshot_copy
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.snapshot_plan import (
@@ -63,7 +64,7 @@ from verl_ckpt.snapshot_plan import (
     split_live,
 )
 from verl_ckpt.staging import StagingPool, copy_into
-from verl_ckpt.structure import structure_hash
+from verl_ckpt.structure import Structure, describe_structure
 from verl_ckpt.threads import DaemonPool
 from verl_ckpt.verification import verify_files
 from verl_ckpt.writers import WriteTimeout, make_writer
@@ -117,12 +118,14 @@ class _Layout:
     sharded: dict
     common: dict
     items: list
-    digest: str
+    structure: Structure
     reuse_plan: bool
     distribution: Any
     seconds: float
-    # Set when this rank went ahead on its cached plan: the save group's statements, which
-    # the save thread checks before begin_step (group_agreement).
+    # Set when this rank goes ahead on its cached plan: its statement, issued by save() once
+    # the job is composed (_state_went_ahead), then the save group's statements, which the
+    # save thread checks before begin_step (group_agreement).
+    statement: Statement | None = None
     agreement: Future | None = None
 
     @functools.cached_property
@@ -139,7 +142,8 @@ class _SaveJob:
     layout: _Layout
     copy: SnapshotPlan | None  # None until a deferred snapshot acquires it (save thread)
     save_id: str
-    common_bytes: bytes | None
+    # Rank 0 only: the non-sharded state (common.pt), as copied inside save() (I4).
+    common: dict | None
     stats: SaveStats
     deadline: float
     marks: SaveTimeMarks | None = None  # a deferred snapshot's, recorded in save()
@@ -255,7 +259,7 @@ class CheckpointManager:
                     Path(scratch) / "plan",
                     self._group,
                     self.config.writer.threads,
-                    layout.digest,
+                    layout.structure,
                     self._plan_cache if layout.reuse_plan else None,
                     layout.distribution,
                 )
@@ -290,6 +294,7 @@ class CheckpointManager:
         """
         self._check_open()
         started = time.perf_counter()
+        layout = None
         try:
             deferred = self._snapshot_mode(snapshot) == "deferred"
             spec_bytes = self._model_spec_bytes(model_spec)
@@ -315,7 +320,13 @@ class CheckpointManager:
                 job = self._new_job(layout, None, marks)
             else:
                 job = self._new_job(layout, self._acquire_copy(layout))
+            self._state_went_ahead(layout)
         except Exception as exc:
+            if layout is not None:
+                # The peers that went ahead wait for this rank's statement in a collective:
+                # made even now, their agreement ends and they learn of the failure from the
+                # finalizer; never made, the next agreement would pair with this one.
+                self._state_went_ahead(layout)
             # The other participants save this step: tell the finalizer now that this rank
             # will not, or the step would wait for this report until its deadline.
             self._report_failure(step, uuid.uuid4().hex, Phase.PLAN, exc)
@@ -504,10 +515,10 @@ class CheckpointManager:
     def _layout(self, step: int, state: dict, go_ahead: bool = True) -> _Layout:
         started = time.perf_counter()
         sharded, common, items = megatron_compat.split_common_state(state)
-        digest = structure_hash(items)
+        structure = describe_structure(items)
         # Agreement comes before begin_step: ranks that disagree on the step or the root fail
         # together before any directory or file exists.
-        reuse, agreement = self._agree_with_group(step, digest, go_ahead)
+        reuse, statement = self._agree_with_group(step, structure, go_ahead)
         cache = self._plan_cache if reuse else None
         distribution = None
         if self.config.fully_parallel_save:
@@ -518,22 +529,31 @@ class CheckpointManager:
             megatron_compat.validate_sharding(items, self._group)
         seconds = time.perf_counter() - started
         return _Layout(
-            step, sharded, common, items, digest, reuse, distribution, seconds, agreement
+            step, sharded, common, items, structure, reuse, distribution, seconds, statement
         )
 
     def _agree_with_group(
-        self, step: int, digest: str, go_ahead: bool
-    ) -> tuple[bool, Future | None]:
+        self, step: int, structure: Structure, go_ahead: bool
+    ) -> tuple[bool, Statement | None]:
         """State the step, the root and whether the cached plan fits (group_agreement).
-        Returns whether the plan is reused, and the pending outcome if this rank went ahead
-        on its cached plan (then only the save thread waits for the others)."""
-        cached = self._plan_cache is not None and self._plan_cache.structure_hash == digest
+        Returns whether the plan is reused, and, if this rank goes ahead on its cached plan,
+        the statement it will make (_state_went_ahead; only the save thread waits for the
+        others). A rank that plans over the group makes it now and waits for the outcome."""
+        cached = self._plan_cache is not None and self._plan_cache.structure == structure
         ahead = go_ahead and cached and self._save_thread is not None
-        pending = self._agreement.start(Statement(step, self._root_id, cached, ahead))
+        statement = Statement(step, self._root_id, cached, ahead)
         if ahead:
-            return True, pending
-        statements = self._agreement.outcome(pending)
+            return True, statement
+        statements = self._agreement.outcome(self._agreement.start(statement))
         return self.config.assume_constant_structure and plan_reusable(statements, self.role), None
+
+    def _state_went_ahead(self, layout: _Layout) -> None:
+        """Make the statement of a rank that went ahead, once (group_agreement). Made last in
+        save(), when the job is composed: the agreement thread's collective then runs while
+        the save returns (and the deferred copy, or the copy, runs), instead of taking the
+        interpreter from the training thread in the middle of save()."""
+        if layout.statement is not None and layout.agreement is None:
+            layout.agreement = self._agreement.start(layout.statement)
 
     # ---- step 2: stage -------------------------------------------------------------------
 
@@ -593,7 +613,7 @@ class CheckpointManager:
             job.directory,
             self._group,
             self.config.writer.threads,
-            job.layout.digest,
+            job.layout.structure,
             self._plan_cache if job.layout.reuse_plan else None,
             job.layout.distribution,
         )
@@ -608,8 +628,10 @@ class CheckpointManager:
     ) -> _SaveJob:
         try:
             # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
-            # requires common.pt even when it holds nothing): serialised now, the snapshot.
-            common_bytes = serialize_common(layout.common) if self.rank == 0 else None
+            # requires common.pt even when it holds nothing): copied now, the snapshot, and
+            # serialised by the write (torch.save of a small dict costs a deferred save()'s
+            # training thread more than the copy).
+            common = snapshot_copy(layout.common) if self.rank == 0 else None
         except BaseException:
             if copy is not None:
                 self._pool.release(copy.slot)
@@ -624,7 +646,7 @@ class CheckpointManager:
             bytes_zero_copy=live_bytes(copy) if copy is not None else 0,
         )
         deadline = time.monotonic() + self._timeout_s
-        return _SaveJob(layout, copy, uuid.uuid4().hex, common_bytes, stats, deadline, marks)
+        return _SaveJob(layout, copy, uuid.uuid4().hex, common, stats, deadline, marks)
 
     def _launch(self, job: _SaveJob, deferred: bool, background: bool) -> None:
         if self._save_thread is None:
@@ -751,8 +773,8 @@ class CheckpointManager:
             )
             check_live_unchanged(job.copy.live)
             files = [written for _, written in outcomes]
-            if job.common_bytes is not None:
-                files.append(write_common(job.common_bytes, job.directory))
+            if job.common is not None:
+                files.append(write_common(serialize_common(job.common), job.directory))
             if job.model_spec_bytes is not None:
                 files.append(write_model_spec(job.model_spec_bytes, job.directory))
             for results, _ in outcomes:

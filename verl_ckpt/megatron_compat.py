@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.validation import (
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
+from verl_ckpt.structure import Structure
 from verl_ckpt.torch_dist_dir import BACKEND, CHECKPOINTING_CONFIG
 
 __all__ = [
@@ -76,9 +77,10 @@ if _RELEASE_CONFIG != list(CHECKPOINTING_CONFIG.items())[: len(_RELEASE_CONFIG)]
 
 @dataclass
 class SavePlanCache:
-    """The outcome of planning, reusable while the structure hash holds on every rank."""
+    """The outcome of planning, reusable while the structure (structure.py) holds on every
+    rank."""
 
-    structure_hash: str
+    structure: Structure
     central_plan: Any
     local_plan: Any
     replica_distribution: Any
@@ -256,7 +258,7 @@ def plan_save(
     checkpoint_dir: Path,
     group: dist.ProcessGroup | None,
     files_per_rank: int,
-    structure_hash: str,
+    structure: Structure,
     cache: SavePlanCache | None,
     replica_distribution: Any = None,
 ) -> PreparedSave:
@@ -287,7 +289,7 @@ def plan_save(
     elif global_metadata is not None:
         global_metadata = pickle.dumps(global_metadata, protocol=pickle.HIGHEST_PROTOCOL)
     new_cache = SavePlanCache(
-        structure_hash, central_plan, local_plan, replica_distribution, global_metadata
+        structure, central_plan, local_plan, replica_distribution, global_metadata
     )
     transforms = getattr(writer, "transforms", None)
     return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)

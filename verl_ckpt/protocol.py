@@ -44,7 +44,7 @@ after a whole-job restart (everything killed, the job started again).
                       reported. A refusal of a failed step on the save thread ends that
                       save quietly: not the rank's own failure, it must not fail the next
                       step when raised by the next save(). Then validate sharding and
-                      build the DCP plan (cached while the structure hash holds).
+                      build the DCP plan (cached while the structure holds).
                       Durable: an empty step directory.
                       A save() that raises before this (an earlier failure, raised once
                       instead of saving) reports a failure for its step at once.
@@ -58,7 +58,8 @@ after a whole-job restart (everything killed, the job started again).
                       Copy every tensor into reused host buffers (or reference host tensors
                       that are provably not changed in place until the write ends: version
                       counters, and quiet()/fence_before/load() wait for those writes), and
-                      deep-copy the non-tensor shards when planning moves off this thread.
+                      deep-copy the non-tensor state (rank 0's common.pt part; the
+                      non-tensor shards when planning moves off this thread).
                       `save()` returns here. Durable: nothing.
  3. write             rank, writer threads or the writer process. Deadline: timeout_s from
                       save(). Fault phase `write`. Each file is written, checksummed as the

@@ -5,7 +5,6 @@ values fails that save loudly, never leaving a file with a mix of old and new va
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +12,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from verl_ckpt import megatron_compat
 from verl_ckpt.errors import CheckpointError
+from verl_ckpt.object_copy import snapshot_copy
 from verl_ckpt.staging import StagingSlot, device_ready_events
 
 __all__ = [
@@ -77,7 +77,7 @@ def live_bytes(plan: SnapshotPlan) -> int:
 
 def freeze_objects(items: list) -> None:
     """Take the snapshot of the non-tensor shards (ShardedObject: the per-rank extra state,
-    RNG states, counters) by deep-copying their data now, on the training thread.
+    RNG states, counters) by deep-copying their data now (object_copy), on the training thread.
 
     Their bytes are produced when the save plans (megatron-core torch.saves them into the
     plan's write items); once the plan is cached that runs on the save thread, after save()
@@ -85,7 +85,7 @@ def freeze_objects(items: list) -> None:
     values saved (I4). Called only when planning moves off the training thread."""
     for item in items:
         if isinstance(item, ShardedObject):
-            item.data = copy.deepcopy(item.data)
+            item.data = snapshot_copy(item.data)
 
 
 def split_live(
