@@ -66,6 +66,10 @@ class DirectFileSystemReader(FileSystemReader):
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         elsewhere = []
         for relative_path, items in by_file.items():
+            # In file order: the plan lists tensors in state-dict order, which the writer's
+            # split by size does not keep; read in that order from a cold page cache, the
+            # kernel sees seeks back and forth and reads ahead little.
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
             fd = os.open(self.fs.concat_path(self.path, relative_path), os.O_RDONLY)
             try:
                 elsewhere += [item for item in items if not self._read_in_place(fd, item, planner)]
