@@ -24,12 +24,19 @@ from verl_ckpt import (
 RETURNS_WITHIN_S = 20.0
 
 
-def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_path):
-    cfg = ckpt_config(tmp_path)
+def _step_one_committed(ranks: dict, tmp_path, **config) -> tuple[dict, CheckpointCoordinator]:
+    """Open every rank and commit step 1: its save plans over the group, so that from step 2
+    on each rank's plan is cached and its save goes ahead."""
+    cfg = ckpt_config(tmp_path, **config)
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)  # the first save plans over the group
+    save_everyone(ranks, coordinator, 1)
     coordinator.wait_for_commit(1)
+    return cfg, coordinator
+
+
+def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_path):
+    cfg, coordinator = _step_one_committed(ranks, tmp_path)
     first, second = ranks["actor"]
     alone = ray.get(first.save.remote(2), timeout=RETURNS_WITHIN_S)
     assert alone["plan_reused"]
@@ -43,11 +50,7 @@ def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_p
 
 
 def test_I5_a_peer_that_never_saves_fails_the_save_that_went_ahead_naming_it(ranks, tmp_path):
-    cfg = ckpt_config(tmp_path, timeout_s=4.0)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    cfg, coordinator = _step_one_committed(ranks, tmp_path, timeout_s=4.0)
     first = ranks["actor"][0]
     ray.get(first.save.remote(2), timeout=RETURNS_WITHIN_S)
     # gloo's monitored barrier names rank 1 of the save group, which never called save(2).
@@ -60,11 +63,7 @@ def test_I5_a_peer_that_never_saves_fails_the_save_that_went_ahead_naming_it(ran
 
 
 def test_a_structure_change_on_one_rank_only_fails_every_rank_at_once(ranks, tmp_path):
-    cfg = ckpt_config(tmp_path)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    cfg, coordinator = _step_one_committed(ranks, tmp_path)
     first, second = ranks["actor"]
     # Rank 1 saves another structure (one more tensor); rank 0 goes ahead on its cached
     # plan. Rank 1 must not enter a planning collective that rank 0 will never join.
@@ -85,11 +84,7 @@ def test_a_save_that_fails_inside_save_on_one_rank_leaves_the_next_step_to_every
     # state holds a lock, which cannot be copied). Its peer went ahead too and waits for rank
     # 0's statement in a collective: the statement must still be made, or the agreement of
     # the next step would pair with this one and fail a step nobody failed.
-    cfg = ckpt_config(tmp_path, timeout_s=20.0)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    cfg, coordinator = _step_one_committed(ranks, tmp_path, timeout_s=20.0)
     first, second = ranks["actor"]
     broken, ahead = first.save_uncopyable_extra.remote(2), second.save.remote(2)
     with pytest.raises(TypeError, match="lock"):
