@@ -5,8 +5,8 @@ The staging buffers and the save plan are reused only while this description is 
 or replica id must never reuse a stale plan (megatron-core's own cache does, and then
 writes stale metadata). It is only ever compared with the description this process cached
 at its last planning, so it is kept as it is, neither serialised nor hashed: equality of
-tuples of strings, integers and None is exact, and costs a deferred save() a fraction of
-what pickling it for a hash did.
+tuples of strings, integers, torch dtypes and None is exact, and costs a deferred save() a
+fraction of what pickling it for a hash did.
 """
 
 from __future__ import annotations
