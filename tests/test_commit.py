@@ -62,6 +62,16 @@ def test_I1_a_reported_file_of_the_wrong_size_fails_before_the_record(tmp_path):
     assert not is_committed(step_dir(tmp_path, 1)) and read_tracker(tmp_path) is None
 
 
+def test_I1_a_problem_found_when_the_report_arrived_fails_the_commit(tmp_path):
+    """The finalizer checks a report's files when it arrives (RankReport.files_on_arrival);
+    the commit takes that outcome instead of checking again."""
+    report = driver_report(tmp_path, 1)
+    report.files_on_arrival = "state.pt: reported by driver rank 0 with 5 bytes, found 4"
+    with pytest.raises(CommitPhaseError, match="with 5 bytes, found 4"):
+        commit_step(tmp_path, 1, DRIVER_ONLY, [report])
+    assert not is_committed(step_dir(tmp_path, 1)) and read_tracker(tmp_path) is None
+
+
 def test_I2_the_tracker_never_moves_backwards(tmp_path):
     commit_step(tmp_path, 5, DRIVER_ONLY, [driver_report(tmp_path, 5)])
     summary = commit_step(tmp_path, 4, DRIVER_ONLY, [driver_report(tmp_path, 4)])

@@ -37,6 +37,7 @@ from verl_ckpt import metadata_forecast
 from verl_ckpt.commit_record import (
     CommitRecord,
     FileEntry,
+    is_committed,
     read_commit_record,
     write_commit_record,
 )
@@ -210,6 +211,31 @@ def test_I1_the_report_of_a_replaced_save_is_ignored_and_the_step_verifies(tmp_p
     asyncio.run(run())
     path = step_dir(tmp_path, 3)
     assert verify_files(path, read_commit_record(path)) == []
+
+
+def test_I1_a_report_whose_file_has_another_size_when_it_arrives_fails_the_step(tmp_path):
+    """Each report's files are checked as the report arrives (off the commit's path, which
+    at thousands of ranks those stats dominated): a file of another size than reported
+    fails the step, naming the file, and nothing is committed."""
+    report = None
+
+    async def run() -> None:
+        nonlocal report
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        directory = Path(await finalizer.begin_step(4, "driver", 0, 2, 10.0, "torn"))
+        written = write_checksummed(directory / "part0.bin", lambda s: s.write(b"t" * 100))
+        report = RankReport(4, "driver", 0, 2, "torn")
+        report.files.append(FileEntry("part0.bin", written.size + 20, written.checksum))
+        report.files_on_arrival = ""  # what a sender puts here is not trusted
+        await finalizer.report(report)
+        await write_and_report(finalizer, 4, 1, "other")
+        with pytest.raises(StepNotCommittedError, match=r"part0.bin: reported by driver rank 0 "):
+            await finalizer.wait_for_commit(4, 10.0)
+
+    asyncio.run(run())
+    assert "with 120 bytes, found 100" in report.files_on_arrival
+    assert not is_committed(step_dir(tmp_path, 4))
+    assert read_tracker(tmp_path) is None
 
 
 def test_I5_saving_a_failed_step_again_is_refused_naming_the_failure(tmp_path):

@@ -22,7 +22,7 @@ from verl_ckpt.commit_record import (
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
-from verl_ckpt.layout import list_step_dirs, step_dir
+from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
 from verl_ckpt.reports import GlobalMetadataCache, RankReport
 from verl_ckpt.retention import delete_step_dir, steps_to_delete
 from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
@@ -101,6 +101,21 @@ def test_I1_commit_record_round_trip_and_checksums(tmp_path, algorithm):
     assert "checksum" in verify_files(path, record)[0]
     shard.write_bytes(b"x" * 10)
     assert "size 10, expected 1000" in verify_files(path, record)[0]
+
+
+def test_I1_commit_record_entries_are_json_whatever_the_file_names(tmp_path):
+    """The record's file entries are formatted without one json.dumps each (the commit's
+    critical path at thousands of ranks): names needing escapes read back unchanged, and
+    each line is what json.dumps gives."""
+    names = ['actor/a"quote.distcp', "actor/back\\slash", "actor/ümlaut\tand tab", "driver.pt"]
+    entries = [FileEntry(name, size, f"{size:08x}") for size, name in enumerate(names)]
+    write_commit_record(tmp_path, CommitRecord(7, {"actor": 1}, entries))
+    assert read_commit_record(tmp_path).files == entries
+    text = (tmp_path / COMMIT_RECORD_FILENAME).read_text()
+    for entry in entries:
+        assert (
+            json.dumps({"path": entry.path, "size": entry.size, "checksum": entry.checksum}) in text
+        )
 
 
 def test_I1_commit_record_unknown_version_and_corruption(tmp_path):

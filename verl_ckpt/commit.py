@@ -37,6 +37,7 @@ __all__ = [
     "apply_retention",
     "commit_step",
     "discard_failed_steps",
+    "reported_files_problem",
     "step_summary",
 ]
 
@@ -209,24 +210,36 @@ def step_summary(root: Path, step: int) -> CommitSummary:
 
 
 def _reported_files(path: Path, reports: list[RankReport]) -> list[FileEntry]:
-    """Every reported file, checked to exist with the reported size."""
+    """Every reported file, checked to exist with the reported size: when its report
+    arrived (the finalizer's intake, `RankReport.files_on_arrival`), or here."""
     files = []
-    base = str(path)  # plain strings: thousands of ranks' files, on the commit's critical path
     for report in reports:
-        for entry in report.files:
-            actual = os.path.join(base, entry.path)
-            try:
-                size: int | None = os.stat(actual).st_size
-            except FileNotFoundError:
-                size = None
-            if size != entry.size:
-                found = size if size is not None else "no file"
-                raise CheckpointError(
-                    f"{actual}: reported by {report.role} rank {report.rank} with "
-                    f"{entry.size} bytes, found {found}"
-                )
-            files.append(entry)
+        problem = report.files_on_arrival
+        if problem is None:
+            problem = reported_files_problem(path, report)
+        if problem:
+            raise CheckpointError(problem)
+        files.extend(report.files)
     return files
+
+
+def reported_files_problem(path: Path, report: RankReport) -> str:
+    """What is wrong on disk with the files `report` names under the step directory `path`
+    (the first missing file or file of another size), or "" when nothing."""
+    base = str(path)  # plain strings: thousands of ranks' files are checked per step
+    for entry in report.files:
+        actual = os.path.join(base, entry.path)
+        try:
+            size: int | None = os.stat(actual).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            size = None
+        if size != entry.size:
+            found = size if size is not None else "no file"
+            return (
+                f"{actual}: reported by {report.role} rank {report.rank} with "
+                f"{entry.size} bytes, found {found}"
+            )
+    return ""
 
 
 def _complete_role(

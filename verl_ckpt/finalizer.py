@@ -24,6 +24,7 @@ from verl_ckpt.commit import (
     apply_retention,
     commit_step,
     discard_failed_steps,
+    reported_files_problem,
     step_summary,
 )
 from verl_ckpt.commit_record import committed_steps, is_committed
@@ -231,8 +232,15 @@ class CheckpointFinalizer:
         report.unpack(self._metadata_cache)
         self._check_participant(report.role, report.rank, report.world_size)
         step = report.step
-        if self._ledger.status(step) is None and is_committed(step_dir(self._root, step)):
+        path = step_dir(self._root, step)
+        if self._ledger.status(step) is None and is_committed(path):
             return  # late: committed (and forgotten) already
+        # Each report's files are checked as it arrives, not all of them at the commit: with
+        # thousands of ranks their stats were most of the commit's time after the last
+        # report. A reported file is final (the rank wrote and closed it before reporting,
+        # and a second save of a reported step is refused at begin_step); a problem found
+        # here fails the commit, as one found at the commit does.
+        report.files_on_arrival = reported_files_problem(path, report)
         outcome = self._ledger.record(report)
         if outcome is Recorded.REFUSED_LOST:
             raise StepNotCommittedError(

@@ -39,6 +39,10 @@ class RankReport:
     # metadata arrives pickled already (once per save plan: megatron_compat.PreparedSave).
     packed_write_results: bytes | None = None
     packed_global_metadata: bytes | None = None
+    # Set by the finalizer when the report arrives, whatever a sender put here: what was
+    # wrong with its files on disk then ("" when nothing; commit.reported_files_problem).
+    # None: not checked, and the commit checks them.
+    files_on_arrival: str | None = None
 
     def pack(self) -> RankReport:
         """Before sending: write_results as one pickled blob."""
