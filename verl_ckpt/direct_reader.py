@@ -5,16 +5,26 @@ copies it into the tensor that receives it: two copies after the read. A tensor 
 verl_ckpt wrote is always a whole, contiguous tensor whose `torch.save` blob holds exactly
 one storage record, stored uncompressed. When the destination wants that whole tensor
 (same shape and dtype, contiguous, on the host), this reader finds the record in the blob's
-zip directory and reads the bytes straight into the destination. Anything else (a narrower
-read when resharding, another dtype, a device tensor, an unexpected blob) goes through
-DCP's own path, unchanged. Depends on torch only.
+zip directory, checks that the blob's pickle is the one verl_ckpt writes for such a tensor
+(torch_format), and reads the bytes straight into the destination. Anything else (a
+narrower read when resharding, another dtype, a device tensor, another pickle: a saved
+view, a tensor saved with its grad flag) goes through DCP's own path, unchanged. Depends
+on torch and torch_format only.
+
+The zip directory lies at the blob's end, so each tensor is a read at its end and then
+reads from its start. A front-to-back read (the head checked against verl_ckpt's layout,
+then the storage) was tried: from a cold page cache it was slower here (0.75 s against
+0.51 s, median of 10 alternating runs, 504 MiB), likely because the read at a blob's end
+has the kernel read ahead into the next blob while this one's storage is read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +33,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
+
+from verl_ckpt.torch_format import BlobLayout, whole_tensor_blob_layout
 
 __all__ = ["DirectFileSystemReader"]
 
@@ -101,7 +113,7 @@ class DirectFileSystemReader(FileSystemReader):
         ):
             return False
         nbytes = target.numel() * target.element_size()
-        record = _storage_record(fd, info.offset, info.length)
+        record = _storage_record(fd, info.offset, info.length, sizes, dtype)
         if record is None or record[1] != nbytes:
             return False
         _read_exactly(fd, _writable_bytes(target), record[0])
@@ -110,19 +122,69 @@ class DirectFileSystemReader(FileSystemReader):
         return True
 
 
-def _storage_record(fd: int, start: int, length: int) -> tuple[int, int] | None:
+# Reads `size` bytes at `offset` of one blob (relative to the blob's start).
+_BlobRead = Callable[[int, int], bytes]
+
+
+def _storage_record(
+    fd: int, start: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype
+) -> tuple[int, int] | None:
     """(absolute offset, size) of the single storage record of the `torch.save` blob at
-    [start, start + length), or None if the blob is not the plain layout this reader knows
-    (one storage, stored uncompressed, this machine's byte order, no ZIP64)."""
+    [start, start + length), or None if the blob is not one this reader knows: one storage,
+    stored uncompressed, this machine's byte order, no ZIP64, and a pickle that is the one
+    verl_ckpt writes for a whole contiguous tensor of `sizes` and `dtype`. The pickle holds
+    the saved tensor's strides and storage offset: a transposed tensor saved with a storage
+    of exactly its size has a storage record of the same size, in another element order."""
+    expected_pickle = _expected_pickle(sizes, dtype)
+    if expected_pickle is None:
+        return None  # nothing to check the pickle against
+
+    def read(offset: int, size: int) -> bytes:
+        return os.pread(fd, size, start + offset)
+
+    records = _zip_records(read, length)
+    if records is None:
+        return None
+    storages = [name for name in records if _is_storage(name)]
+    if len(storages) != 1 or "byteorder" not in records or "data.pkl" not in records:
+        return None
+    local, size, method, stored_size = records[storages[0]]
+    if method != 0 or stored_size != size:
+        return None
+    if _record_bytes(read, records["byteorder"]) != sys.byteorder.encode():
+        return None
+    if _record_bytes(read, records["data.pkl"]) != expected_pickle:
+        return None
+    offset = _record_offset(read, local)
+    return None if offset is None else (start + offset, size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expected_pickle(sizes: tuple[int, ...], dtype: torch.dtype) -> bytes | None:
+    """The pickle record of the blob verl_ckpt writes for a whole tensor of this geometry;
+    None where it cannot be known (no blob templates on this torch)."""
+    layout = whole_tensor_blob_layout(sizes, dtype)
+    if layout is None:
+        return None
+    read = _layout_read(layout)
+    records = _zip_records(read, _layout_length(layout))
+    pickled = None if records is None else records.get("data.pkl")
+    return None if pickled is None else _record_bytes(read, pickled)
+
+
+def _zip_records(read: _BlobRead, length: int) -> dict[str, tuple[int, int, int, int]] | None:
+    """The blob's records by name (the part after the archive's folder, e.g. "data.pkl",
+    "data/0"): (local header offset, size, compression method, stored size); None for a
+    blob that is not a plain zip (ZIP64, a comment, a bad signature)."""
     if length < _EOCD.size:
         return None
     sig, _, _, _, entries, cd_size, cd_offset, comment = _EOCD.unpack(
-        os.pread(fd, _EOCD.size, start + length - _EOCD.size)
+        read(length - _EOCD.size, _EOCD.size)
     )
     if sig != _EOCD_SIG or comment or _ZIP64 in (cd_size, cd_offset):
         return None
-    directory = os.pread(fd, cd_size, start + cd_offset)
-    storages, byteorder, at = [], None, 0
+    directory = read(cd_offset, cd_size)
+    records, at = {}, 0
     for _ in range(entries):
         fields = _CENTRAL.unpack_from(directory, at)
         method, size, stored_size = fields[4], fields[9], fields[8]
@@ -131,32 +193,46 @@ def _storage_record(fd: int, start: int, length: int) -> tuple[int, int] | None:
         at += _CENTRAL.size + name_len + extra_len + comment_len
         if fields[0] != _CENTRAL_SIG or _ZIP64 in (size, stored_size, local):
             return None
-        parent, _, leaf = name.rpartition("/")
-        if parent.endswith("/data") and leaf.isdigit():
-            storages.append((local, size, method, stored_size))
-        elif leaf == "byteorder":
-            byteorder = (local, size)
-    if len(storages) != 1 or byteorder is None:
-        return None
-    local, size, method, stored_size = storages[0]
-    if method != 0 or stored_size != size:
-        return None
-    if _record_bytes(fd, start, *byteorder) != sys.byteorder.encode():
-        return None
-    offset = _record_offset(fd, start, local)
-    return None if offset is None else (offset, size)
+        records[name.partition("/")[2]] = (local, size, method, stored_size)
+    return records
 
 
-def _record_offset(fd: int, start: int, local: int) -> int | None:
-    header = _LOCAL.unpack(os.pread(fd, _LOCAL.size, start + local))
+def _is_storage(name: str) -> bool:
+    folder, _, leaf = name.rpartition("/")
+    return folder == "data" and leaf.isdigit()
+
+
+def _layout_length(layout: BlobLayout) -> int:
+    return len(layout.head) + layout.storage_nbytes + len(layout.tail)
+
+
+def _layout_read(layout: BlobLayout) -> _BlobRead:
+    """Reads of a blob layout's head and tail (never of its storage: that is not there)."""
+    tail_start = len(layout.head) + layout.storage_nbytes
+
+    def read(offset: int, size: int) -> bytes:
+        if offset + size <= len(layout.head):
+            return layout.head[offset : offset + size]
+        if offset >= tail_start:
+            return layout.tail[offset - tail_start : offset - tail_start + size]
+        return b""  # spans the storage: matches no record a check compares
+
+    return read
+
+
+def _record_offset(read: _BlobRead, local: int) -> int | None:
+    header = _LOCAL.unpack(read(local, _LOCAL.size))
     if header[0] != _LOCAL_SIG:
         return None
-    return start + local + _LOCAL.size + header[9] + header[10]
+    return local + _LOCAL.size + header[9] + header[10]
 
 
-def _record_bytes(fd: int, start: int, local: int, size: int) -> bytes | None:
-    offset = _record_offset(fd, start, local)
-    return None if offset is None else os.pread(fd, size, offset)
+def _record_bytes(read: _BlobRead, record: tuple[int, int, int, int]) -> bytes | None:
+    local, size, method, stored_size = record
+    offset = _record_offset(read, local)
+    if offset is None or method != 0 or stored_size != size:
+        return None
+    return read(offset, size)
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:

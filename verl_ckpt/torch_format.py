@@ -54,7 +54,9 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = [
     "BLOB_TEMPLATES",
     "CRC_FREE_BLOBS",
+    "BlobLayout",
     "save_tensor_blob",
+    "whole_tensor_blob_layout",
     "write_item",
     "write_tensor_blob",
 ]
@@ -85,8 +87,9 @@ CRC_FREE_BLOBS = _crc_free_blobs_work()
 
 
 @dataclass(frozen=True)
-class _BlobTemplate:
-    """A tensor's blob around its storage's bytes (see the module's docstring)."""
+class BlobLayout:
+    """A tensor's blob around its storage's bytes (see the module's docstring): the blob is
+    `head`, the storage's `storage_nbytes` bytes, `tail`."""
 
     head: bytes
     storage_nbytes: int
@@ -116,15 +119,15 @@ class _TemplateCapture:
     def flush(self) -> None:
         pass
 
-    def template(self) -> _BlobTemplate:
+    def template(self) -> BlobLayout:
         if self.head is None:  # an empty storage: nothing was skipped
-            return _BlobTemplate(bytes(self._bytes), 0, b"")
-        return _BlobTemplate(self.head, self.skipped, bytes(self._bytes))
+            return BlobLayout(bytes(self._bytes), 0, b"")
+        return BlobLayout(self.head, self.skipped, bytes(self._bytes))
 
 
 # Templates of the geometries seen lately. A structure has few distinct geometries and keeps
 # them from save to save; the bound only stops a stream of new ones from growing memory.
-_TEMPLATES: OrderedDict[tuple, _BlobTemplate] = OrderedDict()
+_TEMPLATES: OrderedDict[tuple, BlobLayout] = OrderedDict()
 _TEMPLATES_MAX = 4096
 _templates_lock = threading.Lock()
 
@@ -152,7 +155,7 @@ def _template_key(tensor: torch.Tensor) -> tuple | None:
     )
 
 
-def _blob_template(tensor: torch.Tensor, key: tuple) -> _BlobTemplate:
+def _blob_template(tensor: torch.Tensor, key: tuple) -> BlobLayout:
     with _templates_lock:
         template = _TEMPLATES.get(key)
         if template is not None:
@@ -184,14 +187,27 @@ def write_tensor_blob(tensor: torch.Tensor, stream: IO[bytes]) -> None:
     _write_templated(_blob_template(tensor, key), tensor, stream)
 
 
-def _capture_template(tensor: torch.Tensor) -> _BlobTemplate:
+def whole_tensor_blob_layout(shape: tuple[int, ...], dtype: torch.dtype) -> BlobLayout | None:
+    """The layout of the blob this module writes for a whole tensor of `shape` and `dtype`
+    (contiguous, its own storage, no grad), as verl_ckpt's staged tensors are; None where
+    blobs are not made from templates on this torch. The direct reader checks a blob's
+    pickle against it (direct_reader.py)."""
+    if not BLOB_TEMPLATES:
+        return None
+    # torch.empty does not touch its memory: the template needs only the geometry.
+    probe = torch.empty(shape, dtype=dtype)
+    key = _template_key(probe)
+    return None if key is None else _blob_template(probe, key)
+
+
+def _capture_template(tensor: torch.Tensor) -> BlobLayout:
     capture = _TemplateCapture()
     with torch_serialization.skip_data():
         save_tensor_blob(tensor, capture)
     return capture.template()
 
 
-def _write_templated(template: _BlobTemplate, tensor: torch.Tensor, stream: IO[bytes]) -> None:
+def _write_templated(template: BlobLayout, tensor: torch.Tensor, stream: IO[bytes]) -> None:
     stream.write(template.head)
     if template.storage_nbytes:
         stream.write(_storage_bytes(tensor, template.storage_nbytes))
