@@ -13,12 +13,11 @@ from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from tests.test_torch_format import whole_tensor_item
 from verl_ckpt.direct_reader import DirectFileSystemReader
 from verl_ckpt.torch_dist_dir import metadata_file_bytes
 from verl_ckpt.torch_format import write_item
@@ -75,26 +74,15 @@ def test_I4_a_transposed_tensor_saved_with_its_own_storage_is_not_read_as_contig
     assert reader.direct_reads == 0  # DCP's own path
 
 
-def _whole_item(key: str, tensor: torch.Tensor) -> WriteItem:
-    offsets = torch.Size([0] * tensor.dim())
-    return WriteItem(
-        index=MetadataIndex(key, offsets),
-        type=WriteItemType.TENSOR,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=tensor.size()),
-            properties=TensorProperties.create_from_tensor(tensor),
-            size=tensor.size(),
-        ),
-    )
-
-
 def saved_as_verl_ckpt_writes(directory: Path, state: dict[str, torch.Tensor]) -> None:
     """One shard file of verl_ckpt's blobs (torch_format.write_item, as its writer threads
     call it) and the `.metadata` its finalizer makes from the write results."""
     name = "__0_0.distcp"
     with open(directory / name, "wb") as stream:
         results = [
-            write_item(_StorageWriterTransforms(), stream, tensor, _whole_item(key, tensor), name)
+            write_item(
+                _StorageWriterTransforms(), stream, tensor, whole_tensor_item(key, tensor), name
+            )
             for key, tensor in state.items()
         ]
     metadata = Metadata(

@@ -134,7 +134,8 @@ def test_only_plain_tensors_are_written_from_templates():
     assert len(torch_format._TEMPLATES) == 1
 
 
-def _tensor_item(key: str, tensor: torch.Tensor) -> WriteItem:
+def whole_tensor_item(key: str, tensor: torch.Tensor) -> WriteItem:
+    """A DCP write item of the whole `tensor` under `key` (test_direct_reader uses it too)."""
     offsets = torch.Size([0] * tensor.dim())
     return WriteItem(
         index=MetadataIndex(key, offsets),
@@ -150,7 +151,7 @@ def _tensor_item(key: str, tensor: torch.Tensor) -> WriteItem:
 def test_I7_write_item_places_items_as_dcp_does():
     """Item by item into one stream (a shard file): DCP's own results (offsets, lengths,
     file) and bytes that differ from DCP's only in the CRC fields."""
-    items = [(_tensor_item(name, t), t) for name, t in TENSORS.items()]
+    items = [(whole_tensor_item(name, t), t) for name, t in TENSORS.items()]
     blob = io.BytesIO(b"not a tensor")
     items.append((WriteItem(index=MetadataIndex("obj"), type=WriteItemType.BYTE_IO), blob))
     transforms = _StorageWriterTransforms()
