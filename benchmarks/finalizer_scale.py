@@ -2,9 +2,10 @@
 
 What is real: the `CheckpointFinalizer` actor (started by `verl_ckpt.finalizer.start_finalizer`
 with participants {"actor": N}, no driver participant, keep 2 committed steps), its
-`begin_step` and `report` calls over Ray, and everything a commit does: it stats every
-reported file, writes the role's `.metadata` (DCP) and `metadata.json`, the commit record,
-the tracker, and deletes the step that retention drops.
+`begin_step` and `report` calls over Ray, and everything a commit does: it checks the size
+of every reported file (a stat each, made as each report arrives), writes the role's
+`.metadata` (DCP) and `metadata.json`, the commit record, the tracker, and deletes the step
+that retention drops.
 What is simulated: the N ranks. One driver process plays them: it writes, per rank, one
 real DCP data file holding that rank's row of one global [N, 16] tensor (DCP's own
 `_write_item`, so the write results, the global metadata and the file sizes are real, and
