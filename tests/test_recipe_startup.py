@@ -144,7 +144,9 @@ def test_I5_rank_killed_during_start_up_is_named_at_once(tmp_path: Path, critic_
     )
     output = ""
     try:
-        victim = find_in_session(recipe, "CriticWorker")
+        # Up to the recipe's own start-up deadline: under load (CI's two workers on 2 cores)
+        # Ray took over EXIT_DEADLINE_S to start the critic rank, while the recipe waited on.
+        victim = find_in_session(recipe, "CriticWorker", timeout_s=STARTUP_TIMEOUT_S)
         killed_at = time.monotonic()
         victim.send_signal(signal.SIGKILL)
         try:
