@@ -338,6 +338,10 @@ SYSTEM_NOTES = [
     "verl_ckpt: CheckpointManager per rank (save_contents model+optimizer, writer.threads=2), "
     "CheckpointCoordinator in the driver; time to durable ends when `wait_for_commit` returns "
     "(files fsynced, .metadata/metadata.json and commit record written, tracker moved).",
+    "verl_ckpt thread write while copying: writer.write_while_copying=true, a save whose "
+    "plan is reused starts writing while save() still copies, each tensor once its copy "
+    "ended, instead of once the whole copy ended (the trade-off: blocking against time to "
+    "durable).",
     "verl_ckpt thread offload_aware: staging.offload_aware=true; the optimizer state lives on "
     "the host (as an offloaded optimizer does), so exp_avg/exp_avg_sq are written from the "
     "live tensors and only the parameters are copied: it copies a third of the bytes the copy "

@@ -32,6 +32,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "verl_ckpt thread without prepare()": ("verl", {**_THREAD, "prepare": False}),
     "verl_ckpt thread nice 0": ("verl", {**_THREAD, "nice": 0}),
     "verl_ckpt thread no early writeback": ("verl", {**_THREAD, "early_writeback_mb": 0}),
+    "verl_ckpt thread write while copying": ("verl", {**_THREAD, "write_while_copying": True}),
     "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
     "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),
@@ -54,6 +55,7 @@ def verl_config(
     nice: int = 10,
     prepare: bool = True,
     early_writeback_mb: int = 16,
+    write_while_copying: bool = False,
 ) -> dict[str, Any]:
     """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match).
     `prepare` is no config key: the system calls manager.prepare() or not."""
@@ -69,6 +71,7 @@ def verl_config(
             "threads": 2,
             "nice": nice,
             "early_writeback_mb": early_writeback_mb,
+            "write_while_copying": write_while_copying,
         },
         "staging": {"offload_aware": offload_aware},
     }

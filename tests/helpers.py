@@ -10,6 +10,20 @@ def ckpt_config(tmp_path, **overrides) -> dict:
     return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, **overrides}
 
 
+def open_with_step_1_committed(ranks: dict, cfg: dict):
+    """A coordinator of the test roles and every rank opened on `cfg`, step 1 saved and
+    committed: from step 2 on, every rank's save plan is cached (saved off the training
+    thread)."""
+    from tests.conftest import ROLES
+    from verl_ckpt import CheckpointCoordinator
+
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    return coordinator
+
+
 def every_rank(ranks: dict) -> list:
     return [w for group in ranks.values() for w in group]
 

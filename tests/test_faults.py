@@ -22,7 +22,14 @@ import ray
 import torch
 
 from tests.conftest import REPO_ROOT, ROLES
-from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
+from tests.helpers import (
+    ckpt_config,
+    close_all,
+    every_rank,
+    open_all,
+    open_with_step_1_committed,
+    save_everyone,
+)
 from tests.rank_worker import start_world
 from verl_ckpt import (
     CheckpointCoordinator,
@@ -35,7 +42,7 @@ from verl_ckpt import (
     step_dir,
 )
 from verl_ckpt.commit_record import is_committed, read_commit_record
-from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
+from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR, InjectedFault
 from verl_ckpt.finalizer import CheckpointFinalizer
 from verl_ckpt.finalizer_client import actor_options
 from verl_ckpt.layout import list_step_dirs
@@ -76,10 +83,7 @@ def critic_fails_step_2(ranks, tmp_path, save_step_2):
     while `save_step_2(coordinator)` saves it, and wait_for_commit(2) names the critic.
     Returns the config and the coordinator."""
     cfg = ckpt_config(tmp_path, timeout_s=30.0)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    coordinator = open_with_step_1_committed(ranks, cfg)
     critic = ranks["critic"][0]
     ray.get(critic.set_env.remote(ENV_VAR, "write:critic=enospc"))
     try:
@@ -195,6 +199,51 @@ def test_I5_a_save_refused_because_its_step_already_failed_does_not_fail_the_nex
     save_everyone(ranks, coordinator, 4)
     coordinator.wait_for_commit(4)
     assert read_tracker(cfg["root_dir"]) == 4
+    close_all(ranks, coordinator)
+
+
+@pytest.mark.parametrize("write_while_copying", [False, True])
+def test_I4_I5_a_copy_that_fails_after_the_save_thread_took_the_save_over_fails_the_step_at_once(
+    ranks, tmp_path, write_while_copying
+):
+    """With a cached plan, the save thread takes a save over before save() copies: it plans,
+    then writes once the copy ended, or (writer.write_while_copying) each tensor once its
+    copy ended (copy_progress.py). The critic's copy of step 2 fails (injected, before its
+    first tensor): its save() raises it, its writes, waiting for that copy, write nothing it
+    did not fill, the step fails at once naming the critic's stage, and step 3, reusing the
+    same staging buffers, commits and loads the state it saved."""
+    cfg = ckpt_config(tmp_path, writer={"write_while_copying": write_while_copying})
+    coordinator = open_with_step_1_committed(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=raise"))
+    try:
+        others = [w.save.remote(2) for w in every_rank(ranks) if w is not critic]
+        with pytest.raises(InjectedFault):
+            ray.get(critic.save.remote(2))
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    started = time.monotonic()
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\].*copy"):
+        coordinator.wait_for_commit(2, timeout_s=30)
+    assert time.monotonic() - started < 20  # at once, not at the step's deadline (60 s)
+    for outcome in others:
+        try:
+            ray.get(outcome)
+        except CheckpointError as exc:  # refused: step 2 had already failed
+            assert "step 2" in str(exc)
+    for rank in every_rank(ranks):
+        try:
+            ray.get(rank.wait.remote())
+        except CheckpointError as exc:  # the refusal or failure of step 2, raised once
+            assert "step 2" in str(exc)
+    before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    stats = save_everyone(ranks, coordinator, 3, after="inplace")
+    assert all(s["plan_reused"] for s in stats)  # written while copied, as step 2 was
+    coordinator.wait_for_commit(3)
+    ray.get([w.load.remote(3) for w in every_rank(ranks)])
+    after = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+    for b, a in zip(before, after, strict=True):
+        assert all(torch.equal(b[key], a[key]) for key in b)
     close_all(ranks, coordinator)
 
 
@@ -316,10 +365,7 @@ def test_I1_I3_disk_full_during_shard_write_keeps_previous_step_and_frees_the_fa
     ranks did write stayed on the disk for ever (no retention deletes an uncommitted step):
     now the finalizer deletes the failed step's directory once every rank reported."""
     cfg = {"root_dir": str(small_disk / "ckpt"), "timeout_s": 30.0}
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    coordinator = open_with_step_1_committed(ranks, cfg)
     ray.get([w.wait.remote() for w in every_rank(ranks)])
     # Fill the disk: what is left is less than one step.
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
@@ -426,10 +472,7 @@ def test_ranks_that_disagree_on_the_step_fail_before_writing(ranks, tmp_path):
 
 def test_I1_corrupt_shard_is_caught_before_any_state_is_touched(ranks, tmp_path):
     cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0, "verify_checksums_on_load": True}
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    coordinator = open_with_step_1_committed(ranks, cfg)
     shard = step_dir(cfg["root_dir"], 1) / "critic" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -448,10 +491,7 @@ def test_resume_with_another_world_size_reshards_model_and_refuses_extra(ranks, 
     """The actor saved at TP=2 over 2 ranks; a 1-rank TP=1 world loads it: megatron-core
     reshards model and optimizer, while per-rank extra state is refused before loading."""
     cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 30.0}
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    coordinator = open_with_step_1_committed(ranks, cfg)
     ray.get([w.close.remote() for w in every_rank(ranks)])
     (loader,) = start_world("actor", 1, tp=1)
     try:

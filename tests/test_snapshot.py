@@ -20,6 +20,7 @@ from tests.helpers import (
     close_all,
     every_rank,
     open_all,
+    open_with_step_1_committed,
     save_changed_before_the_fence,
     save_everyone,
 )
@@ -60,10 +61,7 @@ def test_I4_deferred_snapshot_is_the_state_at_save_whatever_follows_the_fence(ra
 
 def test_I4_a_change_before_the_fence_fails_the_deferred_save_loudly(ranks, tmp_path):
     cfg = ckpt_config(tmp_path, snapshot="deferred")
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    coordinator = open_with_step_1_committed(ranks, cfg)
     # No fence: the trainer writes into its state while the critic's copy is held back.
     save_changed_before_the_fence(ranks, coordinator, ranks["critic"][0], "critic")
     assert read_tracker(cfg["root_dir"]) == 1
@@ -84,10 +82,7 @@ def test_I4_offload_aware_deferred_save_judges_live_tensors_by_their_version_at_
     the save thread, later than save(). An optimizer tensor changed in place between save()
     and that choice must still fail the save: the versions that count are those at save()."""
     cfg = ckpt_config(tmp_path, snapshot="deferred", staging={"offload_aware": True})
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
+    coordinator = open_with_step_1_committed(ranks, cfg)
     critic = ranks["critic"][0]
     # The critic's deferred snapshot starts 1 s late: its optimizer tensors change first.
     ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=sleep=1"))

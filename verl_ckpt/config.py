@@ -69,6 +69,12 @@ class WriterConfig:
     # the disk writes while later tensors are serialised, and the fsync at the end finds
     # little left. 0 leaves it all to the final fsync.
     early_writeback_mb: int = 16
+    # true: a save whose plan is reused starts writing its files while save() still copies
+    # the state, each tensor as soon as its own copy ended, so the disk works during the
+    # copy: durable sooner, but the writes compete with the copy for the cores and memory
+    # bandwidth, and save() blocks longer (benchmarks/results.md). false: the write starts
+    # once the whole copy ended. The writer process always waits for the whole copy.
+    write_while_copying: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in WRITER_MODES:
@@ -79,6 +85,8 @@ class WriterConfig:
             _fail("writer.nice", self.nice, "must be an integer from 0 (off) to 19")
         if not isinstance(self.early_writeback_mb, int) or self.early_writeback_mb < 0:
             _fail("writer.early_writeback_mb", self.early_writeback_mb, "must be an integer >= 0")
+        if not isinstance(self.write_while_copying, bool):
+            _fail("writer.write_while_copying", self.write_while_copying, "must be true or false")
 
     @property
     def writeback_every(self) -> int:

@@ -77,15 +77,25 @@ def write_checksummed(
 
 
 def write_bucket(
-    bucket: tuple, transforms: Any, gate: Gate | None = None, writeback_every: int = WRITEBACK_EVERY
+    bucket: tuple,
+    transforms: Any,
+    gate: Gate | None = None,
+    writeback_every: int = WRITEBACK_EVERY,
+    before_tensor: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list, WrittenFile]:
-    """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file."""
+    """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file.
+    `before_tensor` is called with each tensor right before it is written (a write that
+    starts while the snapshot's copy runs waits there for that tensor's copy)."""
     path, storage_key, (bytes_data, tensor_data) = bucket
     results: list = []
 
     def write_items(stream: ChecksummingWriter) -> None:
-        for item, data in list(bytes_data) + list(tensor_data):
+        for item, data in bytes_data:
             results.append(write_item(transforms, stream, data, item, storage_key))
+        for item, tensor in tensor_data:
+            if before_tensor is not None:
+                before_tensor(tensor)
+            results.append(write_item(transforms, stream, tensor, item, storage_key))
 
     return results, write_checksummed(path, write_items, gate, writeback_every)
 

@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from verl_ckpt import faults, megatron_compat
 from verl_ckpt.commit_record import FileEntry, read_commit_record
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
+from verl_ckpt.copy_progress import CopyFailed, CopyProgress, write_order
 from verl_ckpt.errors import (
     CheckpointConfigError,
     CheckpointError,
@@ -57,6 +58,7 @@ from verl_ckpt.reports import RankReport
 from verl_ckpt.snapshot_plan import (
     SaveTimeMarks,
     SnapshotPlan,
+    bind_buffers,
     check_copied_unchanged,
     check_live_unchanged,
     freeze_objects,
@@ -102,6 +104,9 @@ class SaveStats:
     write_s: float | None = None
     # Of write_s: the fsyncs of this rank's files, and the report's round trip.
     fsync_s: float | None = None
+    # Of write_s: how long the write ran while save() still copied (a save whose plan is
+    # reused starts writing before its copy ends).
+    write_while_copying_s: float | None = None
     report_s: float | None = None
     bytes_written: int | None = None
     files_written: int | None = None
@@ -147,8 +152,10 @@ class _SaveJob:
     stats: SaveStats
     deadline: float
     marks: SaveTimeMarks | None = None  # a deferred snapshot's, recorded in save()
-    # The agreement's check and begin_step, run on the save thread during the copy.
-    begun: Future | None = None
+    # A save that writes while save() copies: the save thread's run of the job, submitted
+    # before the copy, and the copy's progress that the writes wait on.
+    started: Future | None = None
+    copied: CopyProgress | None = None
     directory: Path | None = None
     prepared: megatron_compat.PreparedSave | None = None
     # Rank 0 only: the model description the Hugging Face export reads (hf/model_spec.py).
@@ -335,21 +342,32 @@ class CheckpointManager:
         job.model_spec_bytes = spec_bytes
         if not deferred:
             try:
+                sources = [item.data for item in job.copy.items]
                 if not background:
                     self._begin(job)
                 else:
-                    # The save thread waits for the agreement and calls begin_step (a round
-                    # trip to the finalizer) while this thread copies: the write can start
-                    # as soon as the copy ends. Its failure is raised by the save thread.
-                    job.begun = self._save_thread.submit(
-                        self._agree_and_begin, job, label=f"begin_step of step {step}"
+                    # The save thread takes the job over now, not after the copy: it waits
+                    # for the agreement, calls begin_step (a round trip to the finalizer)
+                    # and plans while this thread copies; it writes once the copy ended
+                    # (with writer.write_while_copying, each tensor once its own copy
+                    # ended: copy_progress.py). The plan reads which tensors there are,
+                    # never their values, so the state points at the buffers first.
+                    bind_buffers(job.copy)
+                    job.copied = CopyProgress(job.copy.slot.buffers)
+                    job.started = self._save_thread.submit(
+                        self._in_background, job, False, True, label=f"save of step {step}"
                     )
                 faults.inject("stage", self.role, self.rank)
-                self._copy(job)  # step 2: from here on the live tensors are free
+                self._copy(job, sources)  # step 2: from here on the live tensors are free
                 if not background:
                     self._plan(job)
-            except Exception as exc:
-                self._abandon(job, Phase.STAGE, exc)
+            except BaseException as exc:
+                if job.copied is not None:
+                    job.copied.failed(exc)  # whoever waits for the copy stops waiting
+                # Once the save thread owns the job, its write fails on this, and it frees
+                # the slot and reports the failure to the finalizer.
+                if job.started is None and isinstance(exc, Exception):
+                    self._abandon(job, Phase.STAGE, exc)
                 raise
         self._launch(job, deferred, background)  # steps 3-4, and what 1-2 left, in the back
         job.stats.blocking_s = time.perf_counter() - started
@@ -591,17 +609,18 @@ class CheckpointManager:
         )
         job.stats.begin_s = time.perf_counter() - started
 
-    def _copy(self, job: _SaveJob) -> None:
-        """Step 2: copy into the staging slot; from then on the save references the copies,
-        never the live tensors. A deferred copy checks that nothing changed them first."""
+    def _copy(self, job: _SaveJob, sources: list[torch.Tensor] | None = None) -> None:
+        """Step 2: copy `sources` (the live tensors; by default those the items still hold)
+        into the staging slot; from then on the save references the copies, never the live
+        tensors. A deferred copy checks that nothing changed them first."""
         started = time.perf_counter()
         copy = job.copy
-        sources = [item.data for item in copy.items]
-        job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None)
+        if sources is None:
+            sources = [item.data for item in copy.items]
+        job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None, job.copied)
         if job.stats.snapshot == "deferred":
             check_copied_unchanged(copy, sources)
-        for item, buffer in zip(copy.items, copy.slot.buffers, strict=True):
-            item.data = buffer
+        bind_buffers(copy)
         job.stats.stage_s = time.perf_counter() - started
 
     def _plan(self, job: _SaveJob) -> None:
@@ -619,6 +638,9 @@ class CheckpointManager:
         )
         if self.config.assume_constant_structure:
             self._plan_cache = job.prepared.plan_cache
+        slot = job.copy.slot
+        # The next save's copy fills the buffers in the order these writes read them.
+        slot.write_order = write_order(job.prepared.write_buckets, slot.buffers)
         job.stats.plan_s = job.layout.seconds + (time.perf_counter() - started)
 
     # ---- steps 3-4: write and report (background) ----------------------------------------
@@ -654,17 +676,20 @@ class CheckpointManager:
             self._in_flight.add(job.step, job.deadline, _done_future(), job.stats)
             self._in_flight.collect()
             return
-        label = f"save of step {job.step}"
-        future = self._save_thread.submit(
-            self._in_background, job, deferred, background, label=label
-        )
+        future = job.started
+        if future is None:
+            label = f"save of step {job.step}"
+            future = self._save_thread.submit(
+                self._in_background, job, deferred, background, label=label
+            )
         self._in_flight.add(job.step, job.deadline, future, job.stats)
         if deferred:
             self._unfenced = job
 
     def _in_background(self, job: _SaveJob, deferred: bool, background: bool) -> None:
-        """On the save thread: a deferred copy (then fence() returns), begin_step and the
-        cached plan if save() left them, then steps 3-4."""
+        """On the save thread: a deferred copy (then fence() returns); for a save whose plan
+        is reused, the agreement, begin_step and the plan (while save() copies, if save()
+        handed the job over before its copy: job.copied); then steps 3-4."""
         phase = Phase.STAGE
         try:
             if deferred:
@@ -674,11 +699,18 @@ class CheckpointManager:
                     job.snapshot_taken.set()  # fence() returns; a failure is raised below
             if background:
                 phase = Phase.PLAN
-                if job.begun is not None:
-                    job.begun.result()  # done: it ran on this thread, before this job
-                else:
-                    self._agree_and_begin(job)
+                self._agree_and_begin(job)
                 self._plan(job)
+                live = [entry.tensor for entry in job.copy.live]
+                if job.copied is not None and not job.copied.covers(
+                    job.prepared.write_buckets, live
+                ):
+                    # The plan made a tensor of its own (a clone of a view) from a buffer
+                    # the copy may not have filled yet: plan again once it has.
+                    phase = Phase.STAGE
+                    job.copied.wait_all(job.deadline)
+                    phase = Phase.PLAN
+                    self._plan(job)
         except StepNotCommittedError as exc:
             # begin_step refused (the finalizer's only StepNotCommittedError here): the step
             # had already failed, another participant's failure having reached the finalizer
@@ -720,10 +752,22 @@ class CheckpointManager:
         """Steps 1-2 failed after the staging slot was taken: free it, and tell the
         finalizer, so that the step fails now rather than at the deadline."""
         if job.copy is not None:  # a deferred snapshot acquires its slot on the save thread
-            self._pool.release(job.copy.slot)
+            self._give_back_slot(job, True)
         # Reported even before begin_step (a copy that failed first): the step then fails
         # for every rank now, instead of at the deadline.
         self._report_failure(job.step, job.save_id, phase, exc)
+
+    def _give_back_slot(self, job: _SaveJob, buffers_free: bool) -> None:
+        """Return the job's staging slot to the pool, or drop it for good where a writer or
+        a copy that did not stop in time may still use its buffers."""
+        slot = job.copy.slot
+        if job.copied is not None and not job.copied.wait_settled(job.deadline):
+            buffers_free = False
+        if buffers_free:
+            self._pool.release(slot)
+        else:
+            self._pool.forget(slot)
+            self._writer.forget_slot(slot)
 
     def _report_failure(self, step: int, save_id: str, phase: Phase, exc: BaseException) -> None:
         report = RankReport(step, self.role, self.rank, self.world_size, save_id)
@@ -741,6 +785,8 @@ class CheckpointManager:
         report.failure = self._write(job, report)
         reporting = time.perf_counter()
         job.stats.write_s = reporting - started
+        if job.copied is not None and job.copied.finished_at is not None:
+            job.stats.write_while_copying_s = max(0.0, job.copied.finished_at - started)
         job.stats.bytes_written = sum(f.size for f in report.files)
         job.stats.files_written = len(report.files)
         try:
@@ -764,12 +810,17 @@ class CheckpointManager:
         buffers_free = True
         slot = job.copy.slot
         try:
+            copied = job.copied
+            if copied is not None and not self.config.writer.write_while_copying:
+                copied.wait_all(job.deadline)
+                copied = None
             outcomes = self._writer.write(
                 job.prepared.write_buckets,
                 job.prepared.transforms,
                 slot,
                 job.deadline,
                 (self.role, self.rank),
+                copied,
             )
             check_live_unchanged(job.copy.live)
             files = [written for _, written in outcomes]
@@ -787,15 +838,14 @@ class CheckpointManager:
         except WriteTimeout as exc:
             buffers_free = not exc.buffers_in_use
             return Failure.from_exception(self.role, self.rank, Phase.WRITE, exc)
+        except CopyFailed as exc:
+            return Failure.from_exception(self.role, self.rank, Phase.STAGE, exc)
         except Exception as exc:  # noqa: BLE001 - reported to the finalizer and the caller
             return Failure.from_exception(self.role, self.rank, Phase.WRITE, exc)
         finally:
-            # The buffers go back to the pool only when no writer can still read them.
-            if buffers_free:
-                self._pool.release(slot)
-            else:
-                self._pool.forget(slot)
-                self._writer.forget_slot(slot)
+            # The buffers go back to the pool only when no writer can still read them (nor
+            # a copy still write into them).
+            self._give_back_slot(job, buffers_free)
             job.copy.live = []
 
     # ---- helpers -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ __all__ = [
     "LiveTensor",
     "SaveTimeMarks",
     "SnapshotPlan",
+    "bind_buffers",
     "check_copied_unchanged",
     "check_live_unchanged",
     "freeze_objects",
@@ -117,6 +118,15 @@ def split_live(
         else:
             staged.append(item)
     return live, staged
+
+
+def bind_buffers(plan: SnapshotPlan) -> None:
+    """Point each copied item at its staging buffer: from then on the save (its plan, its
+    write) references the copies, never the live tensors. May come before the copy fills
+    the buffers, for work that reads only which tensors there are (the plan), never their
+    values; the write starts only once the copy has ended."""
+    for item, buffer in zip(plan.items, plan.slot.buffers, strict=True):
+        item.data = buffer
 
 
 def check_copied_unchanged(plan: SnapshotPlan, sources: list[torch.Tensor]) -> None:

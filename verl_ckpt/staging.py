@@ -16,10 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verl_ckpt.copy_progress import CopyProgress
+
 __all__ = ["StagingPool", "StagingSlot", "copy_into", "device_ready_events", "staging_signature"]
 
 
 _slot_ids = itertools.count()
+
+# Host bytes copied per call (the interpreter lock is released for a whole call); a write
+# waiting for a tensor waits for the group holding it.
+COPY_GROUP_BYTES = 32 * 2**20
 
 
 def staging_signature(keys: list[str], tensors: list[torch.Tensor]) -> str:
@@ -41,6 +47,8 @@ class StagingSlot:
     signature: str
     buffers: list[torch.Tensor]
     in_use: bool = False
+    # The buffers' indices in the order the last plan's writers read them (a copy hint).
+    write_order: list[int] | None = None
     nbytes: int = field(init=False)
     slot_id: int = field(default_factory=lambda: next(_slot_ids))
 
@@ -127,8 +135,10 @@ def copy_into(
     slot: StagingSlot,
     tensors: list[torch.Tensor],
     ready: dict[torch.device, torch.cuda.Event] | None = None,
+    progress: CopyProgress | None = None,
 ) -> int:
-    """Copy `tensors` into the slot's buffers; return the bytes copied.
+    """Copy `tensors` into the slot's buffers; return the bytes copied. `progress` learns
+    of each group of host buffers as it is filled, and of the end of the copy.
 
     Device-to-host copies into pinned buffers are issued asynchronously and then awaited
     once, so that the copies overlap each other but the snapshot is complete on return.
@@ -138,8 +148,9 @@ def copy_into(
     """
     copied = 0
     streams: dict[torch.device, torch.cuda.Stream] = {}
-    for buffer, tensor in zip(slot.buffers, tensors, strict=True):
-        source = tensor.detach()
+    sources = [tensor.detach() for tensor in tensors]
+    host_positions = []
+    for position, (buffer, source) in enumerate(zip(slot.buffers, sources, strict=True)):
         if buffer.shape != source.shape or buffer.dtype != source.dtype:
             # copy_ would broadcast or convert silently: a wrong snapshot, not an error.
             raise ValueError(
@@ -147,7 +158,7 @@ def copy_into(
                 f"{tuple(source.shape)} {source.dtype}"
             )
         if not source.is_cuda:
-            buffer.copy_(source)
+            host_positions.append(position)
         else:
             stream = streams.get(source.device)
             if stream is None:
@@ -155,9 +166,37 @@ def copy_into(
             with torch.cuda.stream(stream):
                 buffer.copy_(source, non_blocking=buffer.is_pinned())
         copied += buffer.numel() * buffer.element_size()
+    for group in _copy_groups(slot, host_positions):
+        # One call per group of host tensors: the interpreter lock stays released for the
+        # whole group, not taken back after every tensor, so the threads planning and
+        # writing meanwhile neither hold up the copy nor are held up by it.
+        torch._foreach_copy_([slot.buffers[i] for i in group], [sources[i] for i in group])
+        if progress is not None:
+            progress.copied(group)
     for stream in streams.values():
         stream.synchronize()
+    if progress is not None:
+        progress.finished()
     return copied
+
+
+def _copy_groups(slot: StagingSlot, positions: list[int]) -> list[list[int]]:
+    """The host buffers to copy, in groups of about COPY_GROUP_BYTES, in the order the
+    writers need them (slot.write_order, from the last plan) where known."""
+    wanted = set(positions)
+    hint = [i for i in slot.write_order or () if i in wanted]
+    # Every position, each once, whatever the hint holds: the hint orders, never selects.
+    order = dict.fromkeys(hint + positions)
+    groups: list[list[int]] = [[]]
+    size = 0
+    for index in order:
+        if size >= COPY_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        buffer = slot.buffers[index]
+        size += buffer.numel() * buffer.element_size()
+    return [g for g in groups if g]
 
 
 def device_ready_events(tensors: list[torch.Tensor]) -> dict[torch.device, torch.cuda.Event]:

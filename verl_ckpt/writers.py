@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 from functools import partial
@@ -22,6 +23,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from verl_ckpt import faults
+from verl_ckpt.copy_progress import CopyProgress
 from verl_ckpt.errors import CheckpointWriteError, CommitTimeoutError
 from verl_ckpt.file_writer import WrittenFile, write_bucket
 from verl_ckpt.fsio import WRITEBACK_EVERY
@@ -57,8 +59,11 @@ class Writer(Protocol):
         slot: StagingSlot,
         deadline: float,
         fault_scope: tuple[str, int],
+        copied: CopyProgress | None = None,
     ) -> list[Outcome]:
-        """Write every bucket to its file (fsynced, checksummed) by `deadline` (monotonic)."""
+        """Write every bucket to its file (fsynced, checksummed) by `deadline` (monotonic).
+        `copied`: the snapshot's copy into `slot` may still run; no staged tensor is written
+        before its copy ended."""
 
     def forget_slot(self, slot: StagingSlot) -> None:
         """The slot's buffers are gone: drop any reference to them."""
@@ -85,6 +90,15 @@ class WriteTimeout(CommitTimeoutError):
     def __init__(self, message: str, buffers_in_use: bool) -> None:
         super().__init__(message)
         self.buffers_in_use = buffers_in_use
+
+
+def _waiting_for(
+    copied: CopyProgress | None, deadline: float
+) -> Callable[[torch.Tensor], None] | None:
+    """What a writer calls before each tensor: wait for its copy, if one may still run."""
+    if copied is None:
+        return None
+    return partial(copied.wait_for, deadline=deadline)
 
 
 class InlineWriter:
@@ -115,10 +129,12 @@ class InlineWriter:
         slot: StagingSlot,
         deadline: float,
         fault_scope: tuple[str, int],
+        copied: CopyProgress | None = None,
     ) -> list[Outcome]:
         faults.inject("write", *fault_scope)
         every = self._writeback_every
-        return [write_bucket(bucket, transforms, self._gate, every) for bucket in buckets]
+        before = _waiting_for(copied, deadline)
+        return [write_bucket(bucket, transforms, self._gate, every, before) for bucket in buckets]
 
     def forget_slot(self, slot: StagingSlot) -> None:
         pass
@@ -146,8 +162,10 @@ class ThreadWriter(InlineWriter):
         slot: StagingSlot,
         deadline: float,
         fault_scope: tuple[str, int],
+        copied: CopyProgress | None = None,
     ) -> list[Outcome]:
         faults.inject("write", *fault_scope)
+        before = _waiting_for(copied, deadline)
         futures = [
             self._pool.submit(
                 write_bucket,
@@ -155,6 +173,7 @@ class ThreadWriter(InlineWriter):
                 transforms,
                 self._gate,
                 self._writeback_every,
+                before,
                 label=f"write {bucket[0]}",
             )
             for bucket in buckets
@@ -214,7 +233,12 @@ class ProcessWriter:
         slot: StagingSlot,
         deadline: float,
         fault_scope: tuple[str, int],
+        copied: CopyProgress | None = None,
     ) -> list[Outcome]:
+        if copied is not None:
+            # The process reads the buffers without asking: they must be full before it
+            # hears of the write.
+            copied.wait_all(deadline)
         self._hand_over(slot)
         job = self._next_job_id()
         plan = [_describe_bucket(bucket, slot) for bucket in buckets]
