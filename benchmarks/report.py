@@ -499,14 +499,15 @@ def durable_timeline(ops: list[Op]) -> str:
             write = slowest(op, "write_s")
             fsync = slowest(op, "fsync_s")
             report = slowest(op, "report_s")
-            # A save whose plan is reused starts writing while save() still copies: that part
-            # of the write lies inside the blocking time.
-            overlap = slowest(op, "write_while_copying_s")
+            # A save whose plan is reused is taken over by the save thread before save()
+            # copies: the part of its write before the copy ended (waiting for it, or writing
+            # beside it) lies inside the blocking time.
+            overlap = slowest(op, "write_before_copy_end_s")
             # The commit starts when the last report arrives; what the ranks' own figures do
             # not cover before that (thread hand-off, a deferred copy) is "other".
             ranks_done = c["t0"] + blocking + (write - overlap) + report
             parts["blocking"].append(blocking)
-            parts["write: while save() copied"].append(overlap)
+            parts["write: before the copy ended"].append(overlap)
             parts["write: serialise + checksum"].append(write - fsync - overlap)
             parts["write: fsync"].append(fsync)
             parts["report RPC"].append(report)
@@ -517,10 +518,11 @@ def durable_timeline(ops: list[Op]) -> str:
             parts["time to durable"].append(op.durable_s)
         body.append([name, *(_f(_median(parts[k])) for k in _TIMELINE)])
     note = (
-        "Medians of the steady saves, slowest rank, seconds. A save whose plan is reused "
-        "starts writing while save() still copies (each tensor once its copy ended): that "
-        "part of the write is inside `blocking` and shown apart; `serialise + checksum` is "
-        "the rest, without the fsync. Retention (deleting old steps) "
+        "Medians of the steady saves, slowest rank, seconds. A save whose plan is reused is "
+        "taken over by the save thread before save() copies (it plans beside the copy): the "
+        "part of its write before the copy ended, the wait for it or (write while copying) "
+        "the writing beside it, is inside `blocking` and shown apart; `serialise + checksum` "
+        "is the rest, without the fsync. Retention (deleting old steps) "
         "runs after `wait_for_commit` returned and is not on this path; `wait_for_commit` "
         "wakes on the commit itself (no polling interval). The pieces of the write itself "
         "(per-tensor serialisation, the checksum stream, threads) are measured apart in the "
@@ -531,7 +533,7 @@ def durable_timeline(ops: list[Op]) -> str:
 
 _TIMELINE = (
     "blocking",
-    "write: while save() copied",
+    "write: before the copy ended",
     "write: serialise + checksum",
     "write: fsync",
     "report RPC",

@@ -415,6 +415,12 @@ def test_hydra_checks_overrides_against_the_schema_and_composes_presets():
             assert key in str(failure.value.__cause__ or failure.value)
         composed = compose("ppo_toy", overrides=["checkpoint=sync", "trainer.metrics_path=null"])
         default = compose("ppo_toy", overrides=["trainer.metrics_path=null"])
+        toggled = compose(
+            "ppo_toy",
+            overrides=["checkpoint.writer.write_while_copying=true", "trainer.metrics_path=null"],
+        )
+    assert to_recipe_config(toggled).checkpoint.writer.write_while_copying
+    assert not to_recipe_config(default).checkpoint.writer.write_while_copying
     cfg = to_recipe_config(composed)
     assert not cfg.checkpoint.async_save and cfg.checkpoint.writer.mode == "inline"
     assert cfg.checkpoint.save_freq == 10 and not cfg.checkpoint.staging.offload_aware

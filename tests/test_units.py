@@ -19,7 +19,7 @@ from verl_ckpt.commit_record import (
     read_commit_record,
     write_commit_record,
 )
-from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
+from verl_ckpt.config import CheckpointConfig, WriterConfig, to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
@@ -195,6 +195,10 @@ def test_config_rejects_bad_values_naming_the_key(override, key):
 def test_config_type_errors_name_the_key():
     with pytest.raises(CheckpointConfigError, match="save_freq"):
         to_checkpoint_config({"save_freq": "often"})
+    with pytest.raises(CheckpointConfigError, match=r"writer\.write_while_copying"):
+        to_checkpoint_config({"writer": {"write_while_copying": "sometimes"}})
+    with pytest.raises(CheckpointConfigError, match=r"checkpoint\.writer\.write_while_copying"):
+        WriterConfig(write_while_copying="sometimes")
 
 
 def test_config_defaults_and_dict_round_trip():

@@ -104,9 +104,10 @@ class SaveStats:
     write_s: float | None = None
     # Of write_s: the fsyncs of this rank's files, and the report's round trip.
     fsync_s: float | None = None
-    # Of write_s: how long the write ran while save() still copied (a save whose plan is
-    # reused starts writing before its copy ends).
-    write_while_copying_s: float | None = None
+    # Of write_s: the part before save()'s copy ended. A save whose plan is reused is taken
+    # over by the save thread before the copy: having planned beside it, the write waits
+    # for its end (or, with writer.write_while_copying, writes beside it).
+    write_before_copy_end_s: float | None = None
     report_s: float | None = None
     bytes_written: int | None = None
     files_written: int | None = None
@@ -786,7 +787,7 @@ class CheckpointManager:
         reporting = time.perf_counter()
         job.stats.write_s = reporting - started
         if job.copied is not None and job.copied.finished_at is not None:
-            job.stats.write_while_copying_s = max(0.0, job.copied.finished_at - started)
+            job.stats.write_before_copy_end_s = max(0.0, job.copied.finished_at - started)
         job.stats.bytes_written = sum(f.size for f in report.files)
         job.stats.files_written = len(report.files)
         try:
