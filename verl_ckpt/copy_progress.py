@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -120,7 +120,7 @@ class CopyProgress:
                 lambda: self._settled, timeout=max(0.0, deadline - time.monotonic())
             )
 
-    def _wait(self, filled: object, deadline: float) -> None:
+    def _wait(self, filled: Callable[[], bool], deadline: float) -> None:
         with self._changed:
             while not filled():
                 if self._error is not None:

@@ -153,8 +153,8 @@ class _SaveJob:
     stats: SaveStats
     deadline: float
     marks: SaveTimeMarks | None = None  # a deferred snapshot's, recorded in save()
-    # A save that writes while save() copies: the save thread's run of the job, submitted
-    # before the copy, and the copy's progress that the writes wait on.
+    # A save whose plan is reused: the save thread's run of the job, submitted before
+    # save() copies, and the copy's progress that its plan and writes wait on.
     started: Future | None = None
     copied: CopyProgress | None = None
     directory: Path | None = None
@@ -639,9 +639,11 @@ class CheckpointManager:
         )
         if self.config.assume_constant_structure:
             self._plan_cache = job.prepared.plan_cache
-        slot = job.copy.slot
-        # The next save's copy fills the buffers in the order these writes read them.
-        slot.write_order = write_order(job.prepared.write_buckets, slot.buffers)
+        if self.config.writer.write_while_copying:
+            # The next save's copy fills the buffers in the order these writes read them
+            # (only an order: without writes beside the copy it makes no difference).
+            slot = job.copy.slot
+            slot.write_order = write_order(job.prepared.write_buckets, slot.buffers)
         job.stats.plan_s = job.layout.seconds + (time.perf_counter() - started)
 
     # ---- steps 3-4: write and report (background) ----------------------------------------
