@@ -186,7 +186,8 @@ def run_saves(
         if not args.no_breakdown:
             write_path = bench.write_path(reps=2 if args.quick else 3)
         if not args.no_load:
-            loads = bench.load_bench(reps=2 if args.quick else 3)
+            # Five repetitions: a cold read on this disk swings by half from one to the next.
+            loads = bench.load_bench(reps=2 if args.quick else 5)
     finally:
         left = bench.close()
     raw = {

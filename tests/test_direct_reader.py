@@ -5,11 +5,13 @@ writer with the finalizer's `.metadata`), no Ray."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms, _write_item
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -18,9 +20,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tests.test_torch_format import whole_tensor_item
+from verl_ckpt import direct_reader, torch_format
 from verl_ckpt.direct_reader import DirectFileSystemReader
 from verl_ckpt.torch_dist_dir import metadata_file_bytes
-from verl_ckpt.torch_format import write_item
+from verl_ckpt.torch_format import _WRITE_ITEM_KWARGS, write_item
 
 
 def saved(tmp_path) -> dict[str, torch.Tensor]:
@@ -74,17 +77,26 @@ def test_I4_a_transposed_tensor_saved_with_its_own_storage_is_not_read_as_contig
     assert reader.direct_reads == 0  # DCP's own path
 
 
-def saved_as_verl_ckpt_writes(directory: Path, state: dict[str, torch.Tensor]) -> None:
+def saved_as_verl_ckpt_writes(
+    directory: Path, state: dict[str, torch.Tensor], by_torch_save: tuple[str, ...] = ()
+) -> None:
     """One shard file of verl_ckpt's blobs (torch_format.write_item, as its writer threads
-    call it) and the `.metadata` its finalizer makes from the write results."""
+    call it) and the `.metadata` its finalizer makes from the write results. The tensors
+    named in `by_torch_save` are written by DCP's own `_write_item` instead (torch.save, its
+    CRCs included), as another writer would."""
     name = "__0_0.distcp"
     with open(directory / name, "wb") as stream:
-        results = [
-            write_item(
-                _StorageWriterTransforms(), stream, tensor, whole_tensor_item(key, tensor), name
-            )
-            for key, tensor in state.items()
-        ]
+        results = []
+        for key, tensor in state.items():
+            item = whole_tensor_item(key, tensor)
+            if key in by_torch_save:
+                results.append(
+                    _write_item(
+                        _StorageWriterTransforms(), stream, tensor, item, name, **_WRITE_ITEM_KWARGS
+                    )
+                )
+            else:
+                results.append(write_item(_StorageWriterTransforms(), stream, tensor, item, name))
     metadata = Metadata(
         state_dict_metadata={
             key: TensorStorageMetadata(
@@ -116,3 +128,126 @@ def test_I4_blobs_verl_ckpt_wrote_pass_the_pickle_check_and_are_read_in_place(tm
     for key, value in state.items():
         assert torch.equal(target[key], value) and torch.equal(theirs[key], value), key
     assert reader.direct_reads == len(state)
+    assert reader.templated_reads == len(state)
+
+
+def many_tensors(count: int = 40) -> dict[str, torch.Tensor]:
+    shapes = [(33, 17), (5,), (), (8, 4, 2), (129,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
+    return {f"t{k}": (torch.randn(shapes[k % 5]) * 100).to(dtypes[k % 4]) for k in range(count)}
+
+
+def test_I4_consecutive_blobs_are_read_in_runs_split_by_size_and_buffer_count(
+    tmp_path, monkeypatch
+):
+    """The sequential path: consecutive blobs read with one call each run, every storage
+    straight into its destination. Runs are made short here (a few KiB, a few buffers) so
+    that one file needs many of them, splits at both limits included."""
+    state = many_tensors()
+    saved_as_verl_ckpt_writes(tmp_path, state)
+    monkeypatch.setattr(direct_reader, "_RUN_BYTES", 4096)
+    monkeypatch.setattr(direct_reader, "_RUN_BUFFERS", 7)
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(
+        direct_reader.os,
+        "preadv",
+        lambda fd, bufs, at: calls.append(len(bufs)) or real_preadv(fd, bufs, at),
+    )
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = DirectFileSystemReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+    assert reader.templated_reads == len(state)
+    assert max(calls) <= 6 and len(calls) < len(state), calls  # several blobs per call
+
+
+def test_I4_a_blob_of_another_writer_amid_verl_ckpts_is_found_through_its_zip_directory(tmp_path):
+    """A torch.save blob (CRCs in its headers) has the length of verl_ckpt's template but
+    other bytes: read in a run, its head does not match, and it is read again through its
+    zip directory; its neighbours stay on the sequential path. Values equal either way."""
+    state = many_tensors(9)
+    others = ("t3", "t4", "t8")
+    saved_as_verl_ckpt_writes(tmp_path, state, by_torch_save=others)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = DirectFileSystemReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+    assert reader.direct_reads == len(state)
+    assert reader.templated_reads == len(state) - len(others)
+
+
+def test_I4_dcp_blobs_take_the_zip_directory_path_even_where_their_length_fits(tmp_path):
+    """DCP's own files: every blob the length of a template (so a run reads it) fails the
+    head check, and is then read in place through its zip directory."""
+    state = saved(tmp_path)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = DirectFileSystemReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    lengths = {index.fqn: info.length for index, info in reader.storage_data.items()}
+    layout = torch_format.whole_tensor_blob_layout(tuple(state["weight"].shape), torch.float32)
+    assert layout is not None and lengths["weight"] == direct_reader._layout_length(layout)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+    assert reader.templated_reads == 0
+    assert reader.direct_reads == len(state) - 1
+
+
+def test_I4_short_reads_are_continued_where_they_stopped(tmp_path, monkeypatch):
+    """A read may return fewer bytes than asked (Linux stops one call at about 2 GiB).
+    Fault injected with a fake: reads capped at 100 bytes, which a test cannot get from a
+    regular file without a 2 GiB tensor."""
+    state = many_tensors(12)
+    saved_as_verl_ckpt_writes(tmp_path, state)
+    real_preadv = os.preadv
+
+    def short_preadv(fd: int, buffers: list, offset: int) -> int:
+        left, capped = 100, []
+        for view in buffers:
+            if left == 0:
+                break
+            capped.append(memoryview(view)[:left])
+            left -= len(capped[-1])
+        return real_preadv(fd, capped, offset)
+
+    monkeypatch.setattr(direct_reader.os, "preadv", short_preadv)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = DirectFileSystemReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+    assert reader.templated_reads == len(state)
+
+
+def test_a_truncated_shard_file_fails_the_load_naming_the_missing_bytes(tmp_path):
+    state = many_tensors(6)
+    saved_as_verl_ckpt_writes(tmp_path, state)
+    shard = tmp_path / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size - 100)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    # DCP wraps it in its CheckpointException (a BaseException), the reader's text inside.
+    with pytest.raises(BaseException, match="ended 100 bytes early") as raised:
+        dcp.load(target, storage_reader=DirectFileSystemReader(tmp_path), no_dist=True)
+    assert f"{shard}: checkpoint file ended 100 bytes early" in str(raised.value)
+
+
+def test_I4_a_transposed_blob_the_length_of_the_contiguous_template_fails_the_head_check(
+    tmp_path,
+):
+    """verl_ckpt's own blob of a transposed tensor (no CRC, from its template): as long as
+    the contiguous template, with other strides in its pickle. The sequential path reads it
+    (same length), the head check refuses it, and the zip-directory path refuses its
+    pickle: DCP's path loads it, transposed back. Without the head check it loaded
+    transposed, silently."""
+    transposed = torch.arange(24, dtype=torch.float32).view(4, 6).t()
+    saved_as_verl_ckpt_writes(tmp_path, {"w": transposed})
+    reader = DirectFileSystemReader(tmp_path)
+    target = {"w": torch.zeros(6, 4)}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    (info,) = reader.storage_data.values()
+    layout = torch_format.whole_tensor_blob_layout((6, 4), torch.float32)
+    assert layout is not None and info.length == direct_reader._layout_length(layout)
+    assert torch.equal(target["w"], transposed)
+    assert reader.direct_reads == 0

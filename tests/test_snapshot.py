@@ -82,8 +82,12 @@ def test_I4_offload_aware_deferred_save_judges_live_tensors_by_their_version_at_
     the save thread, later than save(). An optimizer tensor changed in place between save()
     and that choice must still fail the save: the versions that count are those at save()."""
     cfg = ckpt_config(tmp_path, snapshot="deferred", staging={"offload_aware": True})
-    coordinator = open_with_step_1_committed(ranks, cfg)
     critic = ranks["critic"][0]
+    # Every moment with a storage of its own, whatever an earlier test on these long-lived
+    # ranks left: all are written live, so the change below can meet only the live check
+    # (a moment that is a view would be copied, and its copy's check fail the save first).
+    ray.get(critic.set_moment_layout.remote([]))
+    coordinator = open_with_step_1_committed(ranks, cfg)
     # The critic's deferred snapshot starts 1 s late: its optimizer tensors change first.
     ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=sleep=1"))
     try:

@@ -136,18 +136,23 @@ def test_I4_staging_buffers_follow_what_is_staged_not_how_many(ranks, tmp_path):
     critic = ranks["critic"][0]
     shapes = ray.get(critic.moment_shapes.remote())
     first, other = 0, next(i for i, shape in enumerate(shapes) if shape != shapes[0])
-    ray.get(critic.set_moment_layout.remote([first]))
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
-    ray.get(critic.wait.remote())
-    ray.get(critic.set_moment_layout.remote([other]))
-    before = ray.get(critic.state_copy.remote())
-    save_everyone(ranks, coordinator, 2)
-    coordinator.wait_for_commit(2)
-    ray.get(critic.train.remote(1))
-    ray.get(critic.load.remote(2))
-    after = ray.get(critic.state_copy.remote())
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    try:
+        ray.get(critic.set_moment_layout.remote([first]))
+        save_everyone(ranks, coordinator, 1)
+        coordinator.wait_for_commit(1)
+        ray.get(critic.wait.remote())
+        ray.get(critic.set_moment_layout.remote([other]))
+        before = ray.get(critic.state_copy.remote())
+        save_everyone(ranks, coordinator, 2)
+        coordinator.wait_for_commit(2)
+        ray.get(critic.train.remote(1))
+        ray.get(critic.load.remote(2))
+        after = ray.get(critic.state_copy.remote())
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        # The ranks live for the whole session: the next test must not find a moment that
+        # shares its storage (offload-aware staging would copy it instead of writing it live).
+        ray.get(critic.set_moment_layout.remote([]))
     close_all(ranks, coordinator)
 
 
