@@ -137,6 +137,17 @@ def many_tensors(count: int = 40) -> dict[str, torch.Tensor]:
     return {f"t{k}": (torch.randn(shapes[k % 5]) * 100).to(dtypes[k % 4]) for k in range(count)}
 
 
+def loaded_equal(directory: Path, state: dict[str, torch.Tensor]) -> DirectFileSystemReader:
+    """Load `directory` with the direct reader into zeroed tensors like `state`'s; every
+    value must come back. Returns the reader (its counters say which path each took)."""
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = DirectFileSystemReader(directory)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+    return reader
+
+
 def test_I4_consecutive_blobs_are_read_in_runs_split_by_size_and_buffer_count(
     tmp_path, monkeypatch
 ):
@@ -154,11 +165,7 @@ def test_I4_consecutive_blobs_are_read_in_runs_split_by_size_and_buffer_count(
         "preadv",
         lambda fd, bufs, at: calls.append(len(bufs)) or real_preadv(fd, bufs, at),
     )
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    reader = DirectFileSystemReader(tmp_path)
-    dcp.load(target, storage_reader=reader, no_dist=True)
-    for key, value in state.items():
-        assert torch.equal(target[key], value), key
+    reader = loaded_equal(tmp_path, state)
     assert reader.templated_reads == len(state)
     assert max(calls) <= 6 and len(calls) < len(state), calls  # several blobs per call
 
@@ -170,11 +177,7 @@ def test_I4_a_blob_of_another_writer_amid_verl_ckpts_is_found_through_its_zip_di
     state = many_tensors(9)
     others = ("t3", "t4", "t8")
     saved_as_verl_ckpt_writes(tmp_path, state, by_torch_save=others)
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    reader = DirectFileSystemReader(tmp_path)
-    dcp.load(target, storage_reader=reader, no_dist=True)
-    for key, value in state.items():
-        assert torch.equal(target[key], value), key
+    reader = loaded_equal(tmp_path, state)
     assert reader.direct_reads == len(state)
     assert reader.templated_reads == len(state) - len(others)
 
@@ -183,14 +186,10 @@ def test_I4_dcp_blobs_take_the_zip_directory_path_even_where_their_length_fits(t
     """DCP's own files: every blob the length of a template (so a run reads it) fails the
     head check, and is then read in place through its zip directory."""
     state = saved(tmp_path)
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    reader = DirectFileSystemReader(tmp_path)
-    dcp.load(target, storage_reader=reader, no_dist=True)
+    reader = loaded_equal(tmp_path, state)
     lengths = {index.fqn: info.length for index, info in reader.storage_data.items()}
     layout = torch_format.whole_tensor_blob_layout(tuple(state["weight"].shape), torch.float32)
     assert layout is not None and lengths["weight"] == direct_reader._layout_length(layout)
-    for key, value in state.items():
-        assert torch.equal(target[key], value), key
     assert reader.templated_reads == 0
     assert reader.direct_reads == len(state) - 1
 
@@ -213,11 +212,7 @@ def test_I4_short_reads_are_continued_where_they_stopped(tmp_path, monkeypatch):
         return real_preadv(fd, capped, offset)
 
     monkeypatch.setattr(direct_reader.os, "preadv", short_preadv)
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    reader = DirectFileSystemReader(tmp_path)
-    dcp.load(target, storage_reader=reader, no_dist=True)
-    for key, value in state.items():
-        assert torch.equal(target[key], value), key
+    reader = loaded_equal(tmp_path, state)
     assert reader.templated_reads == len(state)
 
 
