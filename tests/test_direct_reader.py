@@ -194,6 +194,23 @@ def test_I4_dcp_blobs_take_the_zip_directory_path_even_where_their_length_fits(t
     assert reader.direct_reads == len(state) - 1
 
 
+def test_a_file_of_another_writer_is_read_once_after_its_first_run_fails(tmp_path, monkeypatch):
+    """DCP's own file, its blobs the template's length: the first run's check fails for
+    every blob, and the rest of the file is read through the zip directories only, not
+    read in runs first and then again."""
+    state = many_tensors()
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    monkeypatch.setattr(direct_reader, "_RUN_BYTES", 4096)
+    runs = []
+    real_read_run = direct_reader._read_run
+    monkeypatch.setattr(
+        direct_reader, "_read_run", lambda fd, run: runs.append(run) or real_read_run(fd, run)
+    )
+    reader = loaded_equal(tmp_path, state)
+    assert len(runs) == 1
+    assert reader.templated_reads == 0 and reader.direct_reads == len(state)
+
+
 def test_I4_short_reads_are_continued_where_they_stopped(tmp_path, monkeypatch):
     """A read may return fewer bytes than asked (Linux stops one call at about 2 GiB).
     Fault injected with a fake: reads capped at 100 bytes, which a test cannot get from a

@@ -153,6 +153,12 @@ class DirectFileSystemReader(FileSystemReader):
         try:
             for run in _runs_of_templated_blobs(reads):
                 _read_run(fd, run)
+                if not any(read.done for read in run):
+                    # Not one blob as verl_ckpt writes it: another writer's file (torch.save
+                    # with its CRCs has the template's lengths). Each blob of a run is read
+                    # twice when its check fails: the rest goes straight to the zip
+                    # directory path.
+                    break
             for read in reads:
                 if not read.done:
                     read.done = _read_parsed(fd, read)
