@@ -14,7 +14,10 @@ Measured in one run, side by side:
              non-blocking `DefaultStager` (blocking, staging done, durable), same tensors;
   trainer    a burst of GPU compute (bf16 matrix products, what rollout and log-prob
              passes do in the idle window) alone, and started right after save() of each
-             kind: the copy on the side stream must leave it alone.
+             kind: the copy on the side stream must leave it alone;
+  resume     benchmarks/loads.py's variants into the GPU tensors: a step committed by
+             verl_ckpt and DCP's own save of the same tensors, loaded back with the page
+             cache warm, then dropped before every variant (where the system lets us).
 Writes benchmarks/results_cuda.md and results_cuda.json (or --out-dir). Needs a CUDA device.
 """
 
@@ -46,10 +49,12 @@ DCP_STAGERS = {
 
 
 def _seconds(fn: Callable[[], Any]) -> float:
-    torch.cuda.synchronize()
+    # Without CUDA only resume() runs (tried on a CPU state before a GPU run).
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    synchronize()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    synchronize()
     return time.perf_counter() - start
 
 
@@ -221,6 +226,60 @@ def dcp_saves(state: RankState, root: Path, reps: int, burst: ComputeBurst, stag
     return out
 
 
+def resume(state: RankState, root: Path, reps: int) -> dict[str, dict[str, list[float]]]:
+    """Loads into the GPU state (found[cache][variant] = seconds per rep), rotated as the CPU
+    benchmark rotates them; every timing starts and ends with the device synchronized."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.loads import LOAD_VARIANTS, LoadRunner, can_drop_caches, drop_caches
+    from benchmarks.systems import VerlSystem
+    from verl_ckpt import CheckpointCoordinator
+
+    device_type = state.params[0].device.type
+    config = verl_config(str(root / "verl"), "thread", False)
+    coordinator = CheckpointCoordinator(config, {"bench": 1}, save_driver_state=False)
+    system = VerlSystem(state, str(root / "verl"), mode="thread", offload_aware=False)
+    try:
+        system.save(1, root)
+        coordinator.wait_for_commit(1, timeout_s=600)
+        system.manager.wait()
+        dcp.save(
+            state.dtensor_state_dict(init_device_mesh(device_type, (1,))),
+            checkpoint_id=str(root / "dcp"),
+        )
+        runner = LoadRunner(state, system, root / "verl" / "global_step_1" / "bench", root / "dcp")
+        saved = {key: t.cpu().clone() for key, t in state.tensors().items()}
+        caches = ["warm", "cold"] if can_drop_caches() else ["warm"]
+        found = {cache: {v: [] for v in LOAD_VARIANTS} for cache in caches}
+        for cache in caches:
+            for i in range(reps):
+                shift = i % len(LOAD_VARIANTS)
+                for variant in LOAD_VARIANTS[shift:] + LOAD_VARIANTS[:shift]:
+                    if cache == "cold":
+                        drop_caches()
+                    found[cache][variant].append(_seconds(lambda v=variant: runner.run(v)))
+        _check_loaded_back(state, runner, saved)
+    finally:
+        system.close()
+        coordinator.close()
+    return found
+
+
+def _check_loaded_back(state: RankState, runner: Any, saved: dict[str, torch.Tensor]) -> None:
+    """After the timed loads: the state still holds what was saved; then zeroed, verl_ckpt's
+    load brings every value back. The timings are of loads that are right."""
+    for key, tensor in state.tensors().items():
+        if not torch.equal(tensor.cpu(), saved[key]):
+            raise AssertionError(f"{key}: differs from the saved values after the timed loads")
+    for tensor in state.tensors().values():
+        tensor.zero_()
+    runner.run("verl_ckpt load")
+    for key, tensor in state.tensors().items():
+        if not torch.equal(tensor.cpu(), saved[key]):
+            raise AssertionError(f"{key}: loaded values differ from the saved ones")
+
+
 def _init_single_rank() -> None:
     import torch.distributed as dist
 
@@ -264,16 +323,21 @@ def _report(results: dict[str, Any], nbytes: int) -> str:
                 f"| {name} | " + " | ".join(f"{median(values[k]):.4f}" for k in keys) + " |"
             )
     lines.append(f"\nBurst alone: {alone:.4f} s. Write floor {write_floor:.3f} s.")
-    if "verl_ckpt thread, now" not in results["saves"]:
-        return "\n".join(lines + [f"{n} failed: {e}" for n, e in results["errors"].items()])
-    ours = median(results["saves"]["verl_ckpt thread, now"]["durable"])
-    lines.append(f"verl_ckpt durable: {ours / write_floor:.2f}x the write floor.")
-    for name in DCP_STAGERS:
-        if name in results["saves"]:
-            dcp = median(results["saves"][name]["durable"])
-            lines.append(f"verl_ckpt durable: {ours / dcp:.2f}x {name}'s.")
+    if "verl_ckpt thread, now" in results["saves"]:
+        ours = median(results["saves"]["verl_ckpt thread, now"]["durable"])
+        lines.append(f"verl_ckpt durable: {ours / write_floor:.2f}x the write floor.")
+        for name in DCP_STAGERS:
+            if name in results["saves"]:
+                dcp = median(results["saves"][name]["durable"])
+                lines.append(f"verl_ckpt durable: {ours / dcp:.2f}x {name}'s.")
     for name, error in results["errors"].items():
         lines.append(f"\n{name} failed: {error}")
+    if results.get("resume"):
+        from benchmarks.loads import load_table
+
+        table, verdicts = load_table(results["resume"])
+        lines.append("\n## Resume onto the GPU\n\n" + table + "\n")
+        lines += [f"- {line}" for line in verdicts]
     return "\n".join(lines) + "\n"
 
 
@@ -283,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--load-reps", type=int, default=3, help="0: no resume benchmark")
+    parser.add_argument("--no-saves", action="store_true", help="floors, staging, resume only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.cuda_path needs a CUDA device")
@@ -324,11 +390,15 @@ def main(argv: list[str] | None = None) -> None:
         for name, kind in DCP_STAGERS.items():
             systems[name] = lambda d, kind=kind: dcp_saves(state, d, args.reps, burst, kind)
         for index, (name, run) in enumerate(systems.items()):
+            if args.no_saves:
+                break
             try:
                 results["saves"][name] = run(workdir / f"system_{index}")
             except Exception as exc:  # reported, and the other systems still run
                 results["errors"][name] = f"{type(exc).__name__}: {exc}"
                 print(f"{name} failed: {results['errors'][name]}")
+        if args.load_reps:
+            results["resume"] = resume(state, workdir / "resume", args.load_reps)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         ray.shutdown()

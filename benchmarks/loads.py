@@ -75,7 +75,9 @@ class LoadRunner:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh("cpu", (self.state.spec.world_size,))
+            # Where the state lives: the host here, the GPU in benchmarks/cuda_path.
+            device_type = self.state.params[0].device.type
+            mesh = init_device_mesh(device_type, (self.state.spec.world_size,))
             dcp.load(self.state.dtensor_state_dict(mesh), checkpoint_id=str(self.dcp_dir))
         else:
             raise ValueError(f"unknown load variant {variant!r}")

@@ -106,6 +106,31 @@ def gpu_config(tmp_path, **overrides):
     return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 120.0, **overrides}
 
 
+def test_I4_device_destinations_are_read_through_host_memory_once(tmp_path):
+    """A load into GPU tensors takes the direct reader's reads (into host memory of each
+    tensor's size, then one copy to the device), on verl_ckpt's blobs and DCP's own."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_direct_reader import many_tensors, saved_as_verl_ckpt_writes
+    from verl_ckpt.direct_reader import DirectFileSystemReader
+
+    state = many_tensors(12)
+    for writer, directory in (("verl_ckpt", tmp_path / "ours"), ("dcp", tmp_path / "dcp")):
+        directory.mkdir()
+        if writer == "verl_ckpt":
+            saved_as_verl_ckpt_writes(directory, state)
+        else:
+            dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+        target = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+        pointers = {k: t.data_ptr() for k, t in target.items()}
+        reader = DirectFileSystemReader(directory)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        for key, value in state.items():
+            assert target[key].data_ptr() == pointers[key], (writer, key)
+            assert torch.equal(target[key].cpu(), value), (writer, key)
+        assert reader.direct_reads == len(state), writer
+
+
 def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(gpu_rank, tmp_path):
     placement = ray.get(gpu_rank["actor"][0].placement.remote())
     assert placement == {"backend": "nccl", "parameters": "cuda:0", "optimizer": "cuda:0"}

@@ -263,3 +263,30 @@ def test_I4_a_transposed_blob_the_length_of_the_contiguous_template_fails_the_he
     assert layout is not None and info.length == direct_reader._layout_length(layout)
     assert torch.equal(target["w"], transposed)
     assert reader.direct_reads == 0
+
+
+@pytest.mark.parametrize("writer", ["verl_ckpt", "dcp"])
+def test_I4_a_strided_destination_is_filled_through_host_memory_of_its_size(tmp_path, writer):
+    """A destination that is not contiguous host memory (here a transposed view; on a GPU,
+    a device tensor) takes the same reads into host memory of the tensor's size, then one
+    copy into it: on both paths (verl_ckpt's blobs, read in runs; DCP's, through their zip
+    directory). Before, such a destination went through DCP's path (direct_reads 0)."""
+    state = many_tensors(6)
+    if writer == "verl_ckpt":
+        saved_as_verl_ckpt_writes(tmp_path, state)
+    else:
+        dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    # Each destination a transposed view of its own storage: the bytes cannot land in it.
+    target = {
+        k: torch.zeros(v.shape[::-1], dtype=v.dtype).permute(tuple(reversed(range(v.dim()))))
+        for k, v in state.items()
+    }
+    assert not any(t.is_contiguous() for t in target.values() if t.dim() > 1)
+    storages = {k: t.untyped_storage().data_ptr() for k, t in target.items()}
+    reader = DirectFileSystemReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+        assert target[key].untyped_storage().data_ptr() == storages[key], key
+    assert reader.direct_reads == len(state)
+    assert reader.templated_reads == (len(state) if writer == "verl_ckpt" else 0)

@@ -4,12 +4,13 @@ DCP's FileSystemReader reads each saved tensor with `torch.load` into a new tens
 copies it into the tensor that receives it: two copies after the read. A tensor that
 verl_ckpt wrote is always a whole, contiguous tensor whose `torch.save` blob holds exactly
 one storage record, stored uncompressed. When the destination wants that whole tensor
-(same shape and dtype, contiguous, on the host), this reader finds the record in the blob's
-zip directory, checks that the blob's pickle is the one verl_ckpt writes for such a tensor
-(torch_format), and reads the bytes straight into the destination. Anything else (a
-narrower read when resharding, another dtype, a device tensor, another pickle: a saved
-view, a tensor saved with its grad flag) goes through DCP's own path, unchanged. Depends
-on torch and torch_format only.
+(same shape and dtype), this reader finds the record in the blob's zip directory, checks
+that the blob's pickle is the one verl_ckpt writes for such a tensor (torch_format), and
+reads the bytes straight into the destination when it is contiguous host memory, or else
+(a GPU tensor, a strided view) into host memory of the tensor's size, then copied into it:
+one copy after the read where DCP's path makes two. Anything else (a narrower read when
+resharding, another dtype, another pickle: a saved view, a tensor saved with its grad flag)
+goes through DCP's own path, unchanged. Depends on torch and torch_format only.
 
 How the bytes are read: a file's blobs are read in file order, and a run of consecutive
 blobs that have exactly the length of verl_ckpt's blob for their tensor (torch_format's
@@ -101,6 +102,8 @@ class DirectFileSystemReader(FileSystemReader):
                 done = list(pool.map(self._read_file, by_file.items()))
         else:
             done = [self._read_file(entry) for entry in by_file.items()]
+        if any(read.done and not read.in_place for reads in done for read in reads):
+            _synchronize_devices([read.target for reads in done for read in reads])
         for reads in done:
             for read in reads:
                 if read.done:
@@ -117,7 +120,7 @@ class DirectFileSystemReader(FileSystemReader):
 
     def _direct_read(self, item: Any, planner: LoadPlanner) -> _DirectRead | None:
         """The read of one whole saved tensor into its destination; None: leave it to DCP's
-        path (a part of a tensor, another dtype, a device or strided destination)."""
+        path (a part of a tensor, another dtype)."""
         if item.type != LoadItemType.TENSOR:
             return None
         info = self.storage_data[item.storage_index]
@@ -134,14 +137,10 @@ class DirectFileSystemReader(FileSystemReader):
             # DCP's path resolves it again and commits it; the stand-in is forgotten here.
             planner._intermediate_read_item_and_target = None  # type: ignore[attr-defined]
             return None
-        if (
-            target.device.type != "cpu"
-            or target.dtype != dtype
-            or tuple(target.shape) != sizes
-            or not target.is_contiguous()
-        ):
+        if target.dtype != dtype or tuple(target.shape) != sizes:
             return None
-        return _DirectRead(item, info, target, _layout(sizes, dtype))
+        in_place = target.device.type == "cpu" and target.is_contiguous()
+        return _DirectRead(item, info, target, _layout(sizes, dtype), in_place)
 
     def _read_file(self, entry: tuple[str, list[_DirectRead]]) -> list[_DirectRead]:
         relative_path, reads = entry
@@ -186,8 +185,40 @@ class _DirectRead:
     info: Any
     target: torch.Tensor
     layout: BlobLayout | None
+    # The bytes land in `target` itself (contiguous host memory), or else in host memory
+    # that is then copied into it (`_landing`, `_deliver`).
+    in_place: bool
     done: bool = False
     templated: bool = False  # read on the sequential path
+
+
+def _landing(read: _DirectRead) -> torch.Tensor:
+    """Host memory the tensor's bytes are read into: its destination, or a staging tensor
+    of its size, pinned for a GPU destination. Made when its run is read, so that a load into
+    GPU tensors holds a few runs on the host, never the whole state."""
+    if read.in_place:
+        return read.target
+    pinned = read.target.device.type == "cuda"
+    return torch.empty(read.target.shape, dtype=read.target.dtype, pin_memory=pinned)
+
+
+def _deliver(read: _DirectRead, landing: torch.Tensor) -> None:
+    if landing is read.target:
+        return
+    # From pinned memory the copy is queued and the thread reads on: the device copies one
+    # run while the next is read (from pageable memory the copy ran at a fifth of the pinned
+    # rate and in line with the reads: 2 GiB warm, 0.48 s against 0.26 s for the reads alone
+    # on an H100). `landing` can be dropped at once: torch's pinned-memory cache keeps its
+    # block from reuse until the copy that reads it has finished (the copy records an event).
+    # Every device copy is waited for before any commit (_synchronize_devices).
+    read.target.copy_(landing, non_blocking=landing.is_pinned())
+
+
+def _synchronize_devices(targets: list[torch.Tensor]) -> None:
+    # The reading threads copied on their own current stream (the default one): the state
+    # must be on the device before the load returns and the trainer's streams use it.
+    for device in {t.device for t in targets if t.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 def _runs_of_templated_blobs(reads: list[_DirectRead]) -> list[list[_DirectRead]]:
@@ -221,21 +252,24 @@ def _read_run(fd: int, run: list[_DirectRead]) -> None:
     from its template (another writer: torch.save with its CRCs) is left not done; its
     destination then holds bytes that the parsed read or DCP's path overwrites."""
     buffers: list[memoryview] = []
-    for read in run:
+    landings = [_landing(read) for read in run]
+    for read, landing in zip(run, landings, strict=True):
         layout = read.layout
         assert layout is not None  # runs hold templated blobs only
         buffers += [
             memoryview(bytearray(len(layout.head))),
-            _writable_bytes(read.target),
+            _writable_bytes(landing),
             memoryview(bytearray(len(layout.tail))),
         ]
     _read_exactly_into(fd, buffers, run[0].info.offset)
-    for k, read in enumerate(run):
+    for k, (read, landing) in enumerate(zip(run, landings, strict=True)):
         layout = read.layout
         assert layout is not None
         read.done = read.templated = (
             buffers[3 * k] == layout.head and buffers[3 * k + 2] == layout.tail
         )
+        if read.done:
+            _deliver(read, landing)
 
 
 def _read_parsed(fd: int, read: _DirectRead) -> bool:
@@ -245,7 +279,9 @@ def _read_parsed(fd: int, read: _DirectRead) -> bool:
     record = _storage_record(fd, read.info.offset, read.info.length, sizes, dtype)
     if record is None or record[1] != nbytes:
         return False
-    _read_exactly(fd, _writable_bytes(read.target), record[0])
+    landing = _landing(read)
+    _read_exactly(fd, _writable_bytes(landing), record[0])
+    _deliver(read, landing)
     return True
 
 
