@@ -232,7 +232,7 @@ def resume(state: RankState, root: Path, reps: int) -> dict[str, dict[str, list[
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.loads import LOAD_VARIANTS, LoadRunner, can_drop_caches, drop_caches
+    from benchmarks.loads import LoadRunner, rotated_loads
     from benchmarks.systems import VerlSystem
     from verl_ckpt import CheckpointCoordinator
 
@@ -250,15 +250,7 @@ def resume(state: RankState, root: Path, reps: int) -> dict[str, dict[str, list[
         )
         runner = LoadRunner(state, system, root / "verl" / "global_step_1" / "bench", root / "dcp")
         saved = {key: t.cpu().clone() for key, t in state.tensors().items()}
-        caches = ["warm", "cold"] if can_drop_caches() else ["warm"]
-        found = {cache: {v: [] for v in LOAD_VARIANTS} for cache in caches}
-        for cache in caches:
-            for i in range(reps):
-                shift = i % len(LOAD_VARIANTS)
-                for variant in LOAD_VARIANTS[shift:] + LOAD_VARIANTS[:shift]:
-                    if cache == "cold":
-                        drop_caches()
-                    found[cache][variant].append(_seconds(lambda v=variant: runner.run(v)))
+        found = rotated_loads(reps, lambda variant: _seconds(lambda: runner.run(variant)))
         _check_loaded_back(state, runner, saved)
     finally:
         system.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from benchmarks.report import _f, _median, _table, _x
 
-__all__ = ["LOAD_VARIANTS", "LoadRunner", "load_table"]
+__all__ = ["LOAD_VARIANTS", "LoadRunner", "load_table", "rotated_loads"]
 
 LOAD_VARIANTS = (
     "read floor",
@@ -137,6 +138,24 @@ def load_table(found: dict[str, dict[str, list[float]]]) -> tuple[str, list[str]
             )
     table = _table(["page cache", "variant", "median s", "vs read floor", "runs"], body)
     return table, verdicts
+
+
+def rotated_loads(
+    reps: int, time_load: Callable[[str], float]
+) -> dict[str, dict[str, list[float]]]:
+    """found[cache][variant] = seconds per rep: every variant `reps` times, the order rotated
+    from one rep to the next; page cache warm, then (where the system lets us) dropped
+    before every variant."""
+    caches = ["warm", "cold"] if can_drop_caches() else ["warm"]
+    found = {cache: {v: [] for v in LOAD_VARIANTS} for cache in caches}
+    for cache in caches:
+        for i in range(reps):
+            shift = i % len(LOAD_VARIANTS)
+            for variant in LOAD_VARIANTS[shift:] + LOAD_VARIANTS[:shift]:
+                if cache == "cold":
+                    drop_caches()
+                found[cache][variant].append(time_load(variant))
+    return found
 
 
 def time_variant(runner: LoadRunner, variant: str) -> dict[str, float]:

@@ -319,7 +319,7 @@ class SaveBench:
         """Resume speed (benchmarks/loads.py): a committed step of the reference and DCP's
         own save of the same tensors, loaded back by every variant `reps` times, rotated,
         both ranks at once; page cache warm, then dropped before every variant."""
-        from benchmarks.loads import LOAD_VARIANTS, can_drop_caches, cleanup, drop_caches
+        from benchmarks.loads import LOAD_VARIANTS, can_drop_caches, cleanup, rotated_loads
         from benchmarks.systems import DCP_PEER
 
         self._save(REFERENCE, REFERENCE, -1, record=False, keep=True)
@@ -334,20 +334,14 @@ class SaveBench:
             self._close(DCP_PEER)
         role_dir = step_path / "bench"
         self._get([r.load_open.remote(REFERENCE, str(role_dir), str(dcp_dir)) for r in self.ranks])
-        caches = ["warm", "cold"] if can_drop_caches() else ["warm"]
-        found: dict[str, dict[str, list[float]]] = {
-            c: {v: [] for v in LOAD_VARIANTS} for c in caches
-        }
-        self.log(f"[loads] {len(LOAD_VARIANTS)} variants x {reps}, page cache {', '.join(caches)}")
-        for cache in caches:
-            for i in range(reps):
-                shift = i % len(LOAD_VARIANTS)
-                for variant in LOAD_VARIANTS[shift:] + LOAD_VARIANTS[:shift]:
-                    if cache == "cold":
-                        drop_caches()
-                    outs = self._get([r.load_variant.remote(variant) for r in self.ranks])
-                    seconds = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
-                    found[cache][variant].append(seconds)
+        caches = "warm, cold" if can_drop_caches() else "warm"
+        self.log(f"[loads] {len(LOAD_VARIANTS)} variants x {reps}, page cache {caches}")
+
+        def both_ranks(variant: str) -> float:
+            outs = self._get([r.load_variant.remote(variant) for r in self.ranks])
+            return max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
+
+        found = rotated_loads(reps, both_ranks)
         cleanup(step_path, dcp_dir)
         return found
 

@@ -182,19 +182,33 @@ def test_what_only_megatron_core_handles_is_left_to_it(build, wanted, monkeypatc
     assert calls == [1]
 
 
-def test_a_real_gpt_and_adam_state_splits_as_megatron_core_splits_it():
-    # In a process of its own: megatron's parallel state and the process group are global.
+def run_with_megatron(body: str) -> None:
+    """Run `body` in a Python process of its own (megatron's parallel state and the process
+    group are global), with this checkout importable, torch imported as `torch`,
+    recipes.megatron_cpu as `mc` and a one-rank process group set up; it must exit 0 and
+    print a line starting with "ok"."""
     script = f"""
 import socket, sys
 sys.path[:0] = [{str(REPO_ROOT)!r}]
 import torch
 from recipes import megatron_cpu as mc
-from tests.test_megatron_compat import assert_same_split
-from verl_ckpt import megatron_compat
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 mc.init_distributed(0, 1, port)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script + body], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok"), done.stdout
+
+
+def test_a_real_gpt_and_adam_state_splits_as_megatron_core_splits_it():
+    run_with_megatron(
+        """
+from tests.test_megatron_compat import assert_same_split
+from verl_ckpt import megatron_compat
 shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=128)
 model = mc.build_tiny_gpt(shape, seed=1)
 optimizer = mc.make_adam(model)
@@ -202,10 +216,10 @@ for p in model.parameters():
     p.grad = torch.ones_like(p)
 optimizer.step()
 def build():
-    return {{
+    return {
         "model": model.sharded_state_dict(),
         "optimizer": mc.optimizer_sharded_state_dict(model, optimizer),
-    }}
+    }
 _, common, items = assert_same_split(build)
 assert len(items) > 20 and "param_groups" in str(common), (len(items), common)
 # The fast walk ran: the model holds a non-persistent object, and no factory.
@@ -213,11 +227,7 @@ megatron_compat.save_preprocess = None
 megatron_compat.split_common_state(build())
 print("ok", len(items))
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("ok")
 
 
 def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
@@ -341,21 +351,14 @@ def test_I4_whole_chunks_load_without_a_dcp_plan_and_mismatches_still_fail_in_me
     tensor that receives a saved chunk whole is read with no DCP load plan (DCP's
     load_state_dict sees none of them), and every value comes back. A model of another
     shape still fails in megatron-core's own shape check, naming the key. Before, every
-    tensor went through DCP's planning (a quarter of a warm load)."""
-    script = f"""
-import socket, sys
-sys.path[:0] = [{str(REPO_ROOT)!r}]
-import torch
+    tensor went through DCP's load planning."""
+    run_with_megatron(
+        f"""
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import torch as mt
-from recipes import megatron_cpu as mc
 from verl_ckpt import megatron_compat
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-mc.init_distributed(0, 1, port)
 def built(seed, ffn=128):
     shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=ffn)
     model = mc.build_tiny_gpt(shape, seed=seed)
@@ -405,8 +408,4 @@ except BaseException as exc:  # megatron-core's error inside DCP's (a BaseExcept
 else:
     raise AssertionError("a model of another shape loaded")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.startswith("ok"), done.stdout
