@@ -87,28 +87,6 @@ class DirectFileSystemReader(FileSystemReader):
                     key = (fqn, tuple(chunk.offsets))
                     self._chunks[key] = (tuple(chunk.sizes), meta.properties.dtype)
 
-    def read_whole_chunks(
-        self, metadata: Metadata, targets: dict[MetadataIndex, torch.Tensor]
-    ) -> set[MetadataIndex]:
-        """Read saved chunks, each whole into a tensor of its shape and dtype, with no DCP
-        load plan (a caller that knows its destinations need not pay for one); returns the
-        chunks not read (not saved as such, another dtype or shape, a blob this reader does
-        not know), for DCP's path."""
-        self.set_up_storage_reader(metadata, False)
-        reads, left = [], set()
-        for index, target in targets.items():
-            read = self._whole_chunk_read(index, target.detach(), item=index)
-            if read is None:
-                left.add(index)
-            else:
-                reads.append(read)
-        for read in self._read(reads):
-            if read.done:
-                self._count(read)
-            else:
-                left.add(read.item)
-        return left
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Destinations are resolved (and committed, below) on this thread, in the plan's
         # order: a planner may keep state between an item's resolve and its commit.
@@ -225,7 +203,7 @@ class _DirectRead:
     """One whole tensor to read straight into `target`; `layout`: the blob verl_ckpt would
     have written for it (None where blobs are not made from templates on this torch)."""
 
-    item: Any  # DCP's ReadItem, or the chunk's MetadataIndex (read_whole_chunks)
+    item: Any  # DCP's ReadItem
     info: Any
     target: torch.Tensor
     layout: BlobLayout | None
