@@ -38,11 +38,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -100,7 +96,8 @@ class DirectFileSystemReader(FileSystemReader):
         for read in self._read(reads):
             if read.done:
                 planner.commit_tensor(read.item, read.target)
-                self._count(read)
+                self.direct_reads += 1
+                self.templated_reads += read.templated
             else:
                 elsewhere.append(read.item)
         if elsewhere:
@@ -128,18 +125,18 @@ class DirectFileSystemReader(FileSystemReader):
             _synchronize_devices([read.target for read in done])
         return done
 
-    def _count(self, read: _DirectRead) -> None:
-        self.direct_reads += 1
-        self.templated_reads += read.templated
-
     def _direct_read(self, item: Any, planner: LoadPlanner) -> _DirectRead | None:
         """The read of one whole saved tensor into its destination; None: leave it to DCP's
         path (a part of a tensor, another dtype)."""
         if item.type != LoadItemType.TENSOR:
             return None
+        info = self.storage_data[item.storage_index]
         chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset)))
-        if chunk is None or any(item.storage_offsets) or tuple(item.lengths) != chunk[0]:
-            return None  # not a saved chunk, or a part of one (resharding)
+        if info.transform_descriptors or chunk is None:
+            return None
+        sizes, dtype = chunk
+        if any(item.storage_offsets) or tuple(item.lengths) != sizes:
+            return None  # a part of the saved tensor (resharding)
         target = planner.resolve_tensor(item).detach()
         if getattr(planner, "_intermediate_read_item_and_target", None) is not None:
             # megatron-core's planner hands a strided FP8 tensor out as a contiguous stand-in
@@ -147,18 +144,6 @@ class DirectFileSystemReader(FileSystemReader):
             # DCP's path resolves it again and commits it; the stand-in is forgotten here.
             planner._intermediate_read_item_and_target = None  # type: ignore[attr-defined]
             return None
-        return self._whole_chunk_read(item.storage_index, target, item)
-
-    def _whole_chunk_read(
-        self, index: MetadataIndex, target: torch.Tensor, item: Any
-    ) -> _DirectRead | None:
-        """The read of the saved chunk `index`, whole, into `target`; None where the chunk
-        is not saved as such, or `target` has another shape or dtype."""
-        chunk = self._chunks.get((index.fqn, tuple(index.offset)))
-        info = self.storage_data.get(index)
-        if chunk is None or info is None or info.transform_descriptors:
-            return None
-        sizes, dtype = chunk
         if target.dtype != dtype or tuple(target.shape) != sizes:
             return None
         in_place = target.device.type == "cpu" and target.is_contiguous()
