@@ -250,7 +250,7 @@ def resume(state: RankState, root: Path, reps: int) -> dict[str, dict[str, list[
         )
         runner = LoadRunner(state, system, root / "verl" / "global_step_1" / "bench", root / "dcp")
         saved = {key: t.cpu().clone() for key, t in state.tensors().items()}
-        found = rotated_loads(reps, lambda variant: _seconds(lambda: runner.run(variant)))
+        found = rotated_loads(reps, lambda variant: runner.timed(variant, _seconds))
         _check_loaded_back(state, runner, saved)
     finally:
         system.close()
@@ -266,7 +266,7 @@ def _check_loaded_back(state: RankState, runner: Any, saved: dict[str, torch.Ten
             raise AssertionError(f"{key}: differs from the saved values after the timed loads")
     for tensor in state.tensors().values():
         tensor.zero_()
-    runner.run("verl_ckpt load")
+    runner.run("verl_ckpt load", runner.templates())
     for key, tensor in state.tensors().items():
         if not torch.equal(tensor.cpu(), saved[key]):
             raise AssertionError(f"{key}: loaded values differ from the saved ones")

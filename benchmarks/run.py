@@ -330,7 +330,11 @@ WRITE_PATH_NOTE = (
 LOAD_NOTE = (
     "Each variant loads this rank's share of the state into the ranks' live tensors, both "
     "ranks at once, slowest rank counted; rotated order. The read floor reads the files this "
-    "rank wrote with plain reads into a buffer allocated beforehand. Warm: the page cache "
+    "rank wrote with plain reads into a buffer allocated beforehand. Each load is timed from "
+    "its call into state dicts built beforehand, as the issue defines it (`load()` into the "
+    "templates): the sharded templates (verl_ckpt, megatron-core) or DTensors (DCP) come from "
+    "the trainer's own code, the same whichever system loads; `building the templates` times "
+    "the model's and optimizer's sharded_state_dict() alone. Warm: the page cache "
     "holds the files (they were just written); cold: the page cache is dropped "
     "(/proc/sys/vm/drop_caches) before every variant, as on a node that did not write them."
 )

@@ -107,14 +107,11 @@ class VerlSystem:
         """What a trainer's optimizer step runs in with fence_before(): fence, writes paused."""
         return self.manager.quiet()
 
-    def load(self, step_dir: Path, verify: bool) -> None:
-        """A resuming trainer's load of a committed step into its live tensors."""
+    def load(self, step_dir: Path, templates: dict[str, Any], verify: bool) -> None:
+        """A resuming trainer's load of a committed step into its live tensors, through
+        `templates` ("model" and "optimizer" sharded state dicts of them)."""
         self.manager.config.verify_checksums_on_load = verify
-        self.manager.load(
-            step_dir,
-            model=self.state.model_sharded_state_dict(),
-            optimizer=self.state.optimizer_sharded_state_dict(),
-        )
+        self.manager.load(step_dir, model=templates["model"], optimizer=templates["optimizer"])
 
     def wait(self) -> dict[str, Any]:
         done = self.manager.wait()
