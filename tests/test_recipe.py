@@ -228,6 +228,9 @@ def test_I3_readme_rollback_then_resume_path_continues_from_the_older_step(tmp_p
 
 # ---- Ray job submission ------------------------------------------------------------------
 
+# How long a test's Ray head may take to come up, its dashboard included.
+_HEAD_START_S = 120
+
 
 class RayHead:
     """A Ray head started with `ray start --head --block` for one test, stopped by its pids.
@@ -244,7 +247,13 @@ class RayHead:
         self.token_path.write_text(uuid.uuid4().hex)
         gcs, self.dashboard_port, self.agent_port, agent_grpc, client, metrics = free_ports(6)
         self.env = recipe_env(
-            RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path), **(extra_env or {})
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(self.token_path),
+            # `ray start` gives up on its dashboard after 60 s by default; on 2 cores busy
+            # with the other test worker and a recipe beside it, the dashboard once took
+            # longer, and `ray start` exited before wait_ready's own deadline (120 s).
+            RAY_DASHBOARD_STARTUP_TIMEOUT_S=str(_HEAD_START_S),
+            **(extra_env or {}),
         )
         self.env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), self.env["PATH"]])
         self.proc = subprocess.Popen(
@@ -277,7 +286,7 @@ class RayHead:
     def address(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self, timeout_s: float = _HEAD_START_S) -> None:
         """Until the job server answers and the node's dashboard agent, which runs the jobs,
         serves HTTP. The job server waits only 10 s for an agent before it refuses a job
         ("No available agent to submit job"), and on 2 busy cores the agent can start later
