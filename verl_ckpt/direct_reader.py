@@ -117,7 +117,9 @@ class DirectFileSystemReader(FileSystemReader):
         if workers > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="verl_ckpt_read") as pool:
                 done = [
-                    read for reads in pool.map(self._read_file, by_file.items()) for read in reads
+                    read
+                    for file_reads in pool.map(self._read_file, by_file.items())
+                    for read in file_reads
                 ]
         else:
             done = [read for entry in by_file.items() for read in self._read_file(entry)]
