@@ -3,6 +3,7 @@ Adam with megatron-core sharded optimizer state, and a CheckpointManager."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ class RankWorker:
         self._world = (rank, world_size, tp, seed, save_ranks)
         self._store = None
         self.manager = None
+        self._conversion_hold: dict[str, Any] | None = None  # hold_shard_conversion
 
     def open_rendezvous(self) -> int:
         """Rank 0: host the world's rendezvous on a loopback port that stays bound; its port."""
@@ -176,14 +178,21 @@ class RankWorker:
             "generator": self.generator.get_state(),
             "counter": self.counter,
         }
-        stats = self.manager.save(
-            step,
-            model=self.model.sharded_state_dict(),
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
-            extra=extra,
-            snapshot=snapshot,
-            model_spec=describe_gpt_model(self.model),
-        )
+        hold = self._conversion_hold
+        if hold is not None:
+            hold["trainer"] = threading.get_ident()
+        try:
+            stats = self.manager.save(
+                step,
+                model=self.model.sharded_state_dict(),
+                optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+                extra=extra,
+                snapshot=snapshot,
+                model_spec=describe_gpt_model(self.model),
+            )
+        finally:
+            if hold is not None:
+                hold["returned"].set()
         if after == "extra":
             self.manager.fence()  # the deferred snapshot's contract (a no-op for "now")
             self.counter[0] = -1
@@ -234,6 +243,34 @@ class RankWorker:
         for s in self.optimizer.state.values():
             for name, value in list(s.items()):
                 s[name] = value.detach().to("cpu", copy=True)
+
+    def hold_shard_conversion(self, hold: bool) -> bool | None:
+        """Fault injection (a thread interleaving cannot be forced for real): while held,
+        megatron-core's conversion of a sharded tensor with prepended axes (a layer's weights,
+        stacked over layers) into torch's ShardedTensor pauses on any thread but the one that
+        called save(), until that save() has returned: after its view of each shard's data
+        (`sh_ten.data` with the prepended axes), before the last use of that data. Released
+        (`hold=False`): whether a conversion was held until a save() returned."""
+        from torch.distributed._shard.sharded_tensor import Shard
+
+        if not hold:
+            state, self._conversion_hold = self._conversion_hold, None
+            if state is None:
+                return None
+            Shard.from_tensor_and_offsets = state["original"]
+            return state["held"]
+        original = Shard.__dict__["from_tensor_and_offsets"]
+        state = {"original": original, "returned": threading.Event(), "held": False}
+        state["trainer"] = threading.get_ident()
+
+        def from_tensor_and_offsets(cls, tensor, shard_offsets, rank):
+            if threading.get_ident() != state["trainer"] and not state["returned"].is_set():
+                state["held"] = state["returned"].wait(60)
+            return original.__func__(cls, tensor, shard_offsets, rank)
+
+        Shard.from_tensor_and_offsets = classmethod(from_tensor_and_offsets)
+        self._conversion_hold = state
+        return None
 
     def set_env(self, name: str, value: str | None) -> None:
         import os

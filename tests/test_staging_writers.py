@@ -207,6 +207,39 @@ def test_I5_no_leaks_after_many_saves_and_close(ranks, tmp_path, writer):
     ]
 
 
+def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):
+    """Bug (seen once in CI, the 20th save of test_I5_no_leaks_after_many_saves_and_close:
+    `critic rank 0 [plan] ValueError: shard_offsets and shard_sizes should have the same
+    number of elements, found 3 and torch.Size([64, 32])`): a save whose plan is reused
+    hands its job to the save thread before the copy, and the plan converts each layer's
+    stacked weights by viewing the staged tensor with the layer axis prepended
+    (`sh_ten.data`), then reading that view back. The training thread, once its copy ended,
+    pointed every item at its buffer again, undoing the view of a tensor the plan was
+    converting: the step failed. Here every rank's copy starts 2 s late (so that the plan
+    is under way) and the conversion pauses until save() returned (hold_shard_conversion,
+    an injected interleaving): the step commits and loads back."""
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0}
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)  # planned on the training thread, then cached
+    coordinator.wait_for_commit(1)
+    workers = every_rank(ranks)
+    before = ray.get([w.state_copy.remote() for w in workers])
+    ray.get([w.set_env.remote(ENV_VAR, "stage=sleep=2") for w in workers])
+    ray.get([w.hold_shard_conversion.remote(True) for w in workers])
+    try:
+        stats = save_everyone(ranks, coordinator, 2)
+        coordinator.wait_for_commit(2)
+    finally:
+        held = ray.get([w.hold_shard_conversion.remote(False) for w in workers])
+        ray.get([w.set_env.remote(ENV_VAR, None) for w in workers])
+    assert all(s["plan_reused"] for s in stats), stats
+    # The interleaving was produced: on every rank a conversion waited for save() to return.
+    assert held == [True] * len(workers), held
+    assert_restores(ranks, 2, before)
+    close_all(ranks, coordinator)
+
+
 @pytest.fixture(scope="module")
 def world_with_rollout(ray_local):
     """One gloo world of 3 ranks (TP=1, so DP=3): ranks 0 and 1 save, rank 2 is a rollout

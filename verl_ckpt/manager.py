@@ -621,7 +621,12 @@ class CheckpointManager:
         job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None, job.copied)
         if job.stats.snapshot == "deferred":
             check_copied_unchanged(copy, sources)
-        bind_buffers(copy)
+        if job.started is None:
+            bind_buffers(copy)
+        # else the save thread owns the items: they were pointed at the buffers before it
+        # took the job, and its plan is rebinding them meanwhile (megatron-core's conversion
+        # views each staged tensor with its prepended axes, then reads the view back): a
+        # second binding from this thread could undo a view under way and fail the plan.
         job.stats.stage_s = time.perf_counter() - started
 
     def _plan(self, job: _SaveJob) -> None:
