@@ -342,3 +342,70 @@ def test_I7_the_metadata_file_is_what_dcps_own_finish_writes(tmp_path):
     loaded = {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
     dcp.load(loaded, checkpoint_id=ours, no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_I4_whole_chunks_load_without_a_dcp_plan_and_mismatches_still_fail_in_megatron_core(
+    tmp_path,
+):
+    """load_role_dir of a step saved by megatron-core itself (a real GPT and Adam): every
+    tensor that receives a saved chunk whole is read with no DCP load plan (DCP's
+    load_state_dict sees none of them), and every value comes back. A model of another
+    shape still fails in megatron-core's own shape check, naming the key. Before, every
+    tensor went through DCP's load planning."""
+    run_with_megatron(
+        f"""
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+from megatron.core.dist_checkpointing.strategies import torch as mt
+from verl_ckpt import megatron_compat
+def built(seed, ffn=128):
+    shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=ffn)
+    model = mc.build_tiny_gpt(shape, seed=seed)
+    optimizer = mc.make_adam(model)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(seed))
+    optimizer.step()
+    return model, optimizer
+def template(model, optimizer):
+    return {{"model": model.sharded_state_dict(),
+             "optimizer": mc.optimizer_sharded_state_dict(model, optimizer)}}
+saved_model, saved_optimizer = built(seed=1)
+# The torch_dist layout as megatron-core's save writes it (its own save calls CUDA on the way,
+# notes/megatron-core.md): its split of the common part, its conversion for DCP, DCP's save
+# with its planner, its metadata.json.
+sharded, common = save_preprocess(template(saved_model, saved_optimizer), False)
+torch.save(common, {str(tmp_path / "common.pt")!r})
+sharded, _, _ = mt._replace_state_dict_keys_with_sharded_keys(sharded)
+dcp.save(mt.mcore_to_pyt_state_dict(sharded), checkpoint_id={str(tmp_path)!r},
+         planner=mt.MCoreSavePlanner(flatten_state_dict=False), no_dist=True)
+save_config(CheckpointingConfig("torch_dist", 1), {str(tmp_path)!r})
+planned = []
+real_load_state_dict = dcp.load_state_dict
+def spy(state_dict, *args, **kwargs):
+    planned.extend(k for k, v in state_dict.items() if isinstance(v, torch.Tensor))
+    return real_load_state_dict(state_dict, *args, **kwargs)
+dcp.load_state_dict = spy
+model, optimizer = built(seed=2)
+loaded = megatron_compat.load_role_dir(template(model, optimizer), {str(tmp_path)!r})
+assert not planned, planned
+expected = saved_model.state_dict()
+got = model.state_dict()
+for key, value in expected.items():
+    if isinstance(value, torch.Tensor):
+        assert torch.equal(got[key], value), key
+mc.load_optimizer_state(model, optimizer, loaded["optimizer"])
+for p, q in zip(saved_model.parameters(), model.parameters()):
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(saved_optimizer.state[p][name], optimizer.state[q][name]), name
+other, other_optimizer = built(seed=3, ffn=256)
+try:
+    megatron_compat.load_role_dir(template(other, other_optimizer), {str(tmp_path)!r})
+except BaseException as exc:  # megatron-core's error inside DCP's (a BaseException)
+    assert "Global shape mismatch" in str(exc), exc
+    assert "decoder.layers.mlp.linear_fc1.weight" in str(exc), exc
+    print("ok", len(planned), str(exc)[:200])
+else:
+    raise AssertionError("a model of another shape loaded")
+"""
+    )

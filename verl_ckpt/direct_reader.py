@@ -38,7 +38,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -83,6 +87,28 @@ class DirectFileSystemReader(FileSystemReader):
                     key = (fqn, tuple(chunk.offsets))
                     self._chunks[key] = (tuple(chunk.sizes), meta.properties.dtype)
 
+    def read_whole_chunks(
+        self, metadata: Metadata, targets: dict[MetadataIndex, torch.Tensor]
+    ) -> set[MetadataIndex]:
+        """Read saved chunks, each whole into a tensor of its shape and dtype, with no DCP
+        load plan (a caller that knows its destinations need not pay for one); returns the
+        chunks not read (not saved as such, another dtype or shape, a blob this reader does
+        not know), for DCP's path."""
+        self.set_up_storage_reader(metadata, False)
+        reads, left = [], set()
+        for index, target in targets.items():
+            read = self._whole_chunk_read(index, target.detach(), item=index)
+            if read is None:
+                left.add(index)
+            else:
+                reads.append(read)
+        for read in self._read(reads):
+            if read.done:
+                self._count(read)
+            else:
+                left.add(read.item)
+        return left
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Destinations are resolved (and committed, below) on this thread, in the plan's
         # order: a planner may keep state between an item's resolve and its commit.
@@ -96,8 +122,7 @@ class DirectFileSystemReader(FileSystemReader):
         for read in self._read(reads):
             if read.done:
                 planner.commit_tensor(read.item, read.target)
-                self.direct_reads += 1
-                self.templated_reads += read.templated
+                self._count(read)
             else:
                 elsewhere.append(read.item)
         if elsewhere:
@@ -127,18 +152,18 @@ class DirectFileSystemReader(FileSystemReader):
             _synchronize_devices([read.target for read in done])
         return done
 
+    def _count(self, read: _DirectRead) -> None:
+        self.direct_reads += 1
+        self.templated_reads += read.templated
+
     def _direct_read(self, item: Any, planner: LoadPlanner) -> _DirectRead | None:
         """The read of one whole saved tensor into its destination; None: leave it to DCP's
         path (a part of a tensor, another dtype)."""
         if item.type != LoadItemType.TENSOR:
             return None
-        info = self.storage_data[item.storage_index]
         chunk = self._chunks.get((item.storage_index.fqn, tuple(item.storage_index.offset)))
-        if info.transform_descriptors or chunk is None:
-            return None
-        sizes, dtype = chunk
-        if any(item.storage_offsets) or tuple(item.lengths) != sizes:
-            return None  # a part of the saved tensor (resharding)
+        if chunk is None or any(item.storage_offsets) or tuple(item.lengths) != chunk[0]:
+            return None  # not a saved chunk, or a part of one (resharding)
         target = planner.resolve_tensor(item).detach()
         if getattr(planner, "_intermediate_read_item_and_target", None) is not None:
             # megatron-core's planner hands a strided FP8 tensor out as a contiguous stand-in
@@ -146,6 +171,18 @@ class DirectFileSystemReader(FileSystemReader):
             # DCP's path resolves it again and commits it; the stand-in is forgotten here.
             planner._intermediate_read_item_and_target = None  # type: ignore[attr-defined]
             return None
+        return self._whole_chunk_read(item.storage_index, target, item)
+
+    def _whole_chunk_read(
+        self, index: MetadataIndex, target: torch.Tensor, item: Any
+    ) -> _DirectRead | None:
+        """The read of the saved chunk `index`, whole, into `target`; None where the chunk
+        is not saved as such, or `target` has another shape or dtype."""
+        chunk = self._chunks.get((index.fqn, tuple(index.offset)))
+        info = self.storage_data.get(index)
+        if chunk is None or info is None or info.transform_descriptors:
+            return None
+        sizes, dtype = chunk
         if target.dtype != dtype or tuple(target.shape) != sizes:
             return None
         in_place = target.device.type == "cpu" and target.is_contiguous()
@@ -190,7 +227,7 @@ class _DirectRead:
     """One whole tensor to read straight into `target`; `layout`: the blob verl_ckpt would
     have written for it (None where blobs are not made from templates on this torch)."""
 
-    item: Any  # DCP's ReadItem
+    item: Any  # DCP's ReadItem, or the chunk's MetadataIndex (read_whole_chunks)
     info: Any
     target: torch.Tensor
     layout: BlobLayout | None

@@ -45,6 +45,7 @@ from megatron.core.dist_checkpointing.validation import (
     _validate_sharding_for_key,
 )
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from verl_ckpt.structure import Structure
@@ -321,16 +322,30 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         )
         pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(sharded, True)
         reader = DirectFileSystemReader(checkpoint_dir)
-        checkpoint.load_state_dict(
-            pyt_state_dict,
-            reader,
-            planner=mcore_torch.MCoreLoadPlanner(
-                shapes_validation_sharded_tensors=flexible,
-                allow_shape_mismatch_sharded_tensors=mismatching,
-            ),
-            no_dist=True,
-        )
-        self.cached_global_metadata = reader.read_metadata()
+        metadata = reader.read_metadata()
+        # Tensors whose chunks are saved chunks, whole, are read first, with no DCP load
+        # plan: its planning and machinery are a fixed cost per tensor (warm, 147 tensors,
+        # 1 GiB over two ranks: 0.129 s against 0.136 s, medians of 15 alternating loads).
+        # The rest (resharded or mismatching tensors, objects, what the reader does not
+        # know) goes through megatron-core's planner, its checks and errors included.
+        whole = _whole_chunk_targets(pyt_state_dict, metadata)
+        left = reader.read_whole_chunks(metadata, whole)
+        read = {index.fqn for index in whole} - {index.fqn for index in left}
+        rest = {key: value for key, value in pyt_state_dict.items() if key not in read}
+        if rest:
+            checkpoint.load_state_dict(
+                rest,
+                reader,
+                planner=mcore_torch.MCoreLoadPlanner(
+                    shapes_validation_sharded_tensors=[t for t in flexible if t.key in rest],
+                    allow_shape_mismatch_sharded_tensors=mismatching,
+                ),
+                no_dist=True,
+            )
+            # DCP puts what it loads for an object (a ShardedObject's bytes) into the dict
+            # it was given, in place of the request.
+            pyt_state_dict.update(rest)
+        self.cached_global_metadata = metadata
         self.direct_reads = reader.direct_reads
         loaded = {k: mcore_torch._unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
         loaded = mcore_torch._replace_sharded_keys_with_state_dict_keys(
@@ -338,6 +353,49 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         )
         mcore_torch._restore_dict_types(loaded, original)
         return loaded
+
+
+def _whole_chunk_targets(pyt_state_dict: dict, metadata: Any) -> dict[MetadataIndex, torch.Tensor]:
+    """The tensors of a load whose every local chunk is a saved chunk, whole, of a tensor of
+    the same global shape (megatron-core's own shape check, which DCP's path runs, would
+    pass). A tensor that allows a shape mismatch (a padded vocabulary) is one of them where
+    the shapes match: megatron-core zeroed it for a partial read that is then whole. Keyed
+    by each chunk's index in the checkpoint."""
+    targets = {}
+    for fqn, value in pyt_state_dict.items():
+        chunks = _local_chunks(fqn, value)
+        saved = metadata.state_dict_metadata.get(fqn)
+        if not chunks or not isinstance(saved, TensorStorageMetadata):
+            continue
+        if saved.size != value.size():
+            continue
+        saved_chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in saved.chunks}
+        if all((tuple(o), tuple(s)) in saved_chunks for o, s, _ in chunks):
+            targets.update((MetadataIndex(fqn, o), tensor) for o, _, tensor in chunks)
+    return targets
+
+
+def _local_chunks(fqn: str, value: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
+    """(global offsets, sizes, tensor) of each chunk this rank loads of `value`, as
+    megatron-core hands them to DCP; [] for anything else (objects, flattened ranges)."""
+    if type(value) is mcore_torch.TorchShardedTensor:
+        # megatron-core's older conversion, still used for tensors with prepended axes (a
+        # layer's weights stacked over layers): a local shard per chunk.
+        mcore_tensor = getattr(value, "mcore_sh_ten", None)
+        if mcore_tensor is None or mcore_tensor.flattened_range is not None:
+            return []
+        return [
+            (torch.Size(s.metadata.shard_offsets), torch.Size(s.metadata.shard_sizes), s.tensor)
+            for s in value.local_shards()
+        ]
+    if isinstance(value, torch.Tensor) and hasattr(value, "__create_chunk_list__"):
+        # megatron-core >= 0.14 on torch >= 2.6: DCP's checkpointable protocol
+        # (CheckpointableShardedTensor, LocalShardsContainer), asked as DCP asks it.
+        return [
+            (c.offsets, c.sizes, value.__get_tensor_shard__(MetadataIndex(fqn, c.offsets, i)))
+            for i, c in enumerate(value.__create_chunk_list__())
+        ]
+    return []
 
 
 def load_role_dir(sharded_state_dict: dict, checkpoint_dir: Path) -> dict:
