@@ -31,7 +31,7 @@ import functools
 import os
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -95,36 +95,20 @@ class DirectFileSystemReader(FileSystemReader):
         chunks not read (not saved as such, another dtype or shape, a blob this reader does
         not know), for DCP's path."""
         self.set_up_storage_reader(metadata, False)
-        reads, left = [], set()
-        for index, target in targets.items():
-            read = self._whole_chunk_read(index, target.detach(), item=index)
-            if read is None:
-                left.add(index)
-            else:
-                reads.append(read)
-        for read in self._read(reads):
-            if read.done:
-                self._count(read)
-            else:
-                left.add(read.item)
-        return left
+        _, left = self._read_where_possible(
+            (index, self._whole_chunk_read(index, target.detach(), item=index))
+            for index, target in targets.items()
+        )
+        return set(left)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Destinations are resolved (and committed, below) on this thread, in the plan's
         # order: a planner may keep state between an item's resolve and its commit.
-        reads, elsewhere = [], []
-        for item in plan.items:
-            read = self._direct_read(item, planner)
-            if read is None:
-                elsewhere.append(item)
-            else:
-                reads.append(read)
-        for read in self._read(reads):
-            if read.done:
-                planner.commit_tensor(read.item, read.target)
-                self._count(read)
-            else:
-                elsewhere.append(read.item)
+        done, elsewhere = self._read_where_possible(
+            (item, self._direct_read(item, planner)) for item in plan.items
+        )
+        for read in done:
+            planner.commit_tensor(read.item, read.target)
         if elsewhere:
             return super().read_data(replace(plan, items=elsewhere), planner)
         future: Future = Future()
@@ -152,9 +136,27 @@ class DirectFileSystemReader(FileSystemReader):
             _synchronize_devices([read.target for read in done])
         return done
 
-    def _count(self, read: _DirectRead) -> None:
-        self.direct_reads += 1
-        self.templated_reads += read.templated
+    def _read_where_possible(
+        self, candidates: Iterable[tuple[Any, _DirectRead | None]]
+    ) -> tuple[list[_DirectRead], list[Any]]:
+        """Do the direct reads among `candidates` ((what asked, its read or None), taken in
+        order); returns the reads done and, in order, what is left for DCP's path (no direct
+        read, or a blob this reader does not know)."""
+        reads, left = [], []
+        for asked, read in candidates:
+            if read is None:
+                left.append(asked)
+            else:
+                reads.append(read)
+        done = []
+        for read in self._read(reads):
+            if read.done:
+                done.append(read)
+                self.direct_reads += 1
+                self.templated_reads += read.templated
+            else:
+                left.append(read.item)
+        return done, left
 
     def _direct_read(self, item: Any, planner: LoadPlanner) -> _DirectRead | None:
         """The read of one whole saved tensor into its destination; None: leave it to DCP's
