@@ -245,30 +245,47 @@ class RankWorker:
                 s[name] = value.detach().to("cpu", copy=True)
 
     def hold_shard_conversion(self, hold: bool) -> bool | None:
-        """Fault injection (a thread interleaving cannot be forced for real): while held,
-        megatron-core's conversion of a sharded tensor with prepended axes (a layer's weights,
-        stacked over layers) into torch's ShardedTensor pauses on any thread but the one that
-        called save(), until that save() has returned: after its view of each shard's data
-        (`sh_ten.data` with the prepended axes), before the last use of that data. Released
-        (`hold=False`): whether a conversion was held until a save() returned."""
+        """Fault injection (a thread interleaving cannot be forced for real), for the next
+        save() whose plan runs on the save thread: the save's copy into its staging buffers
+        waits (up to 30 s) until the save thread is converting a sharded tensor with
+        prepended axes (a layer's weights, stacked over layers) into torch's ShardedTensor,
+        and that conversion pauses, after its view of each shard's data (`sh_ten.data` with
+        the prepended axes) and before its last use of it, until save() has returned.
+        Released (`hold=False`): whether a conversion was held until save() returned."""
         from torch.distributed._shard.sharded_tensor import Shard
+
+        from verl_ckpt import manager
 
         if not hold:
             state, self._conversion_hold = self._conversion_hold, None
             if state is None:
                 return None
-            Shard.from_tensor_and_offsets = state["original"]
+            Shard.from_tensor_and_offsets = state["original_shard"]
+            manager.copy_into = state["original_copy"]
             return state["held"]
-        original = Shard.__dict__["from_tensor_and_offsets"]
-        state = {"original": original, "returned": threading.Event(), "held": False}
-        state["trainer"] = threading.get_ident()
+        original_shard = Shard.__dict__["from_tensor_and_offsets"]
+        original_copy = manager.copy_into
+        state = {
+            "original_shard": original_shard,
+            "original_copy": original_copy,
+            "converting": threading.Event(),
+            "returned": threading.Event(),
+            "held": False,
+            "trainer": threading.get_ident(),
+        }
 
         def from_tensor_and_offsets(cls, tensor, shard_offsets, rank):
             if threading.get_ident() != state["trainer"] and not state["returned"].is_set():
+                state["converting"].set()
                 state["held"] = state["returned"].wait(60)
-            return original.__func__(cls, tensor, shard_offsets, rank)
+            return original_shard.__func__(cls, tensor, shard_offsets, rank)
+
+        def copy_into(*args, **kwargs):
+            state["converting"].wait(30)
+            return original_copy(*args, **kwargs)
 
         Shard.from_tensor_and_offsets = classmethod(from_tensor_and_offsets)
+        manager.copy_into = copy_into
         self._conversion_hold = state
         return None
 

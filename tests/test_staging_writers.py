@@ -215,9 +215,9 @@ def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):
     stacked weights by viewing the staged tensor with the layer axis prepended
     (`sh_ten.data`), then reading that view back. The training thread, once its copy ended,
     pointed every item at its buffer again, undoing the view of a tensor the plan was
-    converting: the step failed. Here every rank's copy starts 2 s late (so that the plan
-    is under way) and the conversion pauses until save() returned (hold_shard_conversion,
-    an injected interleaving): the step commits and loads back."""
+    converting: the step failed. Here, on every rank, the copy waits until the plan is
+    converting such a tensor, and the conversion pauses until save() returned
+    (hold_shard_conversion, an injected interleaving): the step commits and loads back."""
     cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0}
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
@@ -225,14 +225,12 @@ def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):
     coordinator.wait_for_commit(1)
     workers = every_rank(ranks)
     before = ray.get([w.state_copy.remote() for w in workers])
-    ray.get([w.set_env.remote(ENV_VAR, "stage=sleep=2") for w in workers])
     ray.get([w.hold_shard_conversion.remote(True) for w in workers])
     try:
         stats = save_everyone(ranks, coordinator, 2)
         coordinator.wait_for_commit(2)
     finally:
         held = ray.get([w.hold_shard_conversion.remote(False) for w in workers])
-        ray.get([w.set_env.remote(ENV_VAR, None) for w in workers])
     assert all(s["plan_reused"] for s in stats), stats
     # The interleaving was produced: on every rank a conversion waited for save() to return.
     assert held == [True] * len(workers), held
