@@ -250,7 +250,7 @@ def resume(state: RankState, root: Path, reps: int) -> dict[str, dict[str, list[
         )
         runner = LoadRunner(state, system, root / "verl" / "global_step_1" / "bench", root / "dcp")
         saved = {key: t.cpu().clone() for key, t in state.tensors().items()}
-        found = rotated_loads(reps, lambda variant: runner.timed(variant, _seconds))
+        found = rotated_loads(reps, lambda _cache, variant: runner.timed(variant, _seconds))
         _check_loaded_back(state, runner, saved)
     finally:
         system.close()

@@ -24,6 +24,7 @@ dropped before every variant, as after a restart on a fresh node), where the sys
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ import torch
 
 from benchmarks.report import _f, _median, _table, _x
 
-__all__ = ["LOAD_VARIANTS", "LoadRunner", "load_table", "rotated_loads"]
+__all__ = ["LOAD_VARIANTS", "LoadRunner", "load_cpu_tables", "load_table", "rotated_loads"]
 
 LOAD_VARIANTS = (
     "read floor",
@@ -83,13 +84,14 @@ class LoadRunner:
             "optimizer": self.state.optimizer_sharded_state_dict(),
         }
 
-    def run(self, variant: str, prepared: Any = None) -> None:
-        """One load by `variant` into `prepared` (from `prepare(variant)`)."""
+    def run(self, variant: str, prepared: Any = None) -> dict[str, Any] | None:
+        """One load by `variant` into `prepared` (from `prepare(variant)`); for verl_ckpt's
+        loads, where the time went (LoadStats, as a dict)."""
         if variant == "read floor":
             self._read_floor()
         elif variant in ("verl_ckpt load", "verl_ckpt load + verify"):
             verify = variant == "verl_ckpt load + verify"
-            self.verl.load(self.role_dir.parent, prepared, verify=verify)
+            return self.verl.load(self.role_dir.parent, prepared, verify=verify)
         elif variant == "megatron-core load":
             from megatron.core import dist_checkpointing
 
@@ -102,6 +104,7 @@ class LoadRunner:
             self.templates()
         else:
             raise ValueError(f"unknown load variant {variant!r}")
+        return None
 
     def timed(self, variant: str, clock: Callable[[Callable[[], None]], float]) -> float:
         """`variant`'s load, its inputs prepared before `clock` starts timing it."""
@@ -168,12 +171,68 @@ def load_table(found: dict[str, dict[str, list[float]]]) -> tuple[str, list[str]
     return table, verdicts
 
 
+def load_cpu_tables(detail: dict[str, dict[str, list[list[dict[str, Any]]]]]) -> str:
+    """From load_detail[cache][variant] (per rep, each rank's time_variant()): the CPU each
+    rank spent per load, and where verl_ckpt's load went on its calling thread (LoadStats).
+    Medians over ranks and reps."""
+    cpu_rows = []
+    for cache, by_variant in detail.items():
+        for variant in LOAD_VARIANTS[:-1]:
+            ranks = [o for rep in by_variant.get(variant, []) for o in rep]
+            if not ranks:
+                continue
+            wall = _median([o["seconds"] for o in ranks])
+            user = _median([o["user_s"] for o in ranks])
+            system = _median([o["system_s"] for o in ranks])
+            busy = _median([(o["user_s"] + o["system_s"]) / o["seconds"] for o in ranks])
+            cpu_rows.append([cache, variant, _f(wall), _f(user), _f(system), _x(busy)])
+    cpu = _table(
+        ["page cache", "variant", "wall s (rank)", "user CPU s", "system CPU s", "CPU / wall"],
+        cpu_rows,
+    )
+    phases: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    totals: dict[str, tuple[list[float], list[float]]] = {}
+    for cache, by_variant in detail.items():
+        for rep in by_variant.get("verl_ckpt load", []):
+            for out in rep:
+                stats = out.get("stats")
+                if not stats:
+                    continue
+                for phase, wall in stats["phases_s"].items():
+                    walls, cpus = phases.setdefault(phase, {}).setdefault(cache, ([], []))
+                    walls.append(wall)
+                    cpus.append(stats["phases_cpu_s"][phase])
+                walls, cpus = totals.setdefault(cache, ([], []))
+                walls.append(stats["load_s"])
+                cpus.append(stats["cpu_s"])
+    caches = list(totals)
+
+    def cells(by_cache: dict[str, tuple[list[float], list[float]]]) -> list[str]:
+        out = []
+        for cache in caches:
+            walls, cpus = by_cache.get(cache, ([], []))
+            out += [_ms(walls), _ms(cpus)]
+        return out
+
+    header = ["phase (calling thread)"] + [
+        f"{c} {k}" for c in caches for k in ("wall ms", "CPU ms")
+    ]
+    rows = [[phase] + cells(by_cache) for phase, by_cache in phases.items()]
+    rows.append(["the whole load()"] + cells(totals))
+    return cpu + "\n\n" + _table(header, rows)
+
+
+def _ms(seconds: list[float]) -> str:
+    median = _median(seconds)
+    return "-" if median is None else f"{median * 1e3:.1f}"
+
+
 def rotated_loads(
-    reps: int, time_load: Callable[[str], float]
+    reps: int, time_load: Callable[[str, str], float]
 ) -> dict[str, dict[str, list[float]]]:
-    """found[cache][variant] = seconds per rep: every variant `reps` times, the order rotated
-    from one rep to the next; page cache warm, then (where the system lets us) dropped
-    before every variant."""
+    """found[cache][variant] = seconds per rep: every variant `reps` times (`time_load(cache,
+    variant)`), the order rotated from one rep to the next; page cache warm, then (where the
+    system lets us) dropped before every variant."""
     caches = ["warm", "cold"] if can_drop_caches() else ["warm"]
     found = {cache: {v: [] for v in LOAD_VARIANTS} for cache in caches}
     for cache in caches:
@@ -182,16 +241,29 @@ def rotated_loads(
             for variant in LOAD_VARIANTS[shift:] + LOAD_VARIANTS[:shift]:
                 if cache == "cold":
                     drop_caches()
-                found[cache][variant].append(time_load(variant))
+                found[cache][variant].append(time_load(cache, variant))
     return found
 
 
-def time_variant(runner: LoadRunner, variant: str) -> dict[str, float]:
+def time_variant(runner: LoadRunner, variant: str) -> dict[str, Any]:
+    """One timed load in this rank, with the CPU time the rank's process spent meanwhile
+    (all its threads: the reading threads' copies are system time) and, for verl_ckpt's
+    loads, where the calling thread's time went (LoadStats)."""
     prepared = runner.prepare(variant)
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     t0 = time.time()
-    runner.run(variant, prepared)
-    return {"t0": t0, "t_end": time.time(), "seconds": time.perf_counter() - start}
+    stats = runner.run(variant, prepared)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "t0": t0,
+        "t_end": time.time(),
+        "seconds": seconds,
+        "user_s": after.ru_utime - before.ru_utime,
+        "system_s": after.ru_stime - before.ru_stime,
+        "stats": stats,
+    }
 
 
 def cleanup(*paths: Path) -> None:

@@ -196,6 +196,7 @@ def run_saves(
         "after_save": bench.after_save,
         "write_path": write_path,
         "loads": loads,
+        "load_detail": bench.load_detail,
         "profile": bench.profile,
     }
     (Path(args.out_dir) / "results.json").write_text(json.dumps(raw, indent=1, default=str))
@@ -225,12 +226,15 @@ def run_saves(
         log("\n### Where time to durable goes (write path)\n\n" + text)
         sections.append(("Where the write itself goes", text + "\n\n" + WRITE_PATH_NOTE))
     if loads:
-        from benchmarks.loads import load_table
+        from benchmarks.loads import load_cpu_tables, load_table
 
         table, verdicts = load_table(loads)
         text = table + "\n\n" + _bullets(verdicts) + "\n\n" + LOAD_NOTE
         log("\n### Resume: loading a committed step\n\n" + text)
         sections.append(("Resume: loading a committed step", text))
+        text = load_cpu_tables(bench.load_detail) + "\n\n" + LOAD_CPU_NOTE
+        log("\n### Where a load's time goes\n\n" + text)
+        sections.append(("Where a load's time goes", text))
     sections.append(
         (
             "Where verl_ckpt's blocking time goes",
@@ -337,6 +341,19 @@ LOAD_NOTE = (
     "the model's and optimizer's sharded_state_dict() alone. Warm: the page cache "
     "holds the files (they were just written); cold: the page cache is dropped "
     "(/proc/sys/vm/drop_caches) before every variant, as on a node that did not write them."
+)
+
+LOAD_CPU_NOTE = (
+    "The same loads as above, per rank (medians over both ranks and every rep). First: the "
+    "CPU time each rank's process spent during one load, all its threads (the copies from the "
+    "page cache into memory are system time, in the reading threads), and that time over the "
+    "load's wall time: both ranks share the machine's cores, so where the two ranks' CPU "
+    "fills them, a load can only be as short as its CPU time allows. Second: where "
+    "verl_ckpt's load went on the thread that called load() (`CheckpointManager.last_load`, "
+    "verl_ckpt/load_stats.py): during `reads in place` it waits for the reading threads; "
+    "every other phase is Python on that thread (the checkpoint's `.metadata`, megatron-core's "
+    "conversions, matching tensors to saved chunks), the fixed cost a load pays above the "
+    "read floor, whatever the state's size."
 )
 
 SYSTEM_NOTES = [

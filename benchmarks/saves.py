@@ -80,6 +80,8 @@ class SaveBench:
         self.baselines: dict[str, int] = {}
         self.profile: str | None = None
         self.after_save: dict[str, dict[str, Any]] = {}
+        # load_detail[cache][variant] = per rep, each rank's time_variant() (benchmarks/loads.py)
+        self.load_detail: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
         self._pair = -1
         self._measure_after_save = True
         self.helper_pids: dict[int, tuple[str, float]] = {}
@@ -337,8 +339,9 @@ class SaveBench:
         caches = "warm, cold" if can_drop_caches() else "warm"
         self.log(f"[loads] {len(LOAD_VARIANTS)} variants x {reps}, page cache {caches}")
 
-        def both_ranks(variant: str) -> float:
+        def both_ranks(cache: str, variant: str) -> float:
             outs = self._get([r.load_variant.remote(variant) for r in self.ranks])
+            self.load_detail.setdefault(cache, {}).setdefault(variant, []).append(outs)
             return max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
 
         found = rotated_loads(reps, both_ranks)

@@ -107,11 +107,14 @@ class VerlSystem:
         """What a trainer's optimizer step runs in with fence_before(): fence, writes paused."""
         return self.manager.quiet()
 
-    def load(self, step_dir: Path, templates: dict[str, Any], verify: bool) -> None:
+    def load(self, step_dir: Path, templates: dict[str, Any], verify: bool) -> dict[str, Any]:
         """A resuming trainer's load of a committed step into its live tensors, through
-        `templates` ("model" and "optimizer" sharded state dicts of them)."""
+        `templates` ("model" and "optimizer" sharded state dicts of them); where its time
+        went (LoadStats, as a dict)."""
         self.manager.config.verify_checksums_on_load = verify
         self.manager.load(step_dir, model=templates["model"], optimizer=templates["optimizer"])
+        assert self.manager.last_load is not None
+        return asdict(self.manager.last_load)
 
     def wait(self) -> dict[str, Any]:
         done = self.manager.wait()

@@ -351,18 +351,26 @@ class RankWorker:
             else:
                 state["exp_avg"] = value.clone()
 
-    def load(self, step_path: Any) -> None:
-        """Restore model, optimizer and RNG from a committed step, as a resuming trainer does."""
-        loaded = self.manager.load(
-            step_path,
-            model=self.model.sharded_state_dict(),
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
-        )
+    def load(self, step_path: Any) -> dict[str, Any]:
+        """Restore model, optimizer and RNG from a committed step, as a resuming trainer does.
+        Returns the load's LoadStats (as a dict) and how many tensors its templates hold."""
+        from dataclasses import asdict
+
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        templates = {
+            "model": self.model.sharded_state_dict(),
+            "optimizer": self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+        }
+        tensors = sum(isinstance(v, ShardedTensor) for v in nested_values(templates))
+        loaded = self.manager.load(step_path, **templates)
         self.model.load_state_dict(loaded["model"])
         self.mc.load_optimizer_state(self.model, self.optimizer, loaded["optimizer"])
         torch.set_rng_state(loaded["extra"]["rng"])
         self.generator.set_state(loaded["extra"]["generator"])
         self.counter[:] = loaded["extra"]["counter"]
+        return {"stats": asdict(self.manager.last_load), "tensors": tensors}
 
     def counter_value(self) -> list[int]:
         return list(self.counter)

@@ -23,6 +23,18 @@ from verl_ckpt import (
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.reports import RankReport
 
+LOAD_PHASES = [
+    "checks (fence, commit record, checksums)",
+    "megatron-core: before the strategy",
+    "megatron-core: conversion for DCP",
+    "checkpoint metadata",
+    "matching saved chunks",
+    "reads in place",
+    "DCP's path (the rest)",
+    "megatron-core: unwrapping",
+    "megatron-core: after the strategy",
+]
+
 
 def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
     cfg = ckpt_config(tmp_path)
@@ -56,12 +68,22 @@ def test_I1_I4_I7_async_save_commits_a_snapshot_megatron_reads(ranks, tmp_path):
     assert not ray.get(coordinator.finalizer.__ray_call__.remote(imported, "megatron.core"))
 
     # I4 through our own load: model, optimizer moments and step restored exactly.
-    ray.get([w.load.remote(2) for w in every_rank(ranks)])
+    loads = ray.get([w.load.remote(2) for w in every_rank(ranks)])
     after = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
     for b, a in zip(before, after, strict=True):
         assert b.keys() == a.keys()
         for key in b:
             assert torch.equal(b[key], a[key]), key
+    # Where each rank's load went (LoadStats): every tensor read in place (the extra state's
+    # objects took DCP's path), each phase timed, the phases adding up to the whole call.
+    for load in loads:
+        stats = load["stats"]
+        assert stats["step_path"] == str(step_dir(cfg["root_dir"], 2))
+        assert stats["tensors_read_in_place"] == load["tensors"] > 0, load
+        assert list(stats["phases_s"]) == list(stats["phases_cpu_s"]) == LOAD_PHASES, stats
+        assert stats["phases_s"]["reads in place"] > 0, stats
+        assert sum(stats["phases_s"].values()) == pytest.approx(stats["load_s"]), stats
+        assert sum(stats["phases_cpu_s"].values()) == pytest.approx(stats["cpu_s"]), stats
     assert coordinator.load_driver_state(step_dir(cfg["root_dir"], 2))["data_position"] == 8
     ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()

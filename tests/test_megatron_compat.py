@@ -358,7 +358,14 @@ import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import torch as mt
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from verl_ckpt import megatron_compat
+from verl_ckpt.load_stats import PhaseClock
+PHASES = ["megatron-core: before the strategy", "megatron-core: conversion for DCP",
+          "checkpoint metadata", "matching saved chunks", "reads in place",
+          "DCP's path (the rest)", "megatron-core: unwrapping",
+          "megatron-core: after the strategy"]
 def built(seed, ffn=128):
     shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=ffn)
     model = mc.build_tiny_gpt(shape, seed=seed)
@@ -387,8 +394,15 @@ def spy(state_dict, *args, **kwargs):
     return real_load_state_dict(state_dict, *args, **kwargs)
 dcp.load_state_dict = spy
 model, optimizer = built(seed=2)
-loaded = megatron_compat.load_role_dir(template(model, optimizer), {str(tmp_path)!r})
+clock = PhaseClock()
+loaded, read_in_place = megatron_compat.load_role_dir(
+    template(model, optimizer), {str(tmp_path)!r}, clock)
 assert not planned, planned
+# Every tensor of the template was read in place, and the clock saw each phase, in order.
+tensors = [t for t in nested_values(template(model, optimizer)) if isinstance(t, ShardedTensor)]
+assert read_in_place == len(tensors) > 0, (read_in_place, len(tensors))
+assert list(clock.wall_s) == PHASES, list(clock.wall_s)
+assert clock.wall_s["reads in place"] > 0 and clock.cpu_s["checkpoint metadata"] > 0, clock.wall_s
 expected = saved_model.state_dict()
 got = model.state_dict()
 for key, value in expected.items():

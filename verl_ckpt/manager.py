@@ -52,6 +52,7 @@ from verl_ckpt.group_agreement import (
 from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
 from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.load_stats import LoadStats, PhaseClock
 from verl_ckpt.object_copy import snapshot_copy
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
@@ -224,6 +225,8 @@ class CheckpointManager:
         )
         self._unfenced: _SaveJob | None = None
         self._closed = False
+        # Where the last load()'s time went on this rank (None before the first load).
+        self.last_load: LoadStats | None = None
         # Steps 3-4 (and a deferred step 2) run on one background thread per rank, which
         # hands files to the writer; inline mode runs them inside save().
         self._save_thread = (
@@ -458,8 +461,10 @@ class CheckpointManager:
         `step_path` is a step number under the root or a `global_step_<N>` directory. Only the
         contents in `load_contents` (and given here) are loaded. The commit record, and the
         checksums with `verify_checksums_on_load`, are checked before any state is read.
-        Returns a dict with keys among "model", "optimizer", "extra".
+        Returns a dict with keys among "model", "optimizer", "extra"; where the time went is
+        then in `last_load` (LoadStats).
         """
+        clock = PhaseClock()
         # Loading changes the state: a deferred snapshot must be taken, and no write may still
         # read it in place (offload-aware staging; the direct reader fills tensors without
         # bumping their version counters). Failures of those writes are raised as always.
@@ -491,7 +496,9 @@ class CheckpointManager:
             problems = verify_files(path, record, prefix=f"{self.role}/")
             if problems:
                 raise CommitRecordError(f"{path} failed verification: " + "; ".join(problems))
-        loaded = megatron_compat.load_role_dir(template, path / self.role)
+        clock.mark("checks (fence, commit record, checksums)")
+        loaded, read_in_place = megatron_compat.load_role_dir(template, path / self.role, clock)
+        self.last_load = LoadStats.from_clock(str(path), clock, read_in_place)
         # megatron-core merges common.pt back in, which may hold non-sharded parts of contents
         # that were not asked for (an optimizer's param_groups): return only what was.
         return {key: value for key, value in loaded.items() if key in template}
