@@ -245,11 +245,15 @@ def rotated_loads(
     return found
 
 
-def time_variant(runner: LoadRunner, variant: str) -> dict[str, Any]:
-    """One timed load in this rank, with the CPU time the rank's process spent meanwhile
-    (all its threads: the reading threads' copies are system time) and, for verl_ckpt's
-    loads, where the calling thread's time went (LoadStats)."""
+def time_variant(
+    runner: LoadRunner, variant: str, align: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
+    """One timed load in this rank, started by `align()` (the ranks' barrier) once what it
+    loads into is built, with the CPU time the rank's process spent meanwhile (all its
+    threads: the reading threads' copies are system time) and, for verl_ckpt's loads, where
+    the calling thread's time went (LoadStats)."""
     prepared = runner.prepare(variant)
+    align()
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     t0 = time.time()

@@ -126,8 +126,10 @@ class RankBench:
     def load_variant(self, variant: str) -> dict[str, Any]:
         from benchmarks.loads import time_variant
 
-        _align()
-        return time_variant(self.loads, variant)
+        # Aligned after the variant's state dicts are built, right before its timing: the
+        # building takes each rank a different time (DCP's device mesh and DTensors up to
+        # 24 ms apart), which would otherwise be counted as load time of the later rank.
+        return time_variant(self.loads, variant, align=_align)
 
     # ---- a training step after save() returned ---------------------------------------------
 
