@@ -22,8 +22,8 @@ class PhaseClock:
     def __init__(self) -> None:
         self.wall_s: dict[str, float] = {}
         self.cpu_s: dict[str, float] = {}
-        self._wall = self._started_wall = time.perf_counter()
-        self._cpu = self._started_cpu = time.thread_time()
+        self._wall = time.perf_counter()
+        self._cpu = time.thread_time()
 
     def mark(self, phase: str) -> None:
         """`phase` ran from the previous mark (or the clock's start) until now."""
@@ -32,10 +32,6 @@ class PhaseClock:
         self.cpu_s[phase] = self.cpu_s.get(phase, 0.0) + cpu - self._cpu
         self._wall, self._cpu = wall, cpu
 
-    def elapsed(self) -> tuple[float, float]:
-        """(wall, CPU) seconds from the clock's start to the last mark."""
-        return self._wall - self._started_wall, self._cpu - self._started_cpu
-
 
 @dataclass
 class LoadStats:
@@ -43,7 +39,7 @@ class LoadStats:
 
     `phases_s` and `phases_cpu_s` are measured on the calling thread, in order; they add up
     to `load_s` and `cpu_s`. The reading threads' own CPU time (the copies) is not in
-    `cpu_s`: during "read" the calling thread waits for them."""
+    `cpu_s`: during "reads in place" the calling thread waits for them."""
 
     step_path: str
     load_s: float = 0.0
@@ -55,5 +51,12 @@ class LoadStats:
 
     @classmethod
     def from_clock(cls, step_path: str, clock: PhaseClock, read_in_place: int) -> LoadStats:
-        load_s, cpu_s = clock.elapsed()
-        return cls(step_path, load_s, cpu_s, read_in_place, dict(clock.wall_s), dict(clock.cpu_s))
+        # The phases run back to back from the clock's start: together they are the load.
+        return cls(
+            step_path,
+            sum(clock.wall_s.values()),
+            sum(clock.cpu_s.values()),
+            read_in_place,
+            dict(clock.wall_s),
+            dict(clock.cpu_s),
+        )
