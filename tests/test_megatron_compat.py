@@ -398,6 +398,8 @@ clock = PhaseClock()
 loaded, read_in_place = megatron_compat.load_role_dir(
     template(model, optimizer), {str(tmp_path)!r}, clock)
 assert not planned, planned
+# megatron-core's conversion asked its torch-version check, memoised, once per tensor.
+assert mt.is_torch_min_version.cache_info().hits > 0, mt.is_torch_min_version.cache_info()
 # Every tensor of the template was read in place, and the clock saw each phase, in order.
 tensors = [t for t in nested_values(template(model, optimizer)) if isinstance(t, ShardedTensor)]
 assert read_in_place == len(tensors) > 0, (read_in_place, len(tensors))
@@ -423,3 +425,19 @@ else:
     raise AssertionError("a model of another shape loaded")
 """
     )
+
+
+def test_megatron_cores_torch_version_check_is_memoised_and_answers_as_its_own():
+    """megatron-core's torch strategy asks `is_torch_min_version("2.6a0")` for every tensor
+    it converts for DCP (every load, every save plan), parsing the version with `packaging`
+    each time; megatron_compat memoises it in that module. Same answers as megatron-core's
+    own function (the load test above checks that megatron-core's load asks the memoised
+    one)."""
+    from megatron.core import utils
+    from megatron.core.dist_checkpointing.strategies import torch as mt
+
+    check = mt.is_torch_min_version
+    assert check is not utils.is_torch_min_version and hasattr(check, "cache_info")
+    for version in ("2.6a0", "1.0", "99.0", torch.__version__.split("+")[0]):
+        for equality in (True, False):
+            assert check(version, equality) == utils.is_torch_min_version(version, equality)
