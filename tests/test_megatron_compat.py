@@ -344,28 +344,20 @@ def test_I7_the_metadata_file_is_what_dcps_own_finish_writes(tmp_path):
     assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
-def test_I4_whole_chunks_load_without_a_dcp_plan_and_mismatches_still_fail_in_megatron_core(
-    tmp_path,
-):
-    """load_role_dir of a step saved by megatron-core itself (a real GPT and Adam): every
-    tensor that receives a saved chunk whole is read with no DCP load plan (DCP's
-    load_state_dict sees none of them), and every value comes back. A model of another
-    shape still fails in megatron-core's own shape check, naming the key. Before, every
-    tensor went through DCP's load planning."""
-    run_with_megatron(
-        f"""
+def megatron_core_saved_step(directory: Path, with_object: bool = False) -> str:
+    """Lines for run_with_megatron that define `built(seed, ffn=128)` (a tiny GPT and its
+    Adam after one step), `template(model, optimizer)` (their sharded state dicts, and with
+    `with_object` a per-rank ShardedObject `extra`, which a load leaves to DCP's path) and
+    `saved_model, saved_optimizer` (seed 1), saved into `directory` in the torch_dist layout
+    as megatron-core's save writes it (its own save calls CUDA on the way,
+    notes/megatron-core.md): its split of the common part, its conversion for DCP, DCP's
+    save with its planner, its metadata.json."""
+    return f"""
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import torch as mt
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from verl_ckpt import megatron_compat
-from verl_ckpt.load_stats import PhaseClock
-PHASES = ["megatron-core: before the strategy", "megatron-core: conversion for DCP",
-          "checkpoint metadata", "matching saved chunks", "reads in place",
-          "DCP's path (the rest)", "megatron-core: unwrapping",
-          "megatron-core: after the strategy"]
 def built(seed, ffn=128):
     shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=ffn)
     model = mc.build_tiny_gpt(shape, seed=seed)
@@ -375,24 +367,47 @@ def built(seed, ffn=128):
     optimizer.step()
     return model, optimizer
 def template(model, optimizer):
-    return {{"model": model.sharded_state_dict(),
-             "optimizer": mc.optimizer_sharded_state_dict(model, optimizer)}}
+    state = {{"model": model.sharded_state_dict(),
+              "optimizer": mc.optimizer_sharded_state_dict(model, optimizer)}}
+    if {with_object!r}:
+        state["extra"] = ShardedObject("extra", {{"seed": 7}}, (1,), (0,), replica_id=0)
+    return state
 saved_model, saved_optimizer = built(seed=1)
-# The torch_dist layout as megatron-core's save writes it (its own save calls CUDA on the way,
-# notes/megatron-core.md): its split of the common part, its conversion for DCP, DCP's save
-# with its planner, its metadata.json.
 sharded, common = save_preprocess(template(saved_model, saved_optimizer), False)
-torch.save(common, {str(tmp_path / "common.pt")!r})
+torch.save(common, {str(directory / "common.pt")!r})
 sharded, _, _ = mt._replace_state_dict_keys_with_sharded_keys(sharded)
-dcp.save(mt.mcore_to_pyt_state_dict(sharded), checkpoint_id={str(tmp_path)!r},
+dcp.save(mt.mcore_to_pyt_state_dict(sharded), checkpoint_id={str(directory)!r},
          planner=mt.MCoreSavePlanner(flatten_state_dict=False), no_dist=True)
-save_config(CheckpointingConfig("torch_dist", 1), {str(tmp_path)!r})
+save_config(CheckpointingConfig("torch_dist", 1), {str(directory)!r})
+"""
+
+
+def test_I4_whole_chunks_load_without_a_dcp_plan_and_mismatches_still_fail_in_megatron_core(
+    tmp_path,
+):
+    """load_role_dir of a step saved by megatron-core itself (a real GPT and Adam): every
+    tensor that receives a saved chunk whole is read with no DCP load plan (DCP's
+    load sees none of them), and every value comes back. A model of another
+    shape still fails in megatron-core's own shape check, naming the key. Before, every
+    tensor went through DCP's load planning."""
+    run_with_megatron(
+        megatron_core_saved_step(tmp_path)
+        + f"""
+from megatron.core.dist_checkpointing.strategies import torch as mt
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from verl_ckpt import megatron_compat
+from verl_ckpt.load_stats import PhaseClock
+PHASES = ["megatron-core: before the strategy", "megatron-core: conversion for DCP",
+          "checkpoint metadata", "matching saved chunks", "reads in place",
+          "DCP's path (the rest)", "megatron-core: unwrapping",
+          "megatron-core: after the strategy"]
 planned = []
-real_load_state_dict = dcp.load_state_dict
+real_dcp_load = megatron_compat._dcp_load_locally
 def spy(state_dict, *args, **kwargs):
     planned.extend(k for k, v in state_dict.items() if isinstance(v, torch.Tensor))
-    return real_load_state_dict(state_dict, *args, **kwargs)
-dcp.load_state_dict = spy
+    return real_dcp_load(state_dict, *args, **kwargs)
+megatron_compat._dcp_load_locally = spy
 model, optimizer = built(seed=2)
 clock = PhaseClock()
 loaded, read_in_place = megatron_compat.load_role_dir(
@@ -423,6 +438,34 @@ except BaseException as exc:  # megatron-core's error inside DCP's (a BaseExcept
     print("ok", len(planned), str(exc)[:200])
 else:
     raise AssertionError("a model of another shape loaded")
+"""
+    )
+
+
+def test_a_load_through_both_paths_warns_nothing_from_verl_ckpts_own_calls(tmp_path):
+    """A resume printed two FutureWarnings on every rank, both raised by verl_ckpt's own
+    calls into torch: ShardedTensor's `size()` (torch deprecates its ShardedTensor) while
+    matching saved chunks, and DCP's deprecated `load_state_dict` for what is left to DCP's
+    path (here an object). Both paths run here: stacked layers are torch ShardedTensors in
+    megatron-core's conversion, and the ShardedObject goes through DCP."""
+    run_with_megatron(
+        megatron_core_saved_step(tmp_path, with_object=True)
+        + f"""
+import warnings
+from pathlib import Path
+from verl_ckpt import megatron_compat
+model, optimizer = built(seed=2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loaded, read_in_place = megatron_compat.load_role_dir(
+        template(model, optimizer), {str(tmp_path)!r})
+assert loaded["extra"] == {{"seed": 7}}, loaded["extra"]
+assert read_in_place > 0
+package = Path(megatron_compat.__file__).parent
+ours = [f"{{w.filename}}:{{w.lineno}}: {{w.message}}" for w in caught
+        if Path(w.filename).resolve().is_relative_to(package)]
+assert not ours, ours
+print("ok", len(caught))
 """
     )
 

@@ -334,8 +334,6 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         # NVRx's "nvrx"; 0.16 passes nothing). Both write the same torch_dist layout, which
         # is all this reader reads, so the argument changes nothing here.
         del async_strategy
-        from torch.distributed import checkpoint
-
         from verl_ckpt.direct_reader import DirectFileSystemReader
 
         mark = self.clock.mark
@@ -364,14 +362,13 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         read = {index.fqn for index in whole} - {index.fqn for index in left}
         rest = {key: value for key, value in pyt_state_dict.items() if key not in read}
         if rest:
-            checkpoint.load_state_dict(
+            _dcp_load_locally(
                 rest,
                 reader,
-                planner=mcore_torch.MCoreLoadPlanner(
+                mcore_torch.MCoreLoadPlanner(
                     shapes_validation_sharded_tensors=[t for t in flexible if t.key in rest],
                     allow_shape_mismatch_sharded_tensors=mismatching,
                 ),
-                no_dist=True,
             )
             # DCP puts what it loads for an object (a ShardedObject's bytes) into the dict
             # it was given, in place of the request.
@@ -400,12 +397,37 @@ def _whole_chunk_targets(pyt_state_dict: dict, metadata: Any) -> dict[MetadataIn
         saved = metadata.state_dict_metadata.get(fqn)
         if not chunks or not isinstance(saved, TensorStorageMetadata):
             continue
-        if saved.size != value.size():
+        if saved.size != _global_size(value):
             continue
         saved_chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in saved.chunks}
         if all((tuple(o), tuple(s)) in saved_chunks for o, s, _ in chunks):
             targets.update((MetadataIndex(fqn, o), tensor) for o, _, tensor in chunks)
     return targets
+
+
+def _global_size(value: torch.Tensor) -> torch.Size:
+    """The global shape of a tensor as megatron-core hands it to DCP. A torch ShardedTensor's
+    own `size()` goes through its `__torch_function__`, which torch deprecates with a
+    FutureWarning (printed by every rank on every resume); its metadata holds the size."""
+    if isinstance(value, mcore_torch.TorchShardedTensor):
+        return value.metadata().size
+    return value.size()
+
+
+def _dcp_load_locally(state_dict: dict, reader: Any, planner: Any) -> None:
+    """DCP's load of `state_dict` by this rank alone (no collective). `load_state_dict`
+    (what megatron-core 0.16 calls) is deprecated with a FutureWarning on every call, and
+    `load(no_dist=True)` warns on every call that torch.distributed is "disabled", which it
+    is not; both run `_load_state_dict`, called here where this torch has it (as
+    `load_state_dict` does: after resetting the reader)."""
+    from torch.distributed.checkpoint import state_dict_loader
+
+    load = getattr(state_dict_loader, "_load_state_dict", None)
+    if load is None:
+        state_dict_loader.load_state_dict(state_dict, reader, no_dist=True, planner=planner)
+        return
+    reader.reset()
+    load(state_dict, reader, no_dist=True, planner=planner)
 
 
 def _local_chunks(fqn: str, value: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
