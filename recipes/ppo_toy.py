@@ -627,19 +627,27 @@ def main(dict_cfg: DictConfig) -> None:
     except (RecipeConfigError, verl_ckpt.CheckpointConfigError) as exc:
         print(f"ppo_toy: invalid config: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    # Before Ray starts: a bad root, tracker or resume step, or another job on this root, is
-    # one line and exit status 2, with nothing written or deleted.
+    # Before Ray starts: a bad root, tracker or resume step (one the roles' ranks cannot
+    # load included), or another job on this root, is one line and exit status 2, with
+    # nothing written or deleted.
     try:
-        start = verl_ckpt.prepare_start(cfg.checkpoint, purpose="python -m recipes.ppo_toy")
+        start = verl_ckpt.prepare_start(
+            cfg.checkpoint,
+            purpose="python -m recipes.ppo_toy",
+            roles={name: cfg.role(name).world_size for name in ROLES},
+        )
     except verl_ckpt.CheckpointError as exc:
         print(f"ppo_toy: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     torch.set_num_threads(1)
     try:
         stopped = run(cfg, start)
-    except (WorkerStartupError, verl_ckpt.PreemptionError) as exc:
-        # run() has shut down the ranks and Ray by now: one line, no traceback.
-        print(f"ppo_toy: error: {exc}", file=sys.stderr)
+    except (WorkerStartupError, verl_ckpt.CheckpointError) as exc:
+        # run() has shut down the ranks and Ray by now: one line, no traceback. A rank's
+        # CheckpointError arrives wrapped by Ray (a RayTaskError that is also one), whose
+        # text is the rank's traceback: its cause is the rank's own one-line error.
+        log.debug("run failed", exc_info=True)
+        print(f"ppo_toy: error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         raise SystemExit(1) from None
     if stopped is not None:
         # Preempted: the step it stopped at is committed; the same command resumes from it.

@@ -115,3 +115,52 @@ def test_I1_I4_the_recipe_refuses_a_bit_flip_then_falls_back_and_continues_exact
     assert read_tracker(root) == 4 and sorted(list_step_dirs(root)) == [2, 4]
     (moved,) = (root / QUARANTINE_DIRNAME).iterdir()
     assert (moved / SHARD).read_bytes() == damaged_bytes
+
+
+def test_the_recipe_with_another_actor_world_size_is_refused_before_ray(root, tmp_path):
+    """The README's toggle `actor.world_size=4 actor.tensor_parallel_size=2` in the root of
+    a run whose actor had 2 ranks: it started Ray and the workers, then every actor rank's
+    load raised (per-rank extra state cannot be resharded) and the recipe printed Ray's
+    traceback. Now one line naming the step, the role and the key, before Ray starts."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.ppo_toy",
+            f"hydra.run.dir={tmp_path / 'out'}",
+            f"checkpoint.root_dir={root}",
+            "actor.world_size=4",
+            "actor.tensor_parallel_size=2",
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "embedded Ray" not in done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("ppo_toy:")]
+    assert f"{step_dir(root, 4)}: role actor was saved with 2 ranks, loading with 4" in line
+    assert "checkpoint.load_contents" in line
+    assert read_tracker(root) == 4 and sorted(list_step_dirs(root)) == [2, 4]
+
+
+def test_a_ranks_load_error_after_ray_started_is_one_line(root, tmp_path):
+    """A flipped bit that start-up does not look for (resume_verify=record checks sizes)
+    is found by the ranks' `verify_checksums_on_load`: the recipe stops with one line
+    naming the file, exit status 1, instead of Ray's traceback of the rank."""
+    damage = step_dir(root, 4) / SHARD
+    flip_bit(damage)
+    proc = start_recipe(
+        tmp_path / "out",
+        "trainer.total_steps=4",
+        f"checkpoint.root_dir={root}",
+        "checkpoint.verify_checksums_on_load=true",
+    )
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    (line,) = [x for x in output.splitlines() if x.startswith("ppo_toy:")]
+    assert f"{damage}: checksum" in line, line
+    assert read_tracker(root) == 4

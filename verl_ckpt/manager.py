@@ -56,6 +56,7 @@ from verl_ckpt.load_stats import LoadStats, PhaseClock
 from verl_ckpt.object_copy import snapshot_copy
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
+from verl_ckpt.resume_fit import EXTRA_STATE_KEY, extra_reshard_error, missing_role_error
 from verl_ckpt.snapshot_plan import (
     SaveTimeMarks,
     SnapshotPlan,
@@ -76,7 +77,6 @@ __all__ = ["CheckpointManager", "SaveStats"]
 
 logger = logging.getLogger(__name__)
 
-EXTRA_STATE_KEY = "verl_ckpt.extra_state"
 # The "step" every rank agrees on in prepare(): no step directory is involved.
 _PREPARE = -1
 
@@ -474,10 +474,7 @@ class CheckpointManager:
         record = read_commit_record(path)
         saved_world = record.role_world_size(self.role)
         if saved_world is None:
-            raise CommitRecordError(
-                f"{path} holds no state of role {self.role!r} "
-                f"(roles: {sorted(record.participants)})"
-            )
+            raise missing_role_error(path, self.role, record)
         wanted = self.config.load_contents
         template: dict[str, Any] = {}
         if "model" in wanted and model is not None:
@@ -486,11 +483,7 @@ class CheckpointManager:
             template["optimizer"] = optimizer
         if "extra" in wanted and extra:
             if saved_world != self.world_size:
-                raise CheckpointError(
-                    f"{path}: role {self.role} was saved with {saved_world} ranks, loading with "
-                    f"{self.world_size}; per-rank extra state cannot be resharded (drop 'extra' "
-                    "from load_contents to load model and optimizer only)"
-                )
+                raise extra_reshard_error(path, self.role, saved_world, self.world_size)
             template["extra"] = self._extra_sharded(None)
         if self.config.verify_checksums_on_load:
             problems = verify_files(path, record, prefix=f"{self.role}/")

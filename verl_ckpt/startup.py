@@ -3,8 +3,9 @@
 A recipe calls `prepare_start(config)` before Ray starts, so that every mistake it can see
 (a root that is a file or not writable, a path component too long, an unreadable tracker, a
 resume path that is missing or not committed, a resume step older than the root's newest
-committed step, another job on the same root) is one line naming the key or path, and the
-run has written and deleted nothing. `CheckpointCoordinator` calls it itself when it is not
+committed step, another job on the same root, and, given the run's roles, a resume step
+they cannot load) is one line naming the key or path, and the run has written and deleted
+nothing. `CheckpointCoordinator` calls it itself when it is not
 handed a plan.
 
 Order: read-only checks first (a failure leaves the disk as it was; a remote tier's URL is
@@ -12,8 +13,9 @@ checked here too), then the root lock (another job on this root is refused), the
 (recovery.py: roll-forward), the download of a newer step from the remote tier
 (remote/startup.py), and the same resume decision once more under the lock, where nobody
 else can change the root; then the resume step is verified (resume_check.py:
-`resume_verify`, and the quarantine and fallback of `resume_fallback=previous`), before any
-state is touched.
+`resume_verify`, and the quarantine and fallback of `resume_fallback=previous`), and last
+whether the run's roles can load the step chosen (resume_fit.py), before any state is
+touched.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ from verl_ckpt.layout import step_dir, step_of_dir
 from verl_ckpt.preemption import check_deadline_env
 from verl_ckpt.recovery import RootState, read_root_state, recover_root
 from verl_ckpt.resume_check import check_resume_before_lock, settle_resume_step
+from verl_ckpt.resume_fit import check_resume_fits
 from verl_ckpt.root_lock import RootLock
 from verl_ckpt.tracker import tracker_path
 
@@ -63,12 +67,21 @@ class StartPlan:
         self.lock.release()
 
 
-def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) -> StartPlan:
+def prepare_start(
+    config: CheckpointConfig | Any,
+    purpose: str | None = None,
+    roles: Mapping[str, int] | None = None,
+) -> StartPlan:
     """Check, lock and recover the root; decide the resume step (see the module docstring).
+
+    `roles` (optional): the roles that will load the resume step, each with its number of
+    ranks in this run. With it, a resume step they cannot load (a role it does not hold, or
+    per-rank extra state saved by another number of ranks while `load_contents` asks for
+    it: resume_fit.py) is refused here rather than in the ranks' `load()`.
 
     Raises a CheckpointError subclass naming the key or path: CheckpointConfigError,
     TrackerError, CommitRecordError (ResumeVerificationError), ResumeConflictError or
-    RootLockedError.
+    RootLockedError; or, with `roles`, CheckpointError.
     """
     config = to_checkpoint_config(config)
     root = Path(config.root_dir).resolve()
@@ -77,7 +90,9 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
     check_deadline_env(config.preemption)
     remote = _check_remote(config)
     before = read_root_state(root)
-    check_resume_before_lock(config, before, choose_resume_dir)
+    # Read-only, before the lock: a step the roles cannot load is refused with nothing
+    # written. Checked again below on the step settled under the lock.
+    check_resume_before_lock(config, before, _loadable_resume_dir(roles))
     if remote is not None:
         _check_remote_against_root(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
@@ -89,6 +104,9 @@ def prepare_start(config: CheckpointConfig | Any, purpose: str | None = None) ->
         resume = settle_resume_step(config, state, choose_resume_dir, copies)
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root)  # the fallback moved steps and the tracker
+        # Again on the step settled: recovery, a download or a fallback may have changed it.
+        if resume is not None and roles is not None:
+            check_resume_fits(resume, roles, config.load_contents)
     except BaseException:
         lock.release()
         raise
@@ -161,6 +179,20 @@ def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None
 
 
 # ---- helpers -------------------------------------------------------------------------------
+
+
+def _loadable_resume_dir(roles: Mapping[str, int] | None):
+    """choose_resume_dir, refusing (given the roles) a step their ranks cannot load."""
+    if roles is None:
+        return choose_resume_dir
+
+    def choose(config: CheckpointConfig, state: RootState) -> Path | None:
+        resume = choose_resume_dir(config, state)
+        if resume is not None:
+            check_resume_fits(resume, roles, config.load_contents)
+        return resume
+
+    return choose
 
 
 def _check_remote(config: CheckpointConfig) -> Any:
