@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_recipe import (
-    COMPARED,
-    REPO_ROOT,
-    finish,
-    read_metrics,
-    recipe_env,
-    start_recipe,
-)
+from tests.test_recipe import COMPARED, finish, read_metrics, start_recipe
+from tests.test_recipe_trust import assert_refused_in_one_line, run_recipe
 from verl_ckpt import prepare_start, read_tracker, step_dir
 from verl_ckpt.layout import list_step_dirs
 from verl_ckpt.resume_check import QUARANTINE_DIRNAME
@@ -74,24 +66,8 @@ def test_I1_I4_the_recipe_refuses_a_bit_flip_then_falls_back_and_continues_exact
     flip_bit(damage)
     damaged_bytes = damage.read_bytes()
     checksums = (f"checkpoint.root_dir={root}", "checkpoint.resume_verify=checksums")
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.ppo_toy",
-            f"hydra.run.dir={tmp_path / 'refused'}",
-            "trainer.total_steps=4",
-            *checksums,
-        ],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert refused.returncode == 2, refused.stderr[-3000:]
-    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("ppo_toy:")]
-    assert f"{damage}: checksum " in line and "embedded Ray" not in refused.stdout
+    refused = run_recipe(tmp_path, "trainer.total_steps=4", *checksums)
+    assert_refused_in_one_line(refused, f"{damage}: checksum ")
     assert read_tracker(root) == 4 and not (root / QUARANTINE_DIRNAME).exists()
 
     out = finish(
@@ -122,27 +98,13 @@ def test_the_recipe_with_another_actor_world_size_is_refused_before_ray(root, tm
     a run whose actor had 2 ranks: it started Ray and the workers, then every actor rank's
     load raised (per-rank extra state cannot be resharded) and the recipe printed Ray's
     traceback. Now one line naming the step, the role and the key, before Ray starts."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.ppo_toy",
-            f"hydra.run.dir={tmp_path / 'out'}",
-            f"checkpoint.root_dir={root}",
-            "actor.world_size=4",
-            "actor.tensor_parallel_size=2",
-        ],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
+    four_ranks = ("actor.world_size=4", "actor.tensor_parallel_size=2")
+    done = run_recipe(tmp_path, f"checkpoint.root_dir={root}", *four_ranks)
+    assert_refused_in_one_line(
+        done,
+        f"{step_dir(root, 4)}: role actor was saved with 2 ranks, loading with 4",
+        "checkpoint.load_contents",
     )
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr and "embedded Ray" not in done.stderr
-    (line,) = [x for x in done.stderr.splitlines() if x.startswith("ppo_toy:")]
-    assert f"{step_dir(root, 4)}: role actor was saved with 2 ranks, loading with 4" in line
-    assert "checkpoint.load_contents" in line
     assert read_tracker(root) == 4 and sorted(list_step_dirs(root)) == [2, 4]
 
 
