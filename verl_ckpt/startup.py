@@ -5,8 +5,7 @@ A recipe calls `prepare_start(config)` before Ray starts, so that every mistake 
 resume path that is missing or not committed, a resume step older than the root's newest
 committed step, another job on the same root, and, given the run's roles, a resume step
 they cannot load) is one line naming the key or path, and the run has written and deleted
-nothing. `CheckpointCoordinator` calls it itself when it is not
-handed a plan.
+nothing. `CheckpointCoordinator` calls it itself when it is not handed a plan.
 
 Order: read-only checks first (a failure leaves the disk as it was; a remote tier's URL is
 checked here too), then the root lock (another job on this root is refused), then recovery
