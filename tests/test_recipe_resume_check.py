@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_recipe import COMPARED, finish, read_metrics, start_recipe
+from tests.test_recipe import COMPARED, Output, finish, read_metrics, start_recipe
 from tests.test_recipe_trust import assert_refused_in_one_line, run_recipe
 from verl_ckpt import prepare_start, read_tracker, step_dir
 from verl_ckpt.layout import list_step_dirs
@@ -120,7 +120,7 @@ def test_a_ranks_load_error_after_ray_started_is_one_line(root, tmp_path):
         f"checkpoint.root_dir={root}",
         "checkpoint.verify_checksums_on_load=true",
     )
-    output, _ = proc.communicate(timeout=300)
+    output = Output(proc).wait_exit()  # a run past its deadline is killed, then failed
     assert proc.returncode == 1, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     (line,) = [x for x in output.splitlines() if x.startswith("ppo_toy:")]

@@ -80,7 +80,7 @@ def root(saved_root, tmp_path) -> Path:
     return copy
 
 
-def start(root: Path, roles: dict[str, int], **config):
+def start(root: Path, roles: dict[str, int] | None, **config):
     plan = prepare_start({"root_dir": str(root), **config}, roles=roles)
     plan.release()
     return plan
