@@ -2,7 +2,8 @@
 
 megatron-core 0.16.1 assumes CUDA in a few places that a forward/backward of a small GPTModel
 goes through. On a CPU-only torch (``torch.cuda.is_available()`` is False) this module avoids
-them without patching torch or megatron-core:
+them without patching torch or megatron-core (one import-time shortcut aside, in
+``recipes/megatron_import.py``: megatron-core imported without torch's compiler stack):
 
 * RNG tracker: ``model_parallel_cuda_manual_seed(..., inference_rng_tracker=True)``, whose
   ``fork()`` is a no-op (the training tracker calls ``torch.cuda.get_rng_state``). The tiny
@@ -28,14 +29,20 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.optimizer import (
+
+from recipes.megatron_import import import_megatron_core
+
+# Before the first megatron import of the process: on CPU, without torch's compiler stack.
+import_megatron_core()
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 __all__ = [
     "TinyGPTConfig",
