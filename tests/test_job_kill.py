@@ -1,14 +1,15 @@
-"""SIGKILL of the whole job in the middle of a save, then resume (invariants I1, I3).
+"""SIGKILL of the whole job between a step's commit record and its tracker, then resume
+(invariant I2). The kill in the middle of a save (I1, I3) is in tests/test_recipe_preemption.py,
+where it follows a preemption save past its grace period.
 
 The job is the real recipe (driver, embedded Ray, Megatron ranks, finalizer) in a session of
 its own; the kill is a real SIGKILL of every process of that session. The documented fault
-hook only holds the critic's write open so that the kill lands mid-save.
+hook only holds the finalizer at the moment before the tracker is written.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import psutil
 import pytest
 
 from tests.test_recipe import finish, read_metrics, recipe_env, start_recipe
-from verl_ckpt import read_commit_record, read_tracker, step_dir
+from verl_ckpt import read_tracker, step_dir
 from verl_ckpt.commit_record import is_committed
 from verl_ckpt.faults import ENV_VAR
 
@@ -59,50 +60,6 @@ def wait_while_running(proc, condition, what: str, timeout_s: float = 240) -> No
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         time.sleep(0.2)
     assert condition(), what
-
-
-def test_I1_I3_whole_job_killed_mid_save_resumes_from_the_tracker(tmp_path, four_step_run):
-    # A copy of a run of 4 steps that committed steps 2 and 4.
-    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
-    assert read_tracker(root) == 4
-
-    # Run 2 resumes at step 4; its save of step 6 hangs in the critic's write: kill it all.
-    hung = recipe(
-        tmp_path / "run2",
-        root,
-        "trainer.total_steps=8",
-        env=recipe_env(**{ENV_VAR: "write:critic=hang"}),
-        new_session=True,
-    )
-    try:
-        actor_files = step_dir(root, 6) / "actor"
-        wait_while_running(hung, lambda: any(actor_files.glob("*.distcp")), "step 6 never started")
-    finally:
-        kill_session(hung.pid)
-        hung.communicate()
-    assert read_tracker(root) == 4
-    assert not is_committed(step_dir(root, 6))
-    stale = step_dir(root, 6) / "critic" / "__stale_from_the_killed_run.distcp"
-    stale.write_bytes(b"stale")
-
-    # Run 3 resumes from the tracker (step 4), ignores and reports the partial step 6, and
-    # saves step 6 again with none of the killed run's files mixed in.
-    keep_all = "checkpoint.max_ckpt_to_keep=null"
-    out = finish(
-        recipe(tmp_path / "run3", root, "trainer.total_steps=8", keep_all, env=recipe_env())
-    )
-    assert "global_step_4 (step 4)" in out
-    assert "uncommitted step directories [6]" in out or "uncommitted leftover" in out
-    assert read_tracker(root) == 8
-    assert sorted(read_metrics(tmp_path / "run3" / "metrics.jsonl")) == [5, 6, 7, 8]
-    record = read_commit_record(step_dir(root, 8))
-    assert record.step == 8
-    step6 = step_dir(root, 6)
-    assert not stale.exists()
-    on_disk = {str(p.relative_to(step6)) for p in step6.rglob("*") if p.is_file()} - {
-        "verl_ckpt_commit.json"
-    }
-    assert on_disk == {f.path for f in read_commit_record(step6).files}
 
 
 def test_I2_whole_job_killed_between_the_record_and_the_tracker_resumes_from_that_step(tmp_path):

@@ -139,50 +139,50 @@ def free_ports(count: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_I1_I4_resumed_run_continues_exactly_like_an_uninterrupted_one(tmp_path, uninterrupted):
-    """Run 1 (6 steps, saves at 2, 4, 6) and run 2 on the same root (to step 10) give steps
-    1..10 bit-identical rewards and losses to an uninterrupted run without saves: model, Adam
-    state (kept offloaded on the host between updates), samplers and the driver's prompt RNG
-    all come back exactly from a committed step, and saving changes nothing. Also: the reward
-    rises, and the save steps' metrics carry the checkpoint figures."""
-    root = tmp_path / "ckpt"
-    finish(
+def test_I1_I4_resumed_run_continues_exactly_like_an_uninterrupted_one(
+    tmp_path, four_step_run, uninterrupted
+):
+    """A run of 4 steps (saves at 2 and 4), then a run on (a copy of) its root to step 10
+    with saves every 2 steps, give steps 1..10 bit-identical rewards and losses to an
+    uninterrupted run without saves: model, Adam state (kept offloaded on the host between
+    updates), samplers and the driver's prompt RNG all come back exactly from a committed
+    step, and saving changes nothing. Also: the reward rises, the save steps' metrics carry
+    the checkpoint figures, and retention (max_ckpt_to_keep=2) keeps the two newest steps."""
+    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
+    assert read_tracker(root) == 4
+    second = finish(
         start_recipe(
-            tmp_path / "run1",
-            "trainer.total_steps=6",
+            tmp_path / "run2",
+            "trainer.total_steps=10",
             "checkpoint.save_freq=2",
             f"checkpoint.root_dir={root}",
         )
     )
-    assert read_tracker(root) == 6
-    second = finish(
-        start_recipe(tmp_path / "run2", "trainer.total_steps=10", f"checkpoint.root_dir={root}")
-    )
-    assert f"resumed from {step_dir(root, 6)} (step 6)" in second
+    assert f"resumed from {step_dir(root, 4)} (step 4)" in second
 
-    run1 = read_metrics(tmp_path / "run1" / "metrics.jsonl")
+    run1 = read_metrics(four_step_run / "metrics.jsonl")
     run2 = read_metrics(tmp_path / "run2" / "metrics.jsonl")
     ref = uninterrupted()
-    assert sorted(run1) == list(range(1, 7))
-    assert sorted(run2) == list(range(7, 11)), "run 2 did not continue after step 6"
+    assert sorted(run1) == list(range(1, 5))
+    assert sorted(run2) == list(range(5, 11)), "run 2 did not continue after step 4"
     for step in range(1, 11):
-        resumed = run1[step] if step <= 6 else run2[step]
+        resumed = run1[step] if step <= 4 else run2[step]
         assert {k: resumed[k] for k in COMPARED} == {k: ref[step][k] for k in COMPARED}, step
 
     # The policy learns: mean reward of the last three steps well above the first three.
     rewards = [ref[step]["reward"] for step in range(1, 11)]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
 
-    for step in (2, 4, 6):
-        figures = run1[step]
+    for figures in (run1[2], run1[4], run2[6], run2[8], run2[10]):
         assert figures["ckpt_blocking_s"] > 0 and figures["ckpt_write_s"] > 0, figures
         assert figures["ckpt_bytes"] > 100_000, figures
-    assert "ckpt_blocking_s" not in run1[3]
-    # The resumed run committed its last step; retention (max_ckpt_to_keep=2) kept two.
+    assert "ckpt_blocking_s" not in run1[3] and "ckpt_blocking_s" not in run2[7]
+    # The resumed run committed its last step; retention (max_ckpt_to_keep=2) kept two, the
+    # first run's steps 2 and 4 included in what it deleted.
     assert read_tracker(root) == 10
     assert sorted(p.name for p in root.glob("global_step_*")) == [
         "global_step_10",
-        "global_step_6",
+        "global_step_8",
     ]
     record = read_commit_record(step_dir(root, 10))
     assert record.participants == {"actor": 2, "critic": 1, "driver": 1}
@@ -338,47 +338,6 @@ class RayHead:
         assert not alive, f"Ray processes outlived `ray start --block`: {alive}"
 
 
-@pytest.mark.slow
-def test_I1_recipe_runs_as_a_ray_job_on_an_existing_cluster(tmp_path):
-    """recipes/submit_job.sh submits the recipe with `ray job submit --working-dir .` to a
-    running head; the job connects through RAY_ADDRESS, trains 2 steps, and commits step 2
-    (with the `checkpoint=sync` preset and a one-rank actor, which the other tests do not
-    run; one process fewer to start)."""
-    root = tmp_path / "ckpt"
-    head = RayHead()
-    try:
-        head.wait_ready()
-        job = subprocess.run(
-            [
-                "bash",
-                str(REPO_ROOT / "recipes" / "submit_job.sh"),
-                "trainer.total_steps=2",
-                "actor.world_size=1",
-                "actor.tensor_parallel_size=1",
-                "checkpoint=sync",
-                "checkpoint.save_freq=2",
-                f"checkpoint.root_dir={root}",
-                f"trainer.metrics_path={tmp_path / 'metrics.jsonl'}",
-            ],
-            cwd=tmp_path,  # the script finds the repository itself
-            env={**head.env, "RAY_ADDRESS": head.address},
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-        )
-        output = job.stdout + job.stderr
-        assert job.returncode == 0, output[-4000:]
-        assert "succeeded" in output and "connected to the Ray cluster" in output
-    finally:
-        head.stop()
-    assert read_tracker(root) == 2
-    record = read_commit_record(step_dir(root, 2))
-    assert record.participants == {"actor": 1, "critic": 1, "driver": 1}
-    metrics = read_metrics(tmp_path / "metrics.jsonl")
-    assert sorted(metrics) == [1, 2]
-    assert metrics[2]["ckpt_bytes"] > 100_000 and metrics[2]["ckpt_write_s"] > 0
-
-
 # ---- configuration -----------------------------------------------------------------------
 
 
@@ -520,3 +479,27 @@ def test_I4_optimizer_offload_swaps_storage_and_never_writes_the_host_copy():
             assert torch.equal(tensor, copy[name]), f"offloaded {name} was written in place"
             assert now[name].data_ptr() != tensor.data_ptr()
         assert not torch.equal(now["exp_avg"], before["exp_avg"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, megatron-core compiles")
+def test_megatron_core_is_imported_without_torchs_compiler_stack_on_cpu():
+    """recipes/megatron_import.py: on CPU, megatron-core's import-time torch.compile wrappers
+    do not import torch._dynamo (seconds of CPU in every rank process); torch.compile is
+    torch's own again afterwards, and megatron-core's jit_fuser compiles nothing."""
+    probe = (
+        "import sys, torch\n"
+        "from recipes import megatron_cpu\n"
+        "from megatron.core import jit\n"
+        "compiler = [m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._induc'))]\n"
+        "print(compiler, torch.compile.__module__, jit.jit_fuser.__name__)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["[]", "torch", "noop_decorator"], run.stdout

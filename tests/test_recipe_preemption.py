@@ -31,7 +31,7 @@ from tests.test_recipe import (
     recipe_env,
     start_recipe,
 )
-from verl_ckpt import PREEMPTED_EXIT_STATUS, read_tracker, step_dir
+from verl_ckpt import PREEMPTED_EXIT_STATUS, read_commit_record, read_tracker, step_dir
 from verl_ckpt.cli import main as verl_ckpt_cli
 from verl_ckpt.commit_record import is_committed
 from verl_ckpt.faults import ENV_VAR
@@ -85,10 +85,19 @@ def assert_resumes_bit_exactly(tmp_path: Path, root: Path, stopped_at: int, firs
     """The stopped step verifies; a run on the same root resumes from it, and every step of
     both runs equals the uninterrupted run's."""
     assert verl_ckpt_cli(["verify", str(root), "--step", str(stopped_at)]) == 0
+    resumed = tmp_path / "resumed" / "metrics.jsonl"
     second = finish(start_recipe(tmp_path / "resumed", *UNSCHEDULED, f"checkpoint.root_dir={root}"))
+    assert_continued_exactly(root, stopped_at, first_run, second, resumed, ref)
+
+
+def assert_continued_exactly(
+    root: Path, stopped_at: int, first_run: Path, second: str, second_run: Path, ref
+) -> None:
+    """The second run (its output, its metrics file) resumed from the stopped step, and every
+    step of both runs equals the uninterrupted run's."""
     assert f"resumed from {step_dir(root, stopped_at)} (step {stopped_at})" in second
     before = read_metrics(first_run)
-    after = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    after = read_metrics(second_run)
     assert sorted(before) == list(range(1, stopped_at + 1))
     assert sorted(after) == list(range(stopped_at + 1, TOTAL + 1))
     for step, record in {**before, **after}.items():
@@ -129,28 +138,33 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
     request `ray job stop` sends) SIGTERMs the driver. The commit is slowed to 5 s
     (VERL_CKPT_FAULT=commit=sleep=5, in every process of the head): longer than Ray's default
     3 s before its SIGKILL, so the step commits only because the script sets
-    RAY_JOB_STOP_WAIT_TIME_S for the job."""
+    RAY_JOB_STOP_WAIT_TIME_S for the job. The same command, submitted again with the
+    `checkpoint=sync` preset (synchronous saves, which the other recipe tests do not run),
+    connects to the cluster, resumes from that step and runs to its end."""
     root = tmp_path / "ckpt"
     metrics = tmp_path / "metrics.jsonl"
+    resumed = tmp_path / "resumed.jsonl"
     head = RayHead(extra_env={ENV_VAR: "commit=sleep=5"})
-    try:
-        head.wait_ready()
-        env = {**head.env, "RAY_ADDRESS": head.address}
-        submit = subprocess.Popen(
+
+    def submit(*overrides: str) -> subprocess.Popen:
+        return subprocess.Popen(
             [
                 "bash",
                 str(REPO_ROOT / "recipes" / "submit_job.sh"),
                 *UNSCHEDULED,
                 f"checkpoint.root_dir={root}",
-                f"trainer.metrics_path={metrics}",
+                *overrides,
             ],
-            cwd=tmp_path,
-            env=env,
+            cwd=tmp_path,  # the script finds the repository itself
+            env={**head.env, "RAY_ADDRESS": head.address},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        output = Output(submit)
+
+    try:
+        head.wait_ready()
+        output = Output(submit(f"trainer.metrics_path={metrics}"))
         job_id = output.wait_for(r"Job '(raysubmit_\w+)' submitted successfully", 120).group(1)
         seen = wait_for_steps(metrics, 2, output)
         # The request `ray job stop` sends, sent through Ray's job SDK as the CLI does: in a
@@ -160,23 +174,34 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
         client = JobSubmissionClient(head.address, headers={"Authorization": f"Bearer {token}"})
         assert client.stop_job(job_id), f"the job server did not stop {job_id}"
         text = output.wait_exit()
+        stopped_at = read_tracker(root)
+        stop_seen = (seen, stopped_at, text[-3000:])
+        assert stopped_at is not None and seen < stopped_at < TOTAL, stop_seen
+        under_way, committed = step_the_signal_arrived_in(text)
+        assert stopped_at == committed and stopped_at in (under_way, under_way + 1)
+        assert verl_ckpt_cli(["verify", str(root), "--step", str(stopped_at)]) == 0
+        second = Output(submit("checkpoint=sync", f"trainer.metrics_path={resumed}"))
+        second.wait_exit()
     finally:
         head.stop()
-    stopped_at = read_tracker(root)
-    assert stopped_at is not None and seen < stopped_at < TOTAL, (seen, stopped_at, text[-3000:])
-    under_way, committed = step_the_signal_arrived_in(text)
-    assert stopped_at == committed and stopped_at in (under_way, under_way + 1)
-    assert_resumes_bit_exactly(tmp_path, root, stopped_at, metrics, uninterrupted)
+    assert second.proc.returncode == 0, second.text[-4000:]
+    assert "succeeded" in second.text and "connected to the Ray cluster" in second.text
+    assert_continued_exactly(root, stopped_at, metrics, second.text, resumed, uninterrupted)
+    # The synchronous save of the last step carries its figures too.
+    last = read_metrics(resumed)[TOTAL]
+    assert last["ckpt_bytes"] > 100_000 and last["ckpt_write_s"] > 0, last
 
 
-def test_I1_I5_a_save_that_outlives_its_grace_is_named_and_a_sigkill_keeps_the_previous_step(
+def test_I1_I3_I5_a_save_past_its_grace_is_named_and_after_a_sigkill_mid_save_the_run_resumes(
     tmp_path, four_step_run
 ):
     """The critic's write hangs (VERL_CKPT_FAULT=write:critic=hang), so the out-of-schedule
     save after SIGTERM cannot commit: at checkpoint.preemption.grace_s the driver says so in
-    one line naming the critic rank, and the scheduler's SIGKILL of the whole job follows.
-    The previous committed step stays the tracker's, verifies, and a new run resumes from it.
-    """
+    one line naming the step and the critic rank, and the scheduler's SIGKILL of the whole job
+    (every process of its session, Ray included) lands in the middle of that save. The
+    previous committed step stays the tracker's and verifies; a new run resumes from it,
+    reports the partial step, and saves that step again with none of the killed run's files
+    mixed in."""
     # A copy of a run of 4 steps that committed steps 2 and 4.
     root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
     assert read_tracker(root) == 4
@@ -192,19 +217,45 @@ def test_I1_I5_a_save_that_outlives_its_grace_is_named_and_a_sigkill_keeps_the_p
     try:
         wait_for_steps(tmp_path / "run2" / "metrics.jsonl", 1, output)
         hung.send_signal(signal.SIGTERM)
-        line = output.wait_for(r"ppo_toy: error: .*", 120).group(0)
+        error = output.wait_for(r"ppo_toy: error: the out-of-schedule save of step (\d+).*", 120)
+        # The save under way when the job is killed: the actor ranks wrote their files.
+        line, killed_step = error.group(0), int(error.group(1))
+        partial = step_dir(root, killed_step)
+        assert any((partial / "actor").glob("*.distcp")), output.text[-3000:]
     finally:
         kill_session(hung.pid)
         output.wait_exit(60)
     assert "checkpoint.preemption.grace_s=4" in line and "critic rank 0" in line, line
     assert "Traceback" not in output.text
     assert read_tracker(root) == 4
+    assert not is_committed(partial)
     assert sorted(p.name for p in root.glob("global_step_*") if is_committed(p)) == [
         "global_step_2",
         "global_step_4",
     ]
     assert verl_ckpt_cli(["verify", str(root)]) == 0
-    every_2 = (f"checkpoint.root_dir={root}", "checkpoint.save_freq=2")
-    resumed = finish(start_recipe(tmp_path / "run3", *every_2, "trainer.total_steps=6"))
+    stale = partial / "critic" / "__stale_from_the_killed_run.distcp"
+    stale.write_bytes(b"stale")
+
+    # Resumes from the tracker (step 4), reports the partial step, and saves it again.
+    resumed = finish(
+        start_recipe(
+            tmp_path / "run3",
+            f"checkpoint.root_dir={root}",
+            "checkpoint.save_freq=1",
+            f"trainer.total_steps={killed_step}",
+            "checkpoint.max_ckpt_to_keep=null",
+        )
+    )
     assert f"resumed from {step_dir(root, 4)} (step 4)" in resumed
-    assert read_tracker(root) == 6
+    reported = (f"uncommitted step directories [{killed_step}]", "uncommitted leftover")
+    assert any(line in resumed for line in reported), resumed[-3000:]
+    assert read_tracker(root) == killed_step
+    assert sorted(read_metrics(tmp_path / "run3" / "metrics.jsonl")) == list(
+        range(5, killed_step + 1)
+    )
+    assert not stale.exists()
+    on_disk = {str(p.relative_to(partial)) for p in partial.rglob("*") if p.is_file()} - {
+        "verl_ckpt_commit.json"
+    }
+    assert on_disk == {f.path for f in read_commit_record(partial).files}

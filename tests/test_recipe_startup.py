@@ -105,7 +105,9 @@ def find_in_session(
                     return proc
             except psutil.NoSuchProcess:
                 continue
-        time.sleep(0.05)
+        # Each look reads every process of the machine: often enough for a start-up of
+        # seconds, not so often that it takes the CPU the start-up needs.
+        time.sleep(0.2)
     pytest.fail(f"no {title} process in the recipe's session within {timeout_s}s")
 
 
@@ -126,20 +128,19 @@ def reap_session(session_id: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("critic_ranks", [1, 2])
-def test_I5_rank_killed_during_start_up_is_named_at_once(tmp_path: Path, critic_ranks: int):
-    """SIGKILL a critic rank's process while the recipe starts its ranks (the first one seen).
-    With one critic rank that is critic rank 0; with two it is either, and the other waits in
-    the rendezvous for it (a dead rank 1 used to hold the driver for the whole start-up
-    timeout). The recipe must exit with status 1 long before `trainer.startup_timeout_s`, its
-    last line naming the rank whose process was killed (by its pid), no traceback, and
-    nothing of its session left running."""
+def test_I5_rank_killed_during_start_up_is_named_at_once(tmp_path: Path):
+    """SIGKILL a critic rank's process while the recipe starts its ranks (the first one seen,
+    of two critic ranks: the other waits in the rendezvous for it, and a dead rank 1 used to
+    hold the driver for the whole start-up timeout). The recipe must exit with status 1 long
+    before `trainer.startup_timeout_s`, its last line naming the rank whose process was
+    killed (by its pid), no traceback, and nothing of its session left running. (A set-up
+    error, a peer's error arriving first and a slow rank are the stand-in tests below.)"""
     recipe = start_recipe(
         tmp_path / "out",
         "trainer.total_steps=2",
         f"checkpoint.root_dir={tmp_path / 'ckpt'}",
         f"trainer.startup_timeout_s={STARTUP_TIMEOUT_S}",
-        f"critic.world_size={critic_ranks}",
+        "critic.world_size=2",
         new_session=True,
     )
     output = ""
@@ -170,9 +171,7 @@ def test_I5_rank_killed_during_start_up_is_named_at_once(tmp_path: Path, critic_
     named = re.fullmatch(r"ppo_toy: error: critic rank (\d+) died during start-up: .*", last_line)
     assert named, last_line
     assert f"pid {victim.pid}" in last_line, f"not the killed process {victim.pid}: {last_line}"
-    if critic_ranks == 1:
-        assert named.group(1) == "0"
-    print(f"critic ranks {critic_ranks}: exited {exited_after_s:.1f} s after the kill")
+    print(f"exited {exited_after_s:.1f} s after the kill")
 
 
 # ---- the driver's start-up, with stand-in ranks ------------------------------------------
