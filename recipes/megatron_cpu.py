@@ -150,8 +150,15 @@ def init_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
         **rendezvous,
     )
+    # No second set of data-parallel groups on gloo when every group is gloo already: they
+    # serve the distributed optimizer's host-side collectives beside NCCL, and on CPU each
+    # would be one more idle gloo device, whose event-loop thread wakes every few ms (a
+    # rank holds about 20 groups: 4 to 5% of a core per idle rank).
     parallel_state.initialize_model_parallel(
-        tensor_parallel_size, 1, distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60))
+        tensor_parallel_size,
+        1,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+        create_gloo_process_groups=_cuda(),
     )
     # force_reset_rng: a process may init/destroy several times (tests).
     tensor_parallel.model_parallel_cuda_manual_seed(
