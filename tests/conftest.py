@@ -76,33 +76,26 @@ UNINTERRUPTED_STEPS = 30
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     """One uninterrupted `python -m recipes.ppo_toy` run of UNINTERRUPTED_STEPS steps, with no
-    scheduled save before its last step, started in the background at first use: the tests
-    that interrupt and resume runs compare every step with it, bit for bit (nothing in the
-    recipe's training depends on trainer.total_steps or on when it saves). Its value is a
-    function returning {step: metrics} once the run ended."""
-    from tests.test_recipe import Output, read_metrics, start_recipe
+    scheduled save before its last step, run at first use: the tests that interrupt and
+    resume runs compare every step with it, bit for bit (nothing in the recipe's training
+    depends on trainer.total_steps or on when it saves). Its value is a function returning
+    {step: metrics}. Run to its end before the test goes on, not beside the test's own runs:
+    the suite keeps both cores busy, so running it beside them saved no time, and two
+    embedded Rays starting at once beside the other worker's load once took Ray past its
+    fixed 30 s for a raylet to register ("The current node timed out during startup")."""
+    from tests.test_recipe import finish, read_metrics, start_recipe
 
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc = start_recipe(
-        out,
-        "checkpoint.save_freq=100",
-        f"trainer.total_steps={UNINTERRUPTED_STEPS}",
-        f"checkpoint.root_dir={out / 'ckpt'}",
+    finish(
+        start_recipe(
+            out,
+            "checkpoint.save_freq=100",
+            f"trainer.total_steps={UNINTERRUPTED_STEPS}",
+            f"checkpoint.root_dir={out / 'ckpt'}",
+        )
     )
-    output = Output(proc)
-    done: dict[int, dict] = {}
-
-    def metrics() -> dict[int, dict]:
-        if not done:
-            output.wait_exit()
-            assert proc.returncode == 0, output.text[-4000:]
-            done.update(read_metrics(out / "metrics.jsonl"))
-        return done
-
-    yield metrics
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    metrics = read_metrics(out / "metrics.jsonl")
+    return lambda: metrics
 
 
 @pytest.fixture(scope="session")

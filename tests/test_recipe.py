@@ -45,6 +45,19 @@ def recipe_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    """`python ARGS` in the repository with the recipes' environment, output captured; a
+    command that does not start Ray (a CLI call, a refusal, an import probe)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def start_recipe(
     out_dir: Path, *overrides: str, env: dict | None = None, new_session: bool = False
 ) -> subprocess.Popen:
@@ -205,14 +218,7 @@ def test_I3_readme_rollback_then_resume_path_continues_from_the_older_step(tmp_p
     output, _ = refused.communicate(timeout=RUN_TIMEOUT_S)
     assert refused.returncode == 2, output[-3000:]
     assert f"verl-ckpt rollback {root} --to 2" in output and "embedded Ray" not in output
-    rollback = subprocess.run(
-        [sys.executable, "-m", "verl_ckpt.cli", "rollback", str(root), "--to", "2"],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    rollback = run_python("-m", "verl_ckpt.cli", "rollback", str(root), "--to", "2")
     assert rollback.returncode == 0, rollback.stderr[-2000:]
     assert read_tracker(root) == 2 and not step_dir(root, 4).exists()
     assert [p.name for p in root.glob("rolled_back_*/global_step_4")] == ["global_step_4"]
@@ -349,14 +355,7 @@ class RayHead:
     ],
 )
 def test_bad_override_fails_before_ray_starts_naming_the_key(tmp_path, override, key):
-    proc = subprocess.run(
-        [sys.executable, "-m", "recipes.ppo_toy", f"hydra.run.dir={tmp_path}", override],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python("-m", "recipes.ppo_toy", f"hydra.run.dir={tmp_path}", override)
     assert proc.returncode != 0
     assert key in proc.stderr, proc.stderr[-2000:]
     assert "embedded Ray" not in proc.stdout + proc.stderr
@@ -493,13 +492,6 @@ def test_megatron_core_is_imported_without_torchs_compiler_stack_on_cpu():
         "compiler = [m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._induc'))]\n"
         "print(compiler, torch.compile.__module__, jit.jit_fuser.__name__)\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=REPO_ROOT,
-        env=recipe_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_python("-c", probe)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["[]", "torch", "noop_decorator"], run.stdout

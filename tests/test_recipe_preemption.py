@@ -249,7 +249,7 @@ def test_I1_I3_I5_a_save_past_its_grace_is_named_and_after_a_sigkill_mid_save_th
     )
     assert f"resumed from {step_dir(root, 4)} (step 4)" in resumed
     reported = (f"uncommitted step directories [{killed_step}]", "uncommitted leftover")
-    assert any(line in resumed for line in reported), resumed[-3000:]
+    assert any(message in resumed for message in reported), resumed[-3000:]
     assert read_tracker(root) == killed_step
     assert sorted(read_metrics(tmp_path / "run3" / "metrics.jsonl")) == list(
         range(5, killed_step + 1)
