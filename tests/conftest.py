@@ -22,12 +22,6 @@ os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
 # suite shares the CPU fairly. Read by each raylet: set before any cluster starts, and
 # inherited by the clusters that recipe runs and `ray start` make.
 os.environ.setdefault("RAY_worker_niceness", "0")
-# Ray starts idle worker processes ahead of demand (one per CPU for the first driver). The
-# suite's work runs in actors, each a process of its own, so those stay idle: 2.6 s of CPU
-# each, 60 of them a run (4% of the suite's CPU, on a machine it keeps busy). Read by each
-# raylet, inherited by the clusters recipe runs and `ray start` make.
-os.environ.setdefault("RAY_enable_worker_prestart", "0")
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
