@@ -5,8 +5,8 @@ megatron-core wraps its fused kernels (bias-GeLU, bias-dropout-add, SwiGLU, ...)
 alone imports ``torch._dynamo`` and ``torch._inductor``: about 3 s of CPU in every process
 that imports megatron-core, a third of a rank's start-up on the 2-core machines that run the
 recipe and the tests, where every job starts a process per rank. The recipe's tiny models
-leave every fusion off (megatron-core's defaults), so no wrapped function runs; on CPU it
-would run uncompiled anyway.
+leave every fusion off (megatron-core's defaults), so no wrapped function runs; one that
+did would compute the same, only uncompiled.
 
 So without CUDA, megatron-core's first import sees a ``torch.compile`` that returns the
 function it is given, torch's own is put back right after, and megatron-core's
