@@ -309,6 +309,14 @@ class RankWorker:
         ]
         return {"rss": me.memory_info().rss, "children": children}
 
+    def threads_once_agreement_formed(self) -> int:
+        """This process's thread count once the open manager's agreement group is formed
+        (formed on the agreement's thread at open; its future is private, read here only)."""
+        import psutil
+
+        self.manager._agreement._forming.result(timeout=60)
+        return psutil.Process().num_threads()
+
     def staged_bytes(self) -> int:
         return self.manager.staged_bytes
 

@@ -97,3 +97,27 @@ def test_a_save_that_fails_inside_save_on_one_rank_leaves_the_next_step_to_every
     coordinator.wait_for_commit(3)
     assert read_tracker(cfg["root_dir"]) == 3
     close_all(ranks, coordinator)
+
+
+def test_I5_managers_opened_in_turn_add_no_gloo_event_loop_each(ranks, tmp_path):
+    """Each manager keeps its agreement group until its process exits (gloo_group.py). Made
+    with torch's new_group, each group brought its own gloo device: an event-loop thread
+    waking every few ms, plus two workers, 3 threads and ~0.15% of a core idle each, for the
+    life of the process (a test suite's ranks open dozens). Now every group of a process
+    shares the same device: a group adds at most its one sleeping worker thread."""
+    actor = ranks["actor"]
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)  # a manager opens only beside one
+
+    def reopen() -> list[int]:
+        ray.get([w.open_manager.remote(cfg) for w in actor])  # closes the one open before
+        return ray.get([w.threads_once_agreement_formed.remote() for w in actor])
+
+    before = reopen()
+    reopened = 4
+    for _ in range(reopened):
+        after = reopen()
+    grown = [a - b for a, b in zip(after, before, strict=True)]
+    assert all(g <= reopened for g in grown), grown  # before the change: 3 per manager
+    ray.get([w.close.remote() for w in actor])
+    coordinator.close()

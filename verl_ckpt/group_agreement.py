@@ -1,13 +1,14 @@
 """Step 1's agreement (protocol.py): every rank of a save group states what it saves (step,
 root, whether its cached plan still fits), and all of them learn what the others stated.
 
-`SaveAgreement` runs it on a private gloo group of the save group's ranks, from a thread of
-its own, in save order. A rank whose plan is cached states so and goes on at once (its save
-thread checks the outcome before anything is written): its save() never waits for its
-peers to arrive. A rank that must plan over the group (first save, changed structure) waits
-for the outcome, on the training thread. Both ranks see the same statements, so both reach
-the same verdict; a mix (one rank changed its structure, another went ahead) fails on every
-rank, naming them, instead of leaving one rank in a collective the others never join.
+`SaveAgreement` runs it on a private gloo group of the save group's ranks (gloo_group.py),
+from a thread of its own, in save order. A rank whose plan is cached states so and goes on
+at once (its save thread checks the outcome before anything is written): its save() never
+waits for its peers to arrive. A rank that must plan over the group (first save, changed
+structure) waits for the outcome, on the training thread. Both ranks see the same
+statements, so both reach the same verdict; a mix (one rank changed its structure, another
+went ahead) fails on every rank, naming them, instead of leaving one rank in a collective
+the others never join.
 
 `agree_on_save` is the collective itself, on that gloo group: a monitored barrier (which
 names a rank that never came, at the deadline: invariant I5), then one all-gather of four
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.gloo_group import open_private_group, reserve_group_key
 from verl_ckpt.threads import DaemonPool
 
 __all__ = [
@@ -71,17 +73,20 @@ class SaveAgreement:
         self._thread = None
         if world_size == 1:
             return  # nobody to agree with
-        members = (
+        members = tuple(
             dist.get_process_group_ranks(group)
             if group is not None
-            else list(range(dist.get_world_size()))
+            else range(dist.get_world_size())
         )
+        # Reserved here, in the order managers open (every member's n-th manager over these
+        # ranks gets the same key); the group itself is formed on the thread.
+        key = reserve_group_key(members)
         self._thread = DaemonPool(1, f"verl_ckpt_{role}{rank}_agree")
         # Formed on the thread, first in its queue: opening a manager never waits for the
         # peers (a rank that cannot open is named by its own error), and the first
         # agreement, queued behind it, fails naming the group if a peer never opened.
         self._forming = self._thread.submit(
-            _private_group, tuple(members), timeout_s, f"{role} rank {rank}", label="group"
+            _private_group, members, key, timeout_s, f"{role} rank {rank}", label="group"
         )
 
     def start(self, mine: Statement) -> Future:
@@ -129,22 +134,15 @@ class SaveAgreement:
         return self._thread.close(timeout_s)
 
 
-def _private_group(members: tuple[int, ...], timeout_s: float, who: str) -> Any:
-    """A new gloo group over `members`, kept until the process exits (never destroyed: with
-    local synchronization a group's name derives from its ranks, and a group made again
-    after a destroy would reuse the name, and the old group's addresses in the store, whose
-    ports are closed). Every manager makes its own, so that no group is shared by two
-    managers' threads, or left in a state a failed agreement put it in."""
+def _private_group(members: tuple[int, ...], key: str, timeout_s: float, who: str) -> Any:
+    """This manager's own gloo group over `members` (gloo_group.py): no group is shared by
+    two managers' threads, or left in a state a failed agreement put it in. Kept until the
+    process exits; it costs an idle thread and a socket per peer."""
     try:
         # Only the save group's ranks create it (a rollout rank of the same world never
         # calls this); a group of its own, so that the agreement thread is the only one
         # to issue collectives on it, whatever the trainer does on its groups meanwhile.
-        return dist.new_group(
-            list(members),
-            backend="gloo",
-            timeout=timedelta(seconds=timeout_s),
-            use_local_synchronization=True,
-        )
+        return open_private_group(members, key, timeout_s)
     except RuntimeError as exc:
         raise CommitTimeoutError(
             f"{who}: the ranks of the save group {list(members)} did not all open their "
@@ -182,14 +180,15 @@ def _mixed_structures(statements: list[Statement], role: str) -> CheckpointError
 
 def agree_on_save(
     mine: Statement,
-    group: dist.ProcessGroup,
+    group: Any,
     world_size: int,
     timeout_s: float,
     role: str,
     rank: int,
     root: str,
 ) -> list[Statement]:
-    """Every rank's statement, in rank order, once all ranks of the gloo `group` made theirs.
+    """Every rank's statement, in rank order, once all ranks of the gloo `group` (from
+    gloo_group.open_private_group) made theirs.
 
     Raises CommitTimeoutError when a rank does not come within `timeout_s`, and
     CheckpointError when the ranks disagree on the step or the root (all of them fail here
@@ -201,7 +200,7 @@ def agree_on_save(
         [mine.step, mine.root_id, int(mine.plan_cached), int(mine.goes_ahead)], dtype=torch.int64
     )
     gathered = [torch.empty_like(values) for _ in range(world_size)]
-    dist.all_gather(gathered, values, group=group)  # the barrier above bounded the wait
+    group.allgather([gathered], [values]).wait()  # the barrier above bounded the wait
     statements = [Statement(int(t[0]), int(t[1]), bool(t[2]), bool(t[3])) for t in gathered]
     if len({(s.step, s.root_id) for s in statements}) != 1:
         listing = ", ".join(
@@ -215,11 +214,9 @@ def agree_on_save(
     return statements
 
 
-def _monitored_barrier(
-    group: dist.ProcessGroup | None, timeout_s: float, who: str, step: int
-) -> None:
+def _monitored_barrier(group: Any, timeout_s: float, who: str, step: int) -> None:
     try:
-        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        group.monitored_barrier(timedelta(seconds=timeout_s), True)  # wait_all_ranks
     except RuntimeError as exc:
         # gloo's message names the ranks that did not reach the barrier.
         raise CommitTimeoutError(
