@@ -42,6 +42,10 @@ class RankWorker:
         self._store = self.mc.host_rendezvous(self._world[1])
         return self._store.port
 
+    def store_port(self) -> int:
+        """Rank 0: the port of the world's store (what its errors name)."""
+        return self._store.port
+
     def join(self, port: int) -> None:
         """Join the world whose rank 0 listens on `port`; build the model and optimizer."""
         from datetime import timedelta
@@ -308,6 +312,11 @@ class RankWorker:
             if c.status() != "zombie"
         ]
         return {"rss": me.memory_info().rss, "children": children}
+
+    def thread_count(self) -> int:
+        import psutil
+
+        return psutil.Process().num_threads()
 
     def threads_once_agreement_formed(self) -> int:
         """This process's thread count once the open manager's agreement group is formed

@@ -6,6 +6,9 @@ join)."""
 
 from __future__ import annotations
 
+import signal
+
+import psutil
 import pytest
 import ray
 
@@ -121,3 +124,35 @@ def test_I5_managers_opened_in_turn_add_no_gloo_event_loop_each(ranks, tmp_path)
     assert all(g <= reopened for g in grown), grown  # before the change: 3 per manager
     ray.get([w.close.remote() for w in actor])
     coordinator.close()
+
+
+def test_a_manager_opened_after_the_worlds_store_died_fails_at_once_naming_it(ray_local, tmp_path):
+    """The world's store lives in rank 0's process (as the recipe's and torchrun's do).
+    Opening a manager counts its agreement group in that store; with rank 0's process
+    killed (for real), rank 1's open used to raise torch's DistNetworkError ("Failed to recv,
+    got 0 bytes"), naming neither the store nor the rank, and left the writer threads and
+    save thread it had started. Now: at once, one line naming both, nothing left running."""
+    from tests.rank_worker import start_world
+
+    workers = start_world("orphan", 2, tp=2)
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, {"orphan": 2}, save_driver_state=False)
+    try:
+        port = ray.get(workers[0].store_port.remote())
+        host = psutil.Process(ray.get(workers[0].pid.remote()))
+        host.send_signal(signal.SIGKILL)
+        host.wait(timeout=RETURNS_WITHIN_S)
+        threads = ray.get(workers[1].thread_count.remote())
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:
+            ray.get(workers[1].open_manager.remote(cfg), timeout=RETURNS_WITHIN_S)
+        # The failed open started no thread it would leave behind (writers, save thread).
+        assert ray.get(workers[1].thread_count.remote()) == threads
+        message = str(failed.value.cause)
+        assert isinstance(failed.value.cause, CheckpointError), message
+        assert "\n" not in message, message
+        assert message.startswith("orphan rank 1: cannot open the checkpoint manager"), message
+        assert f"store at 127.0.0.1:{port} did not answer" in message, message
+    finally:
+        coordinator.close()
+        for w in workers:
+            ray.kill(w)

@@ -24,6 +24,7 @@ Only torch's private pieces here: `_get_default_store` and the gloo backend's op
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from datetime import timedelta
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
 from torch.distributed.distributed_c10d import _get_default_store
 
-__all__ = ["open_private_group", "reserve_group_key"]
+__all__ = ["StoreUnreachable", "open_private_group", "reserve_group_key"]
 
 _KEY_PREFIX = "verl_ckpt/agreement"
 
@@ -41,15 +42,39 @@ _device_lock = threading.Lock()
 _shared_devices: list[Any] | None = None
 
 
+class StoreUnreachable(RuntimeError):
+    """The world's store (torch.distributed's default store) did not answer; the message is
+    one line naming it."""
+
+
 def reserve_group_key(members: tuple[int, ...]) -> str:
     """The store prefix of this rank's next private group over `members` (global ranks).
 
     Called in the order the managers are opened (not on their threads, which may run in
     another order): the n-th call of every member for the same members gives the same key.
+    Raises StoreUnreachable when the store does not answer (its host process is gone, or
+    the store's own timeout passed).
     """
-    joined = "_".join(map(str, members))
-    count = _get_default_store().add(f"{_KEY_PREFIX}/{joined}/opened_by/{dist.get_rank()}", 1)
-    return f"{_KEY_PREFIX}/{joined}/{count}"
+    # Hashed, as torch names its groups: a save group of thousands of ranks keeps short keys.
+    members_id = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:16]
+    store = _get_default_store()
+    try:
+        count = store.add(f"{_KEY_PREFIX}/{members_id}/opened_by/{dist.get_rank()}", 1)
+    except RuntimeError as exc:  # torch's DistError family, its C++ frames in the message
+        lines = str(exc).strip().splitlines()
+        raise StoreUnreachable(
+            f"torch.distributed's store at {_address(store)} did not answer: "
+            f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        ) from None
+    return f"{_KEY_PREFIX}/{members_id}/{count}"
+
+
+def _address(store: Any) -> str:
+    """host:port of a TCP store (under any prefix stores), else the store's kind."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host is not None else type(store).__name__
 
 
 def open_private_group(members: tuple[int, ...], key: str, timeout_s: float) -> Any:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from verl_ckpt.errors import CheckpointError, CommitTimeoutError
-from verl_ckpt.gloo_group import open_private_group, reserve_group_key
+from verl_ckpt.gloo_group import StoreUnreachable, open_private_group, reserve_group_key
 from verl_ckpt.threads import DaemonPool
 
 __all__ = [
@@ -80,7 +80,13 @@ class SaveAgreement:
         )
         # Reserved here, in the order managers open (every member's n-th manager over these
         # ranks gets the same key); the group itself is formed on the thread.
-        key = reserve_group_key(members)
+        try:
+            key = reserve_group_key(members)
+        except StoreUnreachable as exc:
+            raise CheckpointError(
+                f"{role} rank {rank}: cannot open the checkpoint manager of the save group "
+                f"{list(members)}: {exc}"
+            ) from None
         self._thread = DaemonPool(1, f"verl_ckpt_{role}{rank}_agree")
         # Formed on the thread, first in its queue: opening a manager never waits for the
         # peers (a rank that cannot open is named by its own error), and the first

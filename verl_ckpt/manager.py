@@ -209,6 +209,12 @@ class CheckpointManager:
         self._root_id = int.from_bytes(hashlib.sha256(str(self._root).encode()).digest()[:7])
         self._finalizer = get_finalizer(self._root, self._timeout_s)
         check_shared_root(self._root, self._finalizer, self._timeout_s, f"{role} rank {rank}")
+        # Step 1's agreement, on a private group and thread (a collective of the save group:
+        # every rank of the role opens its manager at the same time). Made first: when it
+        # cannot be made (the world's store is gone), no thread or process was started yet.
+        self._agreement = SaveAgreement(
+            process_group, world_size, role, rank, str(self._root), self._timeout_s
+        )
         writer = self.config.writer
         mode = writer.mode if self.config.async_save else "inline"
         self._writer = make_writer(
@@ -234,11 +240,6 @@ class CheckpointManager:
         )
         # Step 8: this rank uploads its own files to the remote tier, if there is one.
         self._uploads = self._make_uploader()
-        # Step 1's agreement, on a private group and thread (a collective of the save group:
-        # every rank of the role opens its manager at the same time).
-        self._agreement = SaveAgreement(
-            process_group, world_size, role, rank, str(self._root), self._timeout_s
-        )
 
     # ---- public API ----------------------------------------------------------------------
 
