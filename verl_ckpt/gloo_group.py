@@ -60,7 +60,7 @@ def reserve_group_key(members: tuple[int, ...]) -> str:
     store = _get_default_store()
     try:
         count = store.add(f"{_KEY_PREFIX}/{members_id}/opened_by/{dist.get_rank()}", 1)
-    except RuntimeError as exc:  # torch's DistError family, its C++ frames in the message
+    except RuntimeError as exc:  # torch's DistError family (some messages run on for lines)
         lines = str(exc).strip().splitlines()
         raise StoreUnreachable(
             f"torch.distributed's store at {_address(store)} did not answer: "
