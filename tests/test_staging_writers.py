@@ -14,7 +14,13 @@ import torch
 from tests.conftest import ROLES
 from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
 from tests.rank_worker import start_world
-from verl_ckpt import CheckpointCoordinator, CheckpointWriteError, CommitTimeoutError, read_tracker
+from verl_ckpt import (
+    CheckpointConfigError,
+    CheckpointCoordinator,
+    CheckpointWriteError,
+    CommitTimeoutError,
+    read_tracker,
+)
 from verl_ckpt.faults import ENV_VAR
 
 
@@ -205,6 +211,29 @@ def test_I5_no_leaks_after_many_saves_and_close(ranks, tmp_path, writer):
         "global_step_11",
         "global_step_12",
     ]
+
+
+def test_I5_an_open_that_fails_late_leaves_no_thread_running(ranks, tmp_path):
+    """An open that fails after the manager started its helpers: here the rank's remote tier
+    is a `gcs://` URL whose package is not installed, found when the rank's uploader is made,
+    after its writer threads and save thread started. The open raises that one-line config
+    error and stops them; they used to stay, idle, until the rank's process exited (a
+    trainer that catches the error and opens again piled them up)."""
+    critic = ranks["critic"][0]
+    cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "writer": {"mode": "thread"}}
+    coordinator = CheckpointCoordinator(cfg, ROLES)  # the tier is in the rank's config only
+    ray.get(critic.open_manager.remote(cfg))  # so that no manager of an earlier test is open
+    ray.get(critic.close.remote())
+    threads = ray.get(critic.thread_count.remote())
+    url = "gcs://bucket/ckpt"
+    with pytest.raises(ray.exceptions.RayTaskError) as failed:
+        ray.get(critic.open_manager.remote({**cfg, "remote": {"url": url}}))
+    message = str(failed.value.cause)
+    assert isinstance(failed.value.cause, CheckpointConfigError), message
+    assert message.startswith(f"checkpoint.remote.url={url!r} needs a package"), message
+    assert "\n" not in message, message
+    assert ray.get(critic.thread_count.remote()) == threads
+    coordinator.close()
 
 
 def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):

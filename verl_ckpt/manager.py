@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +79,9 @@ logger = logging.getLogger(__name__)
 
 # The "step" every rank agrees on in prepare(): no step directory is involved.
 _PREPARE = -1
+# How long a failed open waits for each part it started to stop: idle threads stop at once;
+# an agreement group still forming cannot be interrupted and stops at its own deadline.
+_FAILED_OPEN_CLOSE_S = 1.0
 
 
 @dataclass
@@ -209,37 +212,48 @@ class CheckpointManager:
         self._root_id = int.from_bytes(hashlib.sha256(str(self._root).encode()).digest()[:7])
         self._finalizer = get_finalizer(self._root, self._timeout_s)
         check_shared_root(self._root, self._finalizer, self._timeout_s, f"{role} rank {rank}")
-        # Step 1's agreement, on a private group and thread (a collective of the save group:
-        # every rank of the role opens its manager at the same time). Made first: when it
-        # cannot be made (the world's store is gone), no thread or process was started yet.
-        self._agreement = SaveAgreement(
-            process_group, world_size, role, rank, str(self._root), self._timeout_s
-        )
-        writer = self.config.writer
-        mode = writer.mode if self.config.async_save else "inline"
-        self._writer = make_writer(
-            mode, writer.threads, f"verl_ckpt_{role}{rank}", writer.nice, writer.writeback_every
-        )
-        self._pool = StagingPool(
-            self.config.max_in_flight,
-            self.config.staging.pin_memory,
-            shared_memory=self._writer.shares_memory,
-        )
-        self._plan_cache: megatron_compat.SavePlanCache | None = None
-        self._in_flight = InFlightSaves(
-            self.config.max_in_flight, f"{role} rank {rank}", self._timeout_s
-        )
-        self._unfenced: _SaveJob | None = None
-        self._closed = False
-        # Where the last load()'s time went on this rank (None before the first load).
-        self.last_load: LoadStats | None = None
-        # Steps 3-4 (and a deferred step 2) run on one background thread per rank, which
-        # hands files to the writer; inline mode runs them inside save().
-        self._save_thread = (
-            DaemonPool(1, f"verl_ckpt_{role}{rank}_save", writer.nice) if mode != "inline" else None
-        )
-        # Step 8: this rank uploads its own files to the remote tier, if there is one.
-        self._uploads = self._make_uploader()
+        # An open that fails part way stops what it started (threads, the agreement's group
+        # forming), as close() would: a trainer that catches the error and opens again must
+        # not pile them up. Once every part is made, close() owns them.
+        with contextlib.ExitStack() as started:
+            # Step 1's agreement, on a private group and thread (a collective of the save
+            # group: every rank of the role opens its manager at the same time). Made first:
+            # when it cannot be made (the world's store is gone), nothing else was started.
+            self._agreement = SaveAgreement(
+                process_group, world_size, role, rank, str(self._root), self._timeout_s
+            )
+            started.callback(_stop_quietly, self._agreement.close)
+            writer = self.config.writer
+            mode = writer.mode if self.config.async_save else "inline"
+            self._writer = make_writer(
+                mode, writer.threads, f"verl_ckpt_{role}{rank}", writer.nice, writer.writeback_every
+            )
+            started.callback(_stop_quietly, self._writer.close)
+            self._pool = StagingPool(
+                self.config.max_in_flight,
+                self.config.staging.pin_memory,
+                shared_memory=self._writer.shares_memory,
+            )
+            self._plan_cache: megatron_compat.SavePlanCache | None = None
+            self._in_flight = InFlightSaves(
+                self.config.max_in_flight, f"{role} rank {rank}", self._timeout_s
+            )
+            self._unfenced: _SaveJob | None = None
+            # Where the last load()'s time went on this rank (None before the first load).
+            self.last_load: LoadStats | None = None
+            # Steps 3-4 (and a deferred step 2) run on one background thread per rank, which
+            # hands files to the writer; inline mode runs them inside save().
+            self._save_thread = (
+                DaemonPool(1, f"verl_ckpt_{role}{rank}_save", writer.nice)
+                if mode != "inline"
+                else None
+            )
+            if self._save_thread is not None:
+                started.callback(_stop_quietly, self._save_thread.close)
+            # Step 8: this rank uploads its own files to the remote tier, if there is one.
+            self._uploads = self._make_uploader()
+            started.pop_all()
+        self._closed = False  # set last: __del__ of a manager whose open failed does nothing
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -930,6 +944,12 @@ class CheckpointManager:
                 self._writer.close(1.0)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _stop_quietly(stop: Callable[[float], Any]) -> None:
+    """Stop a part of a manager whose open failed; the open's own error is what it raises."""
+    with contextlib.suppress(Exception):
+        stop(_FAILED_OPEN_CLOSE_S)
 
 
 class _Hooks:
