@@ -217,8 +217,9 @@ def test_I5_an_open_that_fails_late_leaves_no_thread_running(ranks, tmp_path):
     """An open that fails after the manager started its helpers: here the rank's remote tier
     is a `gcs://` URL whose package is not installed, found when the rank's uploader is made,
     after its writer threads and save thread started. The open raises that one-line config
-    error and stops them; they used to stay, idle, until the rank's process exited (a
-    trainer that catches the error and opens again piled them up)."""
+    error and stops them. Before, the save thread (and, in a role of several ranks, the
+    agreement's) stayed idle until the rank's process exited, one more per failed open; the
+    writer threads stopped only when the half-made manager was garbage-collected (__del__)."""
     critic = ranks["critic"][0]
     cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "writer": {"mode": "thread"}}
     coordinator = CheckpointCoordinator(cfg, ROLES)  # the tier is in the rank's config only
