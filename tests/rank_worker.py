@@ -321,10 +321,8 @@ class RankWorker:
     def threads_once_agreement_formed(self) -> int:
         """This process's thread count once the open manager's agreement group is formed
         (formed on the agreement's thread at open; its future is private, read here only)."""
-        import psutil
-
         self.manager._agreement._forming.result(timeout=60)
-        return psutil.Process().num_threads()
+        return self.thread_count()
 
     def staged_bytes(self) -> int:
         return self.manager.staged_bytes
