@@ -21,6 +21,7 @@ from verl_ckpt import (
     StepNotCommittedError,
     read_tracker,
 )
+from verl_ckpt.faults import ENV_VAR
 
 # A bound on calls that must return at once, far above what they take: before the change,
 # a rank that went ahead waited in the agreement for its peer until checkpoint.timeout_s.
@@ -99,6 +100,38 @@ def test_a_save_that_fails_inside_save_on_one_rank_leaves_the_next_step_to_every
     save_everyone(ranks, coordinator, 3)
     coordinator.wait_for_commit(3)
     assert read_tracker(cfg["root_dir"]) == 3
+    close_all(ranks, coordinator)
+
+
+def test_a_save_that_raises_an_earlier_failure_on_one_rank_leaves_the_next_steps_to_every_rank(
+    ranks, tmp_path
+):
+    """Rank 1's write of step 2 fails (a full disk at that moment, injected), so its save(3)
+    raises that failure before it states anything to its group (save() raises an earlier
+    failure once, instead of saving). Its peer went ahead on step 3 and waits for rank 1's
+    statement in a collective. Rank 1 must still state that it does not save step 3: before
+    the fix its statement of step 4 paired with its peer's of step 3, both failed, each rank's
+    next save() raised that failure in turn, and no later step of the role ever committed."""
+    cfg, coordinator = _step_one_committed(ranks, tmp_path, timeout_s=20.0)
+    first, second = ranks["actor"]
+    ray.get(second.set_env.remote(ENV_VAR, "write:actor:1=enospc"))
+    save_everyone(ranks, coordinator, 2)
+    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
+        coordinator.wait_for_commit(2)
+    ray.get(second.set_env.remote(ENV_VAR, None))
+    ahead = first.save.remote(3)
+    with pytest.raises(CheckpointWriteError, match=r"step 2.*No space left"):
+        ray.get(second.save.remote(3), timeout=RETURNS_WITHIN_S)
+    assert ray.get(ahead, timeout=RETURNS_WITHIN_S)["plan_reused"]
+    ray.get(ranks["critic"][0].save.remote(3))
+    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
+        coordinator.wait_for_commit(3)
+    for step in (4, 5):
+        save_everyone(ranks, coordinator, step)
+        coordinator.wait_for_commit(step)
+    assert read_tracker(cfg["root_dir"]) == 5
+    # Rank 0's step 3 was not its failure: no save() of rank 0 raised it.
+    assert [s["step"] for s in ray.get(first.wait.remote()) if s.get("error")] == [3]
     close_all(ranks, coordinator)
 
 

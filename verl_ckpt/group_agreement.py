@@ -10,8 +10,15 @@ statements, so both reach the same verdict; a mix (one rank changed its structur
 went ahead) fails on every rank, naming them, instead of leaving one rank in a collective
 the others never join.
 
+A rank whose save() fails before it stated anything still states, withdrawn, that it does
+not save the step: its peers wait for that statement in a collective, and without it the
+rank's next statement would pair with theirs for this step (failing a step nobody failed,
+whose failure each rank's next save() raises in turn: no later step would commit). Its peers
+then end the step at the agreement, before anything is written, as a step that will not
+commit (StepNotCommittedError: not their own failure).
+
 `agree_on_save` is the collective itself, on that gloo group: a monitored barrier (which
-names a rank that never came, at the deadline: invariant I5), then one all-gather of four
+names a rank that never came, at the deadline: invariant I5), then one all-gather of five
 integers. The trainer's own group may be gloo, NCCL or mixed: it is never used here.
 A group of one rank has nobody to agree with: no group, no thread, no collective.
 """
@@ -27,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_ckpt.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.gloo_group import StoreUnreachable, open_private_group, reserve_group_key
 from verl_ckpt.threads import DaemonPool
 
@@ -54,6 +61,8 @@ class Statement:
     # The rank does not wait for the outcome: its plan is cached, and its save thread checks
     # the outcome before anything is written.
     goes_ahead: bool = False
+    # The rank does not save this step: its save() failed before it stated anything.
+    withdrawn: bool = False
 
 
 class SaveAgreement:
@@ -71,6 +80,9 @@ class SaveAgreement:
         self._world_size, self._role, self._rank = world_size, role, rank
         self._root, self._timeout_s = root, timeout_s
         self._thread = None
+        # Statements this rank made so far: a save() that failed tells from it whether it
+        # stated anything (SaveAgreement.start) before failing.
+        self.statements_made = 0
         if world_size == 1:
             return  # nobody to agree with
         members = tuple(
@@ -97,6 +109,7 @@ class SaveAgreement:
 
     def start(self, mine: Statement) -> Future:
         """Issue this rank's statement; the future holds every rank's, in rank order."""
+        self.statements_made += 1
         if self._thread is None:
             done: Future = Future()
             done.set_result([mine])
@@ -196,18 +209,34 @@ def agree_on_save(
     """Every rank's statement, in rank order, once all ranks of the gloo `group` (from
     gloo_group.open_private_group) made theirs.
 
-    Raises CommitTimeoutError when a rank does not come within `timeout_s`, and
+    Raises CommitTimeoutError when a rank does not come within `timeout_s`,
+    StepNotCommittedError when a rank withdrew (it does not save the step), and
     CheckpointError when the ranks disagree on the step or the root (all of them fail here
     together, before anything is written).
     """
     step, who = mine.step, f"{role} rank {rank}"
     _monitored_barrier(group, timeout_s, who, step)
     values = torch.tensor(
-        [mine.step, mine.root_id, int(mine.plan_cached), int(mine.goes_ahead)], dtype=torch.int64
+        [
+            mine.step,
+            mine.root_id,
+            int(mine.plan_cached),
+            int(mine.goes_ahead),
+            int(mine.withdrawn),
+        ],
+        dtype=torch.int64,
     )
     gathered = [torch.empty_like(values) for _ in range(world_size)]
     group.allgather([gathered], [values]).wait()  # the barrier above bounded the wait
-    statements = [Statement(int(t[0]), int(t[1]), bool(t[2]), bool(t[3])) for t in gathered]
+    statements = [
+        Statement(int(t[0]), int(t[1]), bool(t[2]), bool(t[3]), bool(t[4])) for t in gathered
+    ]
+    withdrawn = [i for i, s in enumerate(statements) if s.withdrawn]
+    if withdrawn:
+        raise StepNotCommittedError(
+            f"{who}: step {step} will not commit: rank(s) {withdrawn} of the save group do not "
+            "save it (their save() failed; their own error says why)"
+        )
     if len({(s.step, s.root_id) for s in statements}) != 1:
         listing = ", ".join(
             f"rank {i}: step {s.step}"

@@ -321,6 +321,7 @@ class CheckpointManager:
         self._check_open()
         started = time.perf_counter()
         layout = None
+        statements_before = self._agreement.statements_made
         try:
             deferred = self._snapshot_mode(snapshot) == "deferred"
             spec_bytes = self._model_spec_bytes(model_spec)
@@ -348,14 +349,15 @@ class CheckpointManager:
                 job = self._new_job(layout, self._acquire_copy(layout))
             self._state_went_ahead(layout)
         except Exception as exc:
-            if layout is not None:
-                # The peers that went ahead wait for this rank's statement in a collective:
-                # made even now, their agreement ends and they learn of the failure from the
-                # finalizer; never made, the next agreement would pair with this one.
-                self._state_went_ahead(layout)
             # The other participants save this step: tell the finalizer now that this rank
-            # will not, or the step would wait for this report until its deadline.
+            # will not, or the step would wait for this report until its deadline. Told
+            # first, so that the step has failed before a peer, freed by the statement
+            # below, could begin it.
             self._report_failure(step, uuid.uuid4().hex, Phase.PLAN, exc)
+            if self._agreement.statements_made == statements_before:
+                # Whether it failed before its layout (raising an earlier failure, say) or
+                # after it, before its statement went out.
+                self._withdraw(step)
             raise
         job.stats.snapshot = "deferred" if deferred else "now"
         job.model_spec_bytes = spec_bytes
@@ -589,6 +591,13 @@ class CheckpointManager:
         if layout.statement is not None and layout.agreement is None:
             layout.agreement = self._agreement.start(layout.statement)
 
+    def _withdraw(self, step: int) -> None:
+        """save(step) failed on this rank before it stated anything: state that it does not
+        save the step (group_agreement). Its peers that went ahead wait for a statement in a
+        collective; never made, this rank's next statement would pair with theirs for this
+        step, and every later step of the role would fail."""
+        self._agreement.start(Statement(step, self._root_id, False, False, withdrawn=True))
+
     # ---- step 2: stage -------------------------------------------------------------------
 
     def _acquire_copy(self, layout: _Layout, marks: SaveTimeMarks | None = None) -> SnapshotPlan:
@@ -735,10 +744,11 @@ class CheckpointManager:
                     phase = Phase.PLAN
                     self._plan(job)
         except StepNotCommittedError as exc:
-            # begin_step refused (the finalizer's only StepNotCommittedError here): the step
-            # had already failed, another participant's failure having reached the finalizer
-            # first, and nothing was written. Not this rank's failure: raised at its next
-            # save(), it would fail the next step for everyone.
+            # A peer withdrew at the agreement, or begin_step refused (the finalizer's only
+            # StepNotCommittedError here): the step had already failed, another
+            # participant's failure having reached the finalizer first, and nothing was
+            # written. Not this rank's failure: raised at its next save(), it would fail the
+            # next step for everyone.
             self._abandon(job, phase, exc)
             job.stats.error = f"{type(exc).__name__}: {exc}"
             logger.warning("%s: not saving step %d: %s", self._who, job.step, exc)
