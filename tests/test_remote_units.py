@@ -5,12 +5,19 @@ a committed step (files, checksums and commit record written as the finalizer wr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from verl_ckpt import prepare_start
-from verl_ckpt.commit_record import CommitRecord, FileEntry, read_commit_record, write_commit_record
+from verl_ckpt.commit_record import (
+    CommitRecord,
+    FileEntry,
+    is_committed,
+    read_commit_record,
+    write_commit_record,
+)
 from verl_ckpt.config import to_checkpoint_config
 from verl_ckpt.errors import CheckpointConfigError, CheckpointError
 from verl_ckpt.fsio import file_checksum
@@ -163,6 +170,37 @@ def test_pull_verifies_every_file_and_writes_the_record_last(tmp_path, tier):
         pull_step(tier, 5, other, 2, 60)
     assert list(other.iterdir()) == []
     assert not (step_dir(other, 5) / COMMIT_RECORD_FILENAME).exists()
+
+
+def test_I1_a_record_whose_file_path_leaves_the_step_is_refused_and_nothing_outside_is_touched(
+    tmp_path, tier
+):
+    """A commit record is data from the tier (or a disk): an entry whose path leaves the step
+    directory must never become a file operation. Before the fix, a pull (as start-up's
+    fetch of a newer remote step runs it) created and truncated `../../victim.txt` outside
+    the root before checking anything."""
+    source, dest = tmp_path / "ckpt", tmp_path / "fresh"
+    record = committed_step(source, 5)
+    commit_remote_step(tier, source, 5, (), 2, 60)
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious\n")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    for escaping in ("../../victim.txt", str(victim), "actor/../../../victim.txt"):
+        entry = FileEntry(escaping, *file_checksum(victim))
+        write_commit_record(scratch, replace(record, files=[*record.files, entry]))
+        tier.put_bytes(
+            f"global_step_5/{COMMIT_RECORD_FILENAME}",
+            (scratch / COMMIT_RECORD_FILENAME).read_bytes(),
+        )
+        with pytest.raises(
+            CheckpointError, match=rf"global_step_5/{COMMIT_RECORD_FILENAME}.*leaves the step"
+        ):
+            pull_step(tier, 5, dest, 2, 60)
+        assert victim.read_bytes() == b"precious\n", escaping
+        assert not dest.exists() or list(dest.iterdir()) == []
+        # The same record on the local disk is no committed step either.
+        assert not is_committed(scratch)
 
 
 # ---- config --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from verl_ckpt.errors import CommitRecordError
 from verl_ckpt.fsio import (
@@ -151,7 +151,18 @@ def _type_problem(record: CommitRecord) -> str | None:
             and isinstance(entry.checksum, str)
         ):
             return f"file entry {entry!r} is not (path, size, checksum)"
+        if not _inside_the_step(entry.path):
+            return f"file entry path {entry.path!r} leaves the step directory"
     return None
+
+
+def _inside_the_step(path: str) -> bool:
+    """A relative path of files below the step directory: a record is data from a disk or a
+    bucket, and its paths become file operations (verify, pull, upload, retention)."""
+    parts = PurePosixPath(path).parts
+    return (
+        bool(parts) and not path.startswith(("/", "\\")) and ".." not in parts and "\0" not in path
+    )
 
 
 def is_committed(step_path: str | Path) -> bool:
