@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import pickle
+import re
 import subprocess
 import sys
 
@@ -399,3 +400,22 @@ def test_the_finalizer_unpickles_a_roles_plan_metadata_once_per_plan():
     replanned = received("actor", {"plan": 2})
     assert replanned == {"plan": 2} and replanned is not first
     assert received("actor", {"plan": 2}) is replanned
+
+
+@pytest.mark.parametrize("role", ["..", "../x", "/abs", ".hidden", "a/b", "a\\b", "", "driver"])
+def test_a_role_that_is_no_plain_directory_name_is_refused_at_once_naming_it(tmp_path, role):
+    """A role names a directory of every step: `..` or `../x` put the ranks' files (and the
+    finalizer's directories) outside the root, where retention never reaches. The driver
+    refused only `driver`, a manager only `driver`, names with `/` and the empty name.
+    Both now refuse it in one line naming it, before anything starts (no Ray here)."""
+    import torch.distributed as dist
+
+    from verl_ckpt import CheckpointCoordinator, CheckpointManager
+
+    assert not dist.is_initialized()  # the manager's check comes before its process group's
+    config = {"root_dir": str(tmp_path / "ckpt")}
+    with pytest.raises(CheckpointConfigError, match=r"role name .* (reserved|not a plain)"):
+        CheckpointManager(config, role=role, rank=0, world_size=1)
+    with pytest.raises(CheckpointConfigError, match=rf"role name {re.escape(repr(role))}"):
+        CheckpointCoordinator(config, {"actor": 1, role: 1})
+    assert list(tmp_path.iterdir()) == []  # not even the root was made

@@ -26,7 +26,7 @@ from verl_ckpt.errors import (
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer_client import call_finalizer, check_shared_root, start_finalizer
 from verl_ckpt.hf.scheduler import plan_exports
-from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME
+from verl_ckpt.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME, role_name_problem
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
 from verl_ckpt.reports import RankReport
 from verl_ckpt.startup import StartPlan, prepare_start
@@ -55,8 +55,10 @@ class CheckpointCoordinator:
         start: StartPlan | None = None,
     ) -> None:
         self.config = to_checkpoint_config(config)
-        if DRIVER_ROLE in roles:
-            raise CheckpointConfigError(f"role name {DRIVER_ROLE!r} is reserved for the driver")
+        for role in roles:
+            problem = role_name_problem(role)
+            if problem:
+                raise CheckpointConfigError(f"{problem} (the roles: {sorted(map(str, roles))})")
         self.start = start if start is not None else prepare_start(self.config)
         self.root = self.start.root
         self.participants = dict(roles)

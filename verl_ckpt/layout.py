@@ -20,6 +20,7 @@ __all__ = [
     "TRACKER_FILENAME",
     "list_step_dirs",
     "role_dir",
+    "role_name_problem",
     "step_dir",
     "step_of_dir",
 ]
@@ -35,6 +36,8 @@ RUN_MARKER_FILENAME = ".verl_ckpt_run"
 # The driver reports as one more participant under this role name.
 DRIVER_ROLE = "driver"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# A role names a directory of every step: one plain name (no separator, no "..", not hidden).
+_ROLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -43,6 +46,20 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 def role_dir(root: str | Path, step: int, role: str) -> Path:
     return step_dir(root, step) / role
+
+
+def role_name_problem(role: object) -> str | None:
+    """Why `role` cannot be a role of a checkpoint, if it cannot: it names a directory in
+    every step (`../x` or an absolute name would put ranks' files outside the root, where
+    retention never reaches), and `driver` is the driver's own."""
+    if role == DRIVER_ROLE:
+        return f"role name {DRIVER_ROLE!r} is reserved for the driver"
+    if not isinstance(role, str) or not _ROLE_NAME.match(role):
+        return (
+            f"role name {role!r} is not a plain directory name (letters, digits, '_', '-' "
+            "and '.', not first)"
+        )
+    return None
 
 
 def step_of_dir(path: str | Path) -> int | None:

@@ -51,7 +51,7 @@ from verl_ckpt.group_agreement import (
 )
 from verl_ckpt.hf.model_spec import encode_model_spec, exports_role, write_model_spec
 from verl_ckpt.inflight import InFlightSaves
-from verl_ckpt.layout import DRIVER_ROLE, step_dir
+from verl_ckpt.layout import role_name_problem, step_dir
 from verl_ckpt.load_stats import LoadStats, PhaseClock
 from verl_ckpt.object_copy import snapshot_copy
 from verl_ckpt.protocol import RPC_SLACK_S, Failure, Phase
@@ -189,8 +189,9 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = to_checkpoint_config(config)
-        if not role or role == DRIVER_ROLE or "/" in role:
-            raise CheckpointError(f"role {role!r} is invalid (reserved or not a directory name)")
+        problem = role_name_problem(role)
+        if problem:
+            raise CheckpointConfigError(problem)
         if not dist.is_initialized():
             raise CheckpointError(
                 "torch.distributed is not initialised: CheckpointManager plans saves on the "
