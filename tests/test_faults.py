@@ -247,6 +247,40 @@ def test_I4_I5_a_copy_that_fails_after_the_save_thread_took_the_save_over_fails_
     close_all(ranks, coordinator)
 
 
+def test_I5_a_save_whose_copy_failed_is_waited_for_while_its_save_thread_holds_the_buffers(
+    ranks, tmp_path
+):
+    """The critic's copy of step 2 fails (injected) after the save thread took the save over
+    and while that thread is slow to reach its write (`write:critic=sleep=3`): until it has
+    reported the failure it holds the staging buffers. save(2) raised; an immediate save(3)
+    must wait for it, as for any save in flight, and then save. Before the fix the failed
+    save was in flight for nobody: save(3) raised "staging pool exhausted" (a step failed
+    for a reason of our own making), and wait() returned while the save thread still ran."""
+    cfg = ckpt_config(tmp_path, writer={"write_while_copying": True})
+    coordinator = open_with_step_1_committed(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=raise,write:critic=sleep=3"))
+    others = [w.save.remote(2) for w in every_rank(ranks) if w is not critic]
+    with pytest.raises(InjectedFault):
+        ray.get(critic.save.remote(2))
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=sleep=3"))
+    third = ray.get(critic.save.remote(3))  # waits for step 2's save thread, then saves
+    assert third["plan_reused"]
+    ray.get(critic.set_env.remote(ENV_VAR, None))
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\]"):
+        coordinator.wait_for_commit(2, timeout_s=30)
+    for outcome in others:
+        try:
+            ray.get(outcome)
+        except CheckpointError as exc:  # refused: step 2 had already failed
+            assert "step 2" in str(exc)
+    ray.get([w.save.remote(3) for w in every_rank(ranks) if w is not critic])
+    coordinator.save_driver_state(3, {"step": 3})
+    coordinator.wait_for_commit(3)
+    assert read_tracker(cfg["root_dir"]) == 3
+    close_all(ranks, coordinator)
+
+
 @pytest.mark.parametrize("phase", ["commit", "tracker"])
 def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
     """Killed after every report arrived but before the commit record (the step is lost),

@@ -23,6 +23,9 @@ class _Save:
     deadline: float  # monotonic
     future: Future
     stats: Any  # SaveStats, filled in by the background job
+    # Its failure was already raised to the caller (by the save() that started it): waited
+    # for like any save in flight, never raised again.
+    raised: bool = False
 
 
 class InFlightSaves:
@@ -40,8 +43,10 @@ class InFlightSaves:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def add(self, step: int, deadline: float, future: Future, stats: Any) -> None:
-        self._queue.append(_Save(step, deadline, future, stats))
+    def add(
+        self, step: int, deadline: float, future: Future, stats: Any, raised: bool = False
+    ) -> None:
+        self._queue.append(_Save(step, deadline, future, stats, raised))
 
     def wait_for_room(self) -> None:
         """Back-pressure before a new save: wait while `limit` saves are in flight, then
@@ -85,7 +90,7 @@ class InFlightSaves:
             error = save.future.exception()
             if error is None:
                 self._completed.append(save.stats)
-            elif self._pending_error is None:
+            elif self._pending_error is None and not save.raised:
                 self._pending_error = error
 
     def raise_pending(self) -> None:

@@ -388,8 +388,13 @@ class CheckpointManager:
                     job.copied.failed(exc)  # whoever waits for the copy stops waiting
                 # Once the save thread owns the job, its write fails on this, and it frees
                 # the slot and reports the failure to the finalizer.
-                if job.started is None and isinstance(exc, Exception):
-                    self._abandon(job, Phase.STAGE, exc)
+                if job.started is None:
+                    if isinstance(exc, Exception):
+                        self._abandon(job, Phase.STAGE, exc)
+                else:
+                    # Until then it holds the staging slot: in flight like any save (the next
+                    # save() waits for it, as wait() and close() do), its failure raised here.
+                    self._in_flight.add(job.step, job.deadline, job.started, job.stats, True)
                 raise
         self._launch(job, deferred, background)  # steps 3-4, and what 1-2 left, in the back
         job.stats.blocking_s = time.perf_counter() - started
