@@ -18,6 +18,7 @@ from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
     CheckpointWriteError,
+    CommitTimeoutError,
     StepNotCommittedError,
     read_tracker,
 )
@@ -132,6 +133,28 @@ def test_a_save_that_raises_an_earlier_failure_on_one_rank_leaves_the_next_steps
     assert read_tracker(cfg["root_dir"]) == 5
     # Rank 0's step 3 was not its failure: no save() of rank 0 raised it.
     assert [s["step"] for s in ray.get(first.wait.remote()) if s.get("error")] == [3]
+    close_all(ranks, coordinator)
+
+
+def test_I5_a_close_past_its_deadline_leaves_no_writer_process_behind(ranks, tmp_path):
+    """writer.mode=process. Actor rank 0's save(2) goes ahead and waits for its peer; its
+    close() ends at its deadline with the save in flight, and stops the writer process. When
+    the peer then saves step 2, rank 0's save thread goes on to its write: before the fix it
+    spawned a new writer process, which wrote, committed the step and then stayed, idle, for
+    the life of the rank (nothing could close it: its manager was closed). Now that write
+    fails, naming the closed writer, and no process is left."""
+    cfg, coordinator = _step_one_committed(ranks, tmp_path, writer={"mode": "process"})
+    first, second = ranks["actor"]
+    ray.get(first.save.remote(2), timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CommitTimeoutError, match=r"steps \[2\] not finished"):
+        ray.get(first.close.remote(2.0))
+    ray.get([second.save.remote(2), ranks["critic"][0].save.remote(2)])
+    coordinator.save_driver_state(2, {"step": 2})
+    with pytest.raises(StepNotCommittedError, match=r"actor rank 0.*writer .*closed"):
+        coordinator.wait_for_commit(2)
+    children = ray.get(first.process_info.remote())["children"]
+    assert [cmd for _, cmd in children if "resource_tracker" not in cmd] == []
+    assert read_tracker(cfg["root_dir"]) == 1
     close_all(ranks, coordinator)
 
 

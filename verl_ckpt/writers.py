@@ -221,6 +221,7 @@ class ProcessWriter:
         self._results = None
         self._known_slots: set[int] = set()
         self._next_job = 0
+        self._closed = False
 
     @property
     def pid(self) -> int | None:
@@ -265,11 +266,19 @@ class ProcessWriter:
 
     def _answer(self, job: int, deadline: float) -> Any:
         while True:
+            # Read once a round: close() may reset them meanwhile (a save past its deadline).
+            results, proc = self._results, self._proc
+            if self._closed or results is None or proc is None:
+                raise CheckpointWriteError(_CLOSED)
             try:
-                kind, done_job, payload = self._results.get(timeout=0.2)
+                kind, done_job, payload = results.get(timeout=0.2)
+            except ValueError:  # the queue was closed under this wait
+                raise CheckpointWriteError(_CLOSED) from None
             except queue.Empty:
-                if not self._proc.is_alive():
-                    code = self._proc.exitcode
+                if self._closed:
+                    raise CheckpointWriteError(_CLOSED) from None
+                if not proc.is_alive():
+                    code = proc.exitcode
                     self._reset()
                     # A dead process reads nothing: the buffers are free again.
                     raise CheckpointWriteError(
@@ -298,6 +307,9 @@ class ProcessWriter:
         self._known_slots.discard(slot.slot_id)
 
     def close(self, timeout_s: float) -> None:
+        # First: a save still in flight past close()'s deadline must not start a new process,
+        # which nothing would ever stop.
+        self._closed = True
         if self._proc is None:
             return
         if self._proc.is_alive():
@@ -308,6 +320,8 @@ class ProcessWriter:
     def _ensure_started(self) -> None:
         if self._proc is not None and self._proc.is_alive():
             return
+        if self._closed:
+            raise CheckpointWriteError(_CLOSED)
         self._reset()
         self._requests = self._ctx.Queue()
         self._results = self._ctx.Queue()
@@ -343,6 +357,9 @@ class ProcessWriter:
                 q.close()
         self._requests = self._results = None
         self._known_slots = set()
+
+
+_CLOSED = "the writer process was closed: the checkpoint manager closed with this save in flight"
 
 
 def _describe_bucket(bucket: tuple, slot: StagingSlot) -> tuple:
