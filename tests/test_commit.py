@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_ckpt import commit as commit_module
 from verl_ckpt import fsio
 from verl_ckpt.commit import (
     CommitPhaseError,
@@ -29,7 +30,7 @@ from verl_ckpt.layout import (
 )
 from verl_ckpt.protocol import Phase
 from verl_ckpt.reports import RankReport
-from verl_ckpt.tracker import read_tracker, write_tracker
+from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
 
 DRIVER_ONLY = {"driver": 1}
 
@@ -113,6 +114,46 @@ def test_I2_nothing_uncommits_a_step_once_the_tracker_was_renamed(tmp_path, monk
     assert tracker_renamed, "the injected fault never fired"
     assert summary.tracker == 1 and read_tracker(tmp_path) == 1
     assert is_committed(step_dir(tmp_path, 1))
+
+
+@pytest.mark.parametrize("unlink", ["works", "fails"])
+def test_I1_a_record_renamed_in_place_but_not_made_durable_is_withdrawn_or_kept_committed(
+    tmp_path, monkeypatch, unlink
+):
+    """The commit record's rename happened (readers see the step committed), then the step
+    directory's fsync failed. It used to be reported as a failed commit while the record
+    stayed: the user told "step 1 will not commit" resumed from it at the next start. Now the
+    record is withdrawn, so that disk and the reported failure agree, or, where even its
+    unlink fails, the commit goes on and the tracker names it. A failing directory fsync and
+    a failing unlink cannot be produced for real here (they need a failing device):
+    injected, EIO on the fsync while the record exists, EIO on the record's unlink."""
+    real_fsync_dir, real_unlink = fsio.fsync_dir, Path.unlink
+    step_path = step_dir(tmp_path, 1)
+    failures = []
+
+    def fsync_dir_failing_while_the_record_exists(path):
+        if Path(path) == step_path and (step_path / COMMIT_RECORD_FILENAME).exists():
+            failures.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync_dir(path)
+
+    def unlink_failing_for_the_record(path, missing_ok=False):
+        if unlink == "fails" and path == step_path / COMMIT_RECORD_FILENAME:
+            raise OSError(errno.EIO, "Input/output error")
+        real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(fsio, "fsync_dir", fsync_dir_failing_while_the_record_exists)
+    monkeypatch.setattr(commit_module, "fsync_dir", fsync_dir_failing_while_the_record_exists)
+    monkeypatch.setattr(Path, "unlink", unlink_failing_for_the_record)
+    report = driver_report(tmp_path, 1)
+    if unlink == "works":
+        with pytest.raises(CommitPhaseError, match="Input/output error"):
+            commit_step(tmp_path, 1, DRIVER_ONLY, [report])
+        assert not is_committed(step_path) and not tracker_path(tmp_path).exists()
+    else:
+        summary = commit_step(tmp_path, 1, DRIVER_ONLY, [report])
+        assert is_committed(step_path) and summary.tracker == 1 == read_tracker(tmp_path)
+    assert failures
 
 
 def test_I2_advance_tracker_replaces_an_unreadable_tracker(tmp_path):

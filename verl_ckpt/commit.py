@@ -94,7 +94,7 @@ def commit_step(
         fsync_dir(path)
         faults.inject("commit")
         record = CommitRecord(step=step, participants=dict(participants), files=files)
-        write_commit_record(path, record)
+        _write_record(path, record)
     except Exception as exc:
         raise CommitPhaseError(Phase.COMMIT, exc) from exc
     record_at = time.time()
@@ -269,6 +269,24 @@ def _complete_role(
         size, checksum = file_checksum(directory / name)
         entries.append(FileEntry(f"{role}/{name}", size, checksum))
     return entries
+
+
+def _write_record(path: Path, record: CommitRecord) -> None:
+    """Step 5's record. Renamed into place but not made durable (the directory's fsync
+    failed), readers already see the step committed: it is withdrawn, so that disk and the
+    reported failure agree; where even that fails, the step stays committed (a restart would
+    find it so) and the commit goes on."""
+    try:
+        write_commit_record(path, record)
+    except RenameNotDurable as exc:
+        if _withdraw_record(path) or not (path / COMMIT_RECORD_FILENAME).exists():
+            raise  # gone from the readers' view, if not for good: not committed
+        logger.error(
+            "the commit record of %s is in place but not durable (%s), and could not be "
+            "withdrawn: the step stays committed",
+            path,
+            exc,
+        )
 
 
 def _withdraw_record(path: Path) -> bool:
