@@ -6,6 +6,7 @@ every file and commit record are there; I3: remote retention after a remote comm
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,10 +16,11 @@ import torch
 from tests.conftest import ROLES
 from tests.helpers import close_all, every_rank, open_all, save_everyone
 from tests.test_faults import lone_rank  # noqa: F401 - a fixture
-from verl_ckpt import CheckpointCoordinator, read_tracker, step_dir
+from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, step_dir
 from verl_ckpt.commit_record import read_commit_record
 from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.remote.finalizer_tier import RemoteTier
 from verl_ckpt.remote.store import RemoteStore
 from verl_ckpt.remote.tier import read_remote_record, read_remote_tracker
 from verl_ckpt.remote.transfer import verify_remote_files
@@ -432,3 +434,34 @@ def test_I5_a_save_waits_beyond_max_in_flight_uploads_then_names_step_and_url(
         ray.get(lone_rank.set_env.remote(ENV_VAR, None))
         ray.get(lone_rank.close.remote(5.0))
         coordinator.close()
+
+
+def test_I5_the_finalizers_calls_to_the_remote_tier_end_at_its_deadline(own_s3_server, tmp_path):
+    """The finalizer's remote commit and retention call its store (listings, the record,
+    the tracker), one remote commit at a time. With the S3 server stopped for real (SIGSTOP:
+    it holds its connections and answers nothing), such a call lasted as long as the storage
+    options let s3fs retry (here 30 s reads, retried: minutes; with default options far
+    longer), holding every later upload, whose steps local retention must keep meanwhile.
+    Now each call ends at the remote tier's deadline, naming the tier."""
+    server = own_s3_server
+    url = f"s3://{server.new_bucket()}/ckpt"
+    settings = {"url": url, "storage_options": server.storage_options(), "timeout_s": 2.0}
+    tier = RemoteTier(settings, tmp_path / "ckpt", {"driver": 1}, lambda step: None)
+    outcome: dict = {}
+
+    def list_the_tier() -> None:
+        try:
+            tier._store.listing()  # what the remote commit and retention call first
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            outcome["error"] = exc
+
+    server.pause()
+    try:
+        call = threading.Thread(target=list_the_tier, daemon=True)
+        call.start()
+        call.join(30)
+    finally:
+        server.resume()
+    assert not call.is_alive(), "the listing did not end within 30 s"
+    error = outcome.get("error")
+    assert isinstance(error, CommitTimeoutError) and url in str(error), error

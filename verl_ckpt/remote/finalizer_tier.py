@@ -49,11 +49,17 @@ class RemoteTier:
         on_upload_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.url: str = settings["url"]
-        self._store = RemoteStore(self.url, settings.get("storage_options"))
+        self._timeout_s = float(settings.get("timeout_s", 600.0))
+        # Each of its calls ends at the deadline, naming the object (store.call_with_deadline):
+        # the storage options alone do not bound them (s3fs retries on top of botocore's
+        # timeouts), and a remote commit or retention hung here would hold every later
+        # upload and keep their steps from local retention.
+        self._store = RemoteStore(
+            self.url, settings.get("storage_options"), call_timeout_s=self._timeout_s
+        )
         self._root = root
         self._keep = settings.get("keep")
         self._threads = int(settings.get("threads", 4))
-        self._timeout_s = float(settings.get("timeout_s", 600.0))
         self._ledger = UploadLedger(int(settings.get("every", 1)))
         self._ranks = {
             (role, rank)
