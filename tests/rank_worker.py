@@ -318,6 +318,15 @@ class RankWorker:
 
         return psutil.Process().num_threads()
 
+    def manager_threads(self) -> list[str]:
+        """The live threads that this rank's checkpoint managers started (named after the
+        rank): unlike the process's thread count, blind to threads of Ray or of other
+        components ending meanwhile."""
+        import threading
+
+        prefix = f"verl_ckpt_{self.role}{self._world[0]}_"
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith(prefix))
+
     def threads_once_agreement_formed(self) -> int:
         """This process's thread count once the open manager's agreement group is formed
         (formed on the agreement's thread at open; its future is private, read here only)."""

@@ -198,11 +198,10 @@ def test_a_manager_opened_after_the_worlds_store_died_fails_at_once_naming_it(ra
         host = psutil.Process(ray.get(workers[0].pid.remote()))
         host.send_signal(signal.SIGKILL)
         host.wait(timeout=RETURNS_WITHIN_S)
-        threads = ray.get(workers[1].thread_count.remote())
         with pytest.raises(ray.exceptions.RayTaskError) as failed:
             ray.get(workers[1].open_manager.remote(cfg), timeout=RETURNS_WITHIN_S)
         # The failed open started no thread it would leave behind (writers, save thread).
-        assert ray.get(workers[1].thread_count.remote()) == threads
+        assert ray.get(workers[1].manager_threads.remote()) == []
         message = str(failed.value.cause)
         assert isinstance(failed.value.cause, CheckpointError), message
         assert "\n" not in message, message

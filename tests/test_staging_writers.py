@@ -225,7 +225,7 @@ def test_I5_an_open_that_fails_late_leaves_no_thread_running(ranks, tmp_path):
     coordinator = CheckpointCoordinator(cfg, ROLES)  # the tier is in the rank's config only
     ray.get(critic.open_manager.remote(cfg))  # so that no manager of an earlier test is open
     ray.get(critic.close.remote())
-    threads = ray.get(critic.thread_count.remote())
+    assert ray.get(critic.manager_threads.remote()) == []
     url = "gcs://bucket/ckpt"
     with pytest.raises(ray.exceptions.RayTaskError) as failed:
         ray.get(critic.open_manager.remote({**cfg, "remote": {"url": url}}))
@@ -233,7 +233,9 @@ def test_I5_an_open_that_fails_late_leaves_no_thread_running(ranks, tmp_path):
     assert isinstance(failed.value.cause, CheckpointConfigError), message
     assert message.startswith(f"checkpoint.remote.url={url!r} needs a package"), message
     assert "\n" not in message, message
-    assert ray.get(critic.thread_count.remote()) == threads
+    # The process's thread count, asserted here before, also saw threads of earlier tests
+    # (remote calls left behind by a stopped S3 server) end meanwhile: 84 before, 82 after.
+    assert ray.get(critic.manager_threads.remote()) == []
     coordinator.close()
 
 
