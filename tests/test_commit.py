@@ -95,6 +95,37 @@ def test_I1_I2_a_tracker_write_failing_before_its_rename_withdraws_the_record(
     assert not is_committed(step_dir(tmp_path, 2))
 
 
+def test_I1_a_withdrawn_record_whose_directory_fsync_fails_is_still_no_commit(
+    tmp_path, monkeypatch
+):
+    """ENOSPC on the tracker's temporary file (the fault hook), then EIO on the step
+    directory's fsync once the record is unlinked again. Readers no longer see the record:
+    the commit must be reported failed. It was reported done (the withdrawal counted as
+    failed, so the step "stayed committed") while no record was left. A failing directory
+    fsync cannot be produced for real here (it needs a failing device): injected."""
+    real_fsync_dir = fsio.fsync_dir
+    step_path = step_dir(tmp_path, 2)
+    calls = []
+
+    def fsync_dir_failing_after_the_withdrawal(path):
+        # commit.py fsyncs the step directory twice here: before the record is written,
+        # then after it is unlinked again (the withdrawal); the second one fails.
+        if Path(path) == step_path:
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "Input/output error")
+        real_fsync_dir(path)
+
+    commit_step(tmp_path, 1, DRIVER_ONLY, [driver_report(tmp_path, 1)])
+    monkeypatch.setattr(commit_module, "fsync_dir", fsync_dir_failing_after_the_withdrawal)
+    monkeypatch.setenv(ENV_VAR, "tracker=enospc")
+    with pytest.raises(CommitPhaseError) as failure:
+        commit_step(tmp_path, 2, DRIVER_ONLY, [driver_report(tmp_path, 2)])
+    assert len(calls) == 2, "the injected fault never fired"
+    assert failure.value.phase is Phase.TRACKER
+    assert read_tracker(tmp_path) == 1 and not is_committed(step_path)
+
+
 def test_I2_nothing_uncommits_a_step_once_the_tracker_was_renamed(tmp_path, monkeypatch):
     """Issue "Trust": an error from the directory fsync after the tracker's rename used to
     reach the un-commit path, leaving the tracker naming a step without a record. A failing

@@ -279,8 +279,8 @@ def _write_record(path: Path, record: CommitRecord) -> None:
     try:
         write_commit_record(path, record)
     except RenameNotDurable as exc:
-        if _withdraw_record(path) or not (path / COMMIT_RECORD_FILENAME).exists():
-            raise  # gone from the readers' view, if not for good: not committed
+        if _withdraw_record(path):
+            raise
         logger.error(
             "the commit record of %s is in place but not durable (%s), and could not be "
             "withdrawn: the step stays committed",
@@ -290,12 +290,17 @@ def _write_record(path: Path, record: CommitRecord) -> None:
 
 
 def _withdraw_record(path: Path) -> bool:
-    """Remove a step's commit record again; True when it is gone for good."""
+    """Remove a step's commit record again; True once readers no longer see it, so that the
+    step is no commit. Then only a failed directory fsync can be left, logged: a power loss
+    might bring the record back, and the next start would roll the tracker forward to it."""
     try:
         (path / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
-        fsync_dir(path)
     except OSError:
         return False
+    try:
+        fsync_dir(path)
+    except OSError as exc:
+        logger.warning("commit record of %s withdrawn, but not made durable: %s", path, exc)
     return True
 
 
