@@ -394,7 +394,7 @@ class CheckpointManager:
                 else:
                     # Until then it holds the staging slot: in flight like any save (the next
                     # save() waits for it, as wait() and close() do), its failure raised here.
-                    self._in_flight.add(job.step, job.deadline, job.started, job.stats, True)
+                    self._in_flight.add(job.step, job.deadline, job.started, job.stats, raised=True)
                 raise
         self._launch(job, deferred, background)  # steps 3-4, and what 1-2 left, in the back
         job.stats.blocking_s = time.perf_counter() - started
