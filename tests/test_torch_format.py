@@ -149,24 +149,47 @@ def whole_tensor_item(key: str, tensor: torch.Tensor) -> WriteItem:
 
 
 def test_I7_write_item_places_items_as_dcp_does():
-    """Item by item into one stream (a shard file): DCP's own results (offsets, lengths,
-    file) and bytes that differ from DCP's only in the CRC fields."""
+    """Item by item into one stream (a shard file): each item's bytes at its recorded offset
+    are DCP's own, but for the CRC fields; the same index, length and file as DCP's results.
+    Each tensor's blob starts at a multiple of 64 bytes, so its storage lies at an aligned
+    file offset (the padding before it is zeros that no reader reads)."""
     items = [(whole_tensor_item(name, t), t) for name, t in TENSORS.items()]
-    blob = io.BytesIO(b"not a tensor")
-    items.append((WriteItem(index=MetadataIndex("obj"), type=WriteItemType.BYTE_IO), blob))
+    items.insert(1, (WriteItem(index=MetadataIndex("obj"), type=WriteItemType.BYTE_IO), b"odd"))
     transforms = _StorageWriterTransforms()
-    ours, theirs = io.BytesIO(), io.BytesIO()
-    our_results = [write_item(transforms, ours, data, item, "__0_0.distcp") for item, data in items]
+    ours = io.BytesIO()
+    our_results = [
+        write_item(transforms, ours, _fresh(data), item, "__0_0.distcp") for item, data in items
+    ]
     torch_serialization.set_crc32_options(False)
     try:
-        their_results = [
-            _write_item(transforms, theirs, data, item, "__0_0.distcp", **_WRITE_ITEM_KWARGS)
-            for item, data in items
-        ]
+        theirs = []
+        for item, data in items:
+            stream = io.BytesIO()
+            result = _write_item(
+                transforms, stream, _fresh(data), item, "__0_0.distcp", **_WRITE_ITEM_KWARGS
+            )
+            theirs.append((result, stream.getvalue()))
     finally:
         torch_serialization.set_crc32_options(True)
-    assert our_results == their_results
-    assert ours.getvalue() == theirs.getvalue()
+    written = ours.getvalue()
+    covered = bytearray(len(written))
+    for ours_result, (their_result, their_bytes) in zip(our_results, theirs, strict=True):
+        where = ours_result.storage_data
+        assert ours_result.index == their_result.index
+        assert ours_result.size_in_bytes == their_result.size_in_bytes == len(their_bytes)
+        assert where.relative_path == their_result.storage_data.relative_path
+        assert written[where.offset : where.offset + where.length] == their_bytes
+        covered[where.offset : where.offset + where.length] = b"\x01" * where.length
+        if ours_result.index.fqn != "obj":
+            assert where.offset % 64 == 0, (ours_result.index.fqn, where.offset)
+    # The odd-length object before the tensors makes padding; what no item covers is zeros.
+    gaps = bytes(b for b, c in zip(written, covered, strict=True) if not c)
+    assert gaps and gaps == bytes(len(gaps))
+
+
+def _fresh(data):
+    """A BYTE_IO item's data as DCP takes it (a stream, read once), a tensor as it is."""
+    return io.BytesIO(data) if isinstance(data, bytes) else data
 
 
 # Pairs that differ in one field of the template's key only (the same storage size and

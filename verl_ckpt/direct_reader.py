@@ -14,8 +14,9 @@ goes through DCP's own path, unchanged. Depends on torch and torch_format only.
 
 How the bytes are read: a file's blobs are read in file order, and a run of consecutive
 blobs that have exactly the length of verl_ckpt's blob for their tensor (torch_format's
-template) is read with one call of up to 32 MiB: each head and tail into scratch memory,
-each storage straight into its destination. A blob whose head or tail then differs from
+template) is read with one call of up to 32 MiB: each head and tail, and the padding that
+aligns each blob (torch_format), into scratch memory, each storage straight into its
+destination. A blob whose head or tail then differs from
 the template (another writer: torch.save with its CRCs, another pickle) is read again
 through its zip directory, found at the blob's end, and its pickle checked. From a cold
 page cache the one sequential stream per file is what the kernel reads ahead best: two
@@ -222,6 +223,9 @@ _READ_THREADS = 4
 # of buffers per call): large enough that the kernel sees a long sequential read.
 _RUN_BYTES = 32 << 20
 _RUN_BUFFERS = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+# Blobs this close are read by one call, the bytes between them into scratch memory: the
+# writer pads each blob's start to torch's storage alignment (torch_format).
+_MAX_GAP = 64
 
 
 @dataclass
@@ -271,24 +275,31 @@ def _synchronize_devices(targets: list[torch.Tensor]) -> None:
 
 def _runs_of_templated_blobs(reads: list[_DirectRead]) -> list[list[_DirectRead]]:
     """Consecutive blobs (in file order) of exactly their template's length, in runs of at
-    most _RUN_BYTES, each read with one call."""
+    most _RUN_BYTES, each read with one call. Consecutive: at most the writer's alignment
+    padding between them (torch_format pads each blob's start to 64 bytes)."""
     runs: list[list[_DirectRead]] = []
     run: list[_DirectRead] = []
-    end = run_bytes = 0
+    end = run_bytes = run_buffers = 0
     for read in reads:
         layout = read.layout
         if layout is None or _layout_length(layout) != read.info.length:
             continue
+        gap = read.info.offset - end
+        # Head, storage and tail, and the padding before the blob if any (_read_run).
+        buffers = 3 + (gap > 0)
         if run and (
-            read.info.offset != end
+            not 0 <= gap < _MAX_GAP
             or run_bytes + read.info.length > _RUN_BYTES
-            or 3 * (len(run) + 1) > _RUN_BUFFERS
+            or run_buffers + buffers > _RUN_BUFFERS
         ):
             runs.append(run)
-            run, run_bytes = [], 0
+            run, run_bytes, run_buffers = [], 0, 0
+        if not run:
+            buffers = 3  # a run starts at its first blob
         run.append(read)
         end = read.info.offset + read.info.length
         run_bytes += read.info.length
+        run_buffers += buffers
     if run:
         runs.append(run)
     return runs
@@ -300,22 +311,27 @@ def _read_run(fd: int, run: list[_DirectRead]) -> None:
     from its template (another writer: torch.save with its CRCs) is left not done; its
     destination then holds bytes that the parsed read or DCP's path overwrites."""
     buffers: list[memoryview] = []
+    # Each blob's head and tail, in scratch memory, to compare with its template.
+    heads_and_tails: list[tuple[memoryview, memoryview]] = []
     landings = [_landing(read) for read in run]
+    end = run[0].info.offset
     for read, landing in zip(run, landings, strict=True):
         layout = read.layout
         assert layout is not None  # runs hold templated blobs only
-        buffers += [
+        if read.info.offset > end:  # the padding before an aligned blob, never looked at
+            buffers.append(memoryview(bytearray(read.info.offset - end)))
+        head, tail = (
             memoryview(bytearray(len(layout.head))),
-            _writable_bytes(landing),
             memoryview(bytearray(len(layout.tail))),
-        ]
+        )
+        buffers += [head, _writable_bytes(landing), tail]
+        heads_and_tails.append((head, tail))
+        end = read.info.offset + read.info.length
     _read_exactly_into(fd, buffers, run[0].info.offset)
-    for k, (read, landing) in enumerate(zip(run, landings, strict=True)):
+    for read, landing, (head, tail) in zip(run, landings, heads_and_tails, strict=True):
         layout = read.layout
         assert layout is not None
-        read.done = read.templated = (
-            buffers[3 * k] == layout.head and buffers[3 * k + 2] == layout.tail
-        )
+        read.done = read.templated = head == layout.head and tail == layout.tail
         if read.done:
             _deliver(read, landing)
 

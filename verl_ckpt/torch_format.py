@@ -241,6 +241,19 @@ def _blob_templates_work() -> bool:
 BLOB_TEMPLATES = _blob_templates_work()
 
 
+def _pad_to_alignment(stream: IO[bytes]) -> None:
+    """Zero bytes up to the next multiple of torch's storage alignment (64), so that the
+    blob written next starts there and its storage, which torch aligns within the blob, lies
+    at an aligned file offset. Why: the kernel's copies between the page cache and a tensor
+    (itself aligned) run about a fifth slower when the file offset is not aligned alike
+    (504 MiB read warm into a rank's tensors: 45 ms at the blobs' unpadded offsets, 37 ms
+    aligned, as the plain read of the whole file). DCP's readers read every item at its
+    recorded offset, so the padding between blobs is never read."""
+    gap = -stream.tell() % torch_serialization._get_storage_alignment()
+    if gap:
+        stream.write(bytes(gap))
+
+
 def write_item(
     transforms: Any, stream: IO[bytes], data: Any, item: WriteItem, storage_key: str
 ) -> WriteResult:
@@ -251,6 +264,7 @@ def write_item(
         return _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
     if data.device.type != "cpu":
         raise ValueError(f"{item.index.fqn}: only host tensors are written, got {data.device}")
+    _pad_to_alignment(stream)
     offset = stream.tell()
     target, descriptors = (
         transforms.transform_save_stream(item, stream) if transforms else (stream, [])
