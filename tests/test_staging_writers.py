@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
 from tests.conftest import ROLES
 from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
 from tests.rank_worker import start_world
+from tests.test_torch_format import whole_tensor_item
 from verl_ckpt import (
     CheckpointConfigError,
     CheckpointCoordinator,
@@ -22,6 +27,9 @@ from verl_ckpt import (
     read_tracker,
 )
 from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.file_writer import write_bucket
+from verl_ckpt.staging import StagingSlot
+from verl_ckpt.writers import ProcessWriter
 
 
 def assert_restores(ranks, step, before):
@@ -314,3 +322,74 @@ def test_I5_missing_saving_rank_is_a_deadline_error_naming_it(world_with_rollout
         ray.get(saver.save.remote(1))
     ray.get([w.close.remote() for w in world_with_rollout[:2]])
     coordinator.close()
+
+
+# ---- the process writer, without Ray: a spawned process over shared memory ---------------
+
+
+def held_open_by(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == str(path):
+                return True
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return False
+
+
+def test_I4_I5_a_failed_bucket_is_reported_once_the_process_wrote_no_other_bucket(tmp_path):
+    """A failure answer frees the rank's staging slot, which the next snapshot overwrites:
+    it must come only when no bucket of the write still reads the slot. The writer process
+    answered at the first failed bucket while its other threads went on writing the step's
+    other buckets from the shared buffers. Here bucket A fails for real while bucket B is
+    held, half-way, at the writer's paused gate (the trainer's quiet()): A's file is a FIFO,
+    whose open waits for a reader (the test opens one once B runs) and whose fsync fails
+    (EINVAL). The failure, naming A, comes back only once B's file is whole and closed."""
+    slot = StagingSlot("test", [torch.full((1 << 16,), 2.0).share_memory_()])
+    failing, other = tmp_path / "a.distcp", tmp_path / "b.distcp"
+    os.mkfifo(failing)
+    b_items = [(whole_tensor_item("b", slot.buffers[0]), slot.buffers[0])]
+    transforms = _StorageWriterTransforms()
+    _, whole = write_bucket((str(tmp_path / "reference"), "b", ([], b_items)), transforms)
+    buckets = [(str(failing), "a", ([], [])), (str(other), "b", ([], b_items))]
+    # No early writeback: its helper thread would hold B's file open for a moment after B.
+    writer = ProcessWriter(2, "test_writer", writeback_every=0)
+    pool = ThreadPoolExecutor(1)
+    try:
+        writer.warm_up(slot, time.monotonic() + 120)
+        pid = writer.pid
+
+        def write_then_look() -> tuple[str, bool, int]:
+            try:
+                writer.write(buckets, transforms, slot, time.monotonic() + 120, ("test", 0))
+            except CheckpointWriteError as exc:
+                # What the rank finds at the moment it would free the slot.
+                return str(exc), held_open_by(pid, other), other.stat().st_size
+            raise AssertionError("a write into a FIFO succeeded")
+
+        writer.pause()
+        answer = pool.submit(write_then_look)
+        deadline = time.monotonic() + 60
+        while not other.exists():  # B runs: it cannot end while the gate is closed
+            assert time.monotonic() < deadline, "bucket B never started"
+            time.sleep(0.01)
+        reader = os.open(failing, os.O_RDONLY | os.O_NONBLOCK)  # A goes on, and fails
+        try:
+            # The failure came back here at once, before. Wait a little for such a wrong
+            # answer (its absence proves nothing: only an answer seen here fails the test),
+            # then let B go on.
+            wait_for_futures([answer], timeout=2.0)
+            writer.resume()
+            message, b_open, b_size = answer.result(timeout=120)
+        finally:
+            os.close(reader)
+    finally:
+        writer.resume()
+        writer.close(10.0)
+        pool.shutdown()
+    assert str(failing) in message and "Invalid argument" in message, message
+    assert not b_open and b_size == whole.size, (
+        f"the failure came back while bucket B was still being written ({b_size} of "
+        f"{whole.size} bytes, {'open' if b_open else 'closed'})"
+    )

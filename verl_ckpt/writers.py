@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 from functools import partial
 from typing import Any, Protocol
@@ -430,11 +430,33 @@ def _writer_main(
                 write = partial(
                     write_bucket, transforms=transforms, gate=gate, writeback_every=writeback_every
                 )
-                outcomes = list(pool.map(write, buckets))
+                outcomes = _write_every_bucket(pool, write, buckets)
                 results.put(("done", job, outcomes))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the rank
                 results.put(("error", job, f"{type(exc).__name__}: {exc}"))
     pool.shutdown()
+
+
+def _write_every_bucket(
+    pool: ThreadPoolExecutor, write: Callable[[tuple], Outcome], buckets: list
+) -> list[Outcome]:
+    """Write the buckets on the process's threads; raise the failure of the first bucket
+    that failed (in the plan's order) only once no bucket runs any more.
+
+    The answer frees the rank's staging slot, which its next snapshot overwrites: an answer
+    sent while another thread still wrote a bucket of this step from the shared buffers
+    would let that thread read the next step's bytes. After a failure the buckets not yet
+    started are cancelled (the step fails anyway); those running cannot be stopped and are
+    waited for. The rank bounds this wait: past its deadline it kills this process."""
+    futures = [pool.submit(write, bucket) for bucket in buckets]
+    wait_for_futures(futures, return_when=FIRST_EXCEPTION)
+    for future in futures:
+        future.cancel()  # only those not started: a no-op once every bucket ended
+    wait_for_futures(futures)
+    for future in futures:
+        if not future.cancelled() and future.exception() is not None:
+            raise future.exception()
+    return [future.result() for future in futures]
 
 
 def make_writer(
