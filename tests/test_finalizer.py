@@ -42,6 +42,7 @@ from verl_ckpt.commit_record import (
     write_commit_record,
 )
 from verl_ckpt.errors import CheckpointError, StepNotCommittedError
+from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer import CheckpointFinalizer
 from verl_ckpt.fsio import ChecksummingWriter
@@ -276,6 +277,92 @@ def test_I5_a_step_whose_participant_never_reports_fails_at_its_deadline(tmp_pat
 
     asyncio.run(run())
     assert read_tracker(tmp_path) == 8
+
+
+# ---- an uncommitted leftover, removed by begin_step ---------------------------------------
+
+
+def leftover_of_an_earlier_run(root: Path, step: int) -> Path:
+    """A step directory an earlier run began and never committed (no commit record)."""
+    path = step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / "part0.bin").write_bytes(b"stale" * 1000)
+    return path
+
+
+async def file_within(path: Path, timeout_s: float = 30.0) -> None:
+    """Wait on the event loop (it must stay free) until `path` exists."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s}s"
+        await asyncio.sleep(0.01)
+
+
+def test_I3_a_leftover_is_removed_after_the_retention_under_way_not_beside_it(
+    tmp_path, monkeypatch
+):
+    """begin_step removes an uncommitted leftover of its step; it did so at once, while a
+    retention deleted steps in its thread, both in the same root: both could remove the same
+    `.deleting_*` directory, one then failing with FileNotFoundError (a begin_step doing so
+    failed the save). The removal now waits for the file work under way. Here the retention
+    after step 2's commit is slowed (the fault hook, once: a deletion cannot be made slow at
+    will) while it deletes step 1; step 3's leftover must go only after that deletion ended,
+    and before begin_step returns."""
+    root = tmp_path / "ckpt"
+    leftover = leftover_of_an_earlier_run(root, 3)
+    marker = tmp_path / "deletion_slowed"
+
+    async def run() -> bool:
+        finalizer = CheckpointFinalizer(str(root), DRIVER_ONLY, max_ckpt_to_keep=1, max_in_flight=2)
+        await save_driver_step(finalizer, 1)
+        monkeypatch.setenv(ENV_VAR, "delete=sleep=1")
+        monkeypatch.setenv(ONCE_ENV_VAR, str(marker))
+        await save_driver_step(finalizer, 2)
+        await file_within(marker)  # retention of step 1 started (in its thread), and sleeps
+        # max_in_flight=2: step 3 has room while step 2's retention runs.
+        directory = Path(await finalizer.begin_step(3, "driver", 0, 1, 10.0))
+        retention_still_deleting = (root / ".deleting_global_step_1").exists()
+        assert list(directory.iterdir()) == [], "the leftover's files are still there"
+        await finalizer.drain(30.0)
+        return retention_still_deleting
+
+    retention_still_deleting = asyncio.run(run())
+    assert not retention_still_deleting, "begin_step removed the leftover beside retention"
+    assert leftover.is_dir() and not (leftover / "part0.bin").exists()
+    assert sorted(list_step_dirs(root)) == [2, 3]
+    assert not list(root.glob(".deleting_*"))
+
+
+def test_I5_the_finalizer_answers_while_a_large_leftover_is_removed(tmp_path, monkeypatch):
+    """The removal of a leftover ran on the finalizer's event loop: no other call (reports,
+    waits, other steps) was answered until its whole directory was deleted. Here that
+    deletion is slowed for 3 s (the fault hook, once: a large leftover whose deletion takes
+    that long is not made at will); another call is answered meanwhile, and both
+    participants of the step get their directory only once the leftover is gone."""
+    leftover = leftover_of_an_earlier_run(tmp_path, 3)
+    marker = tmp_path / "deletion_slowed"
+
+    async def run() -> tuple[bool, list[str]]:
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        await write_and_report(finalizer, 1, 0, "a")
+        await write_and_report(finalizer, 1, 1, "b")
+        await finalizer.wait_for_commit(1, 10.0)
+        monkeypatch.setenv(ENV_VAR, "delete=sleep=3")
+        monkeypatch.setenv(ONCE_ENV_VAR, str(marker))
+        begins = [
+            asyncio.create_task(finalizer.begin_step(3, "driver", rank, 2, 10.0, f"s{rank}"))
+            for rank in (0, 1)
+        ]
+        await file_within(marker)  # the removal started, and sleeps
+        await finalizer.wait_for_commit(1, 10.0)  # another call, answered meanwhile
+        answered_while_removing = not any(task.done() for task in begins)
+        return answered_while_removing, await asyncio.gather(*begins)
+
+    answered_while_removing, directories = asyncio.run(run())
+    assert answered_while_removing, "no other call was answered while the leftover was removed"
+    assert directories == [str(leftover)] * 2
+    assert not (leftover / "part0.bin").exists()
+    assert not list(tmp_path.glob(".deleting_*"))
 
 
 # ---- a role's `.metadata`, forecast while its ranks write (metadata_forecast) -------------

@@ -6,6 +6,7 @@ every file and commit record are there; I3: remote retention after a remote comm
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -16,9 +17,11 @@ import torch
 from tests.conftest import ROLES
 from tests.helpers import close_all, every_rank, open_all, save_everyone
 from tests.test_faults import lone_rank  # noqa: F401 - a fixture
+from tests.test_finalizer import DRIVER_ONLY, save_driver_step
 from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, step_dir
 from verl_ckpt.commit_record import read_commit_record
 from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
+from verl_ckpt.finalizer import CheckpointFinalizer
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 from verl_ckpt.remote.finalizer_tier import RemoteTier
 from verl_ckpt.remote.store import RemoteStore
@@ -465,3 +468,35 @@ def test_I5_the_finalizers_calls_to_the_remote_tier_end_at_its_deadline(own_s3_s
     assert not call.is_alive(), "the listing did not end within 30 s"
     error = outcome.get("error")
     assert isinstance(error, CommitTimeoutError) and url in str(error), error
+
+
+def test_I3_an_upload_that_no_commit_of_the_run_waited_for_deletes_no_local_step(
+    s3_server, tmp_path
+):
+    """Retention runs only after a new commit (I3). Local retention runs again when an upload
+    ends only to finish the retention of a commit of this run, which had to leave steps
+    being uploaded. Regression: a run that committed nothing (it failed, or stopped before its
+    first save) still uploaded the newest committed step at its end (wait_for_uploads), and
+    that upload's end ran local retention with the run's max_ckpt_to_keep=1: steps 1 and 2,
+    saved by an earlier run with no limit, were deleted. The finalizers run in-process; the
+    driver is the only participant."""
+    root = tmp_path / "ckpt"
+    url = f"s3://{s3_server.new_bucket()}/run"
+    remote = {"url": url, "storage_options": s3_server.storage_options(), "timeout_s": 60.0}
+
+    async def run() -> dict:
+        earlier = CheckpointFinalizer(str(root), DRIVER_ONLY, max_ckpt_to_keep=None)
+        for step in (1, 2, 3):
+            await save_driver_step(earlier, step)
+        await earlier.drain(30.0)
+        # This run keeps 1 step, has a remote tier where step 3 is not yet, commits nothing.
+        finalizer = CheckpointFinalizer(str(root), DRIVER_ONLY, max_ckpt_to_keep=1, remote=remote)
+        summary = await finalizer.drain_uploads(60.0)
+        # Whatever the upload's end started (a retention) has ended.
+        await finalizer.drain(30.0)
+        return summary
+
+    summary = asyncio.run(run())
+    assert summary["step"] == 3 and summary["status"] == "committed", summary
+    assert sorted(list_step_dirs(root)) == [1, 2, 3]
+    assert read_tracker(str(root)) == 3

@@ -144,6 +144,8 @@ class RetentionOutcome:
     deleted: list[int] = field(default_factory=list)
     # Half-deleted leftovers (`.deleting_*`) of an earlier failed or interrupted retention.
     purged: list[str] = field(default_factory=list)
+    # Committed steps beyond `keep` that stayed only because they were protected.
+    spared: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -165,7 +167,9 @@ def apply_retention(
     tracker = _tracker_or_none(root)
     if tracker is not None:
         protected.add(tracker)
-    for step in steps_to_delete(committed_steps(root), keep, protected):
+    committed = committed_steps(root)
+    outcome.spared = [s for s in steps_to_delete(committed, keep) if s in protected]
+    for step in steps_to_delete(committed, keep, protected):
         path = step_dir(root, step)
         try:
             logger.info("retention: deleting committed step %d (%s)", step, path)

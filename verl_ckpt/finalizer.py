@@ -118,12 +118,19 @@ class CheckpointFinalizer:
         # One commit or retention at a time: two would race on the tracker and the listing.
         self._file_work = asyncio.Lock()
         self._background: set[asyncio.Task] = set()
+        # Leftover step directories being removed for a begin_step, by step.
+        self._leftover_removals: dict[int, asyncio.Task] = {}
         # Step E: Hugging Face exports of committed steps, off the commit path.
         self._hf_plan = hf_exports
         self._exports = ExportQueue(self._root, hf_exports)
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
+        # The steps the last retention after a commit of this finalizer left only because
+        # they were being uploaded: the end of their upload finishes that retention. Empty
+        # until this finalizer commits, so an upload alone (the end of a run that committed
+        # nothing uploads its newest step) never deletes a step (I3: only after a commit).
+        self._spared_for_uploads: set[int] = set()
         self._remote_settings = dict(remote) if remote else None
         self._remote = _open_remote_tier(
             remote, self._root, participants, self._ledger.status, self._retain_after_upload
@@ -175,35 +182,41 @@ class CheckpointFinalizer:
         """Make sure the step's directory exists; return the participant's directory.
 
         Back-pressure first: a new step starts only while fewer than max_in_flight steps are
-        uncommitted. Then, without awaiting (so that participants' calls are serialised),
-        the directory. Every participant of a step gets the same answer whatever the order of
-        their calls (ranks told different things would wait for each other in their planning
-        collectives). Refused: a committed step, a step that failed or was lost (a step
-        number is saved once), and a second save (`save_id`) of a step the participant
-        already reported, which would overwrite the files it reported. The step must have
-        every report by `timeout_s` + slack after the last participant's begin_step.
+        uncommitted. An uncommitted leftover of the step is removed (off the event loop, one
+        removal for all participants) before anyone is told the directory. Then, without
+        awaiting (so that participants' calls are serialised), the directory. Every
+        participant of a step gets the same answer whatever the order of their calls (ranks
+        told different things would wait for each other in their planning collectives).
+        Refused: a committed step, a step that failed or was lost (a step number is saved
+        once), and a second save (`save_id`) of a step the participant already reported,
+        which would overwrite the files it reported. The step must have every report by
+        `timeout_s` + slack after the last participant's begin_step.
         """
         self._check_participant(role, rank, world_size)
         # A failed step whose last writer died settles only at its deadline, which nothing
         # else may notice: a new step is when its space is wanted.
         self._discard_settled_failures()
-        await self._wait_until(
-            lambda: self._ledger.has_room_for(step),
-            timeout_s,
-            lambda: self._no_room_message(step, timeout_s),
-        )
         path = step_dir(self._root, step)
-        status = self._ledger.status(step)
-        # Retired steps are forgotten by the ledger: then the record on disk says so.
-        if status is StepStatus.COMMITTED or (status is None and is_committed(path)):
-            raise CheckpointError(
-                f"step {step} is already committed at {path}; refusing to overwrite it"
+        while True:
+            await self._wait_until(
+                lambda: self._ledger.has_room_for(step),
+                timeout_s,
+                lambda: self._no_room_message(step, timeout_s),
             )
-        if status is None and path.exists():
-            # A leftover of an earlier run that never committed: its files must not mix
-            # with the new save's, so it goes before anyone writes.
-            logger.warning("removing uncommitted leftover %s before re-saving it", path)
-            delete_step_dir(path)
+            status = self._ledger.status(step)
+            # Retired steps are forgotten by the ledger: then the record on disk says so.
+            if status is StepStatus.COMMITTED or (status is None and is_committed(path)):
+                raise CheckpointError(
+                    f"step {step} is already committed at {path}; refusing to overwrite it"
+                )
+            if status is None and path.exists():
+                # A leftover of an earlier run that never committed: its files must not mix
+                # with the new save's, so it goes before anyone writes. Its removal let other
+                # calls run: everything above is checked again (room included) before the
+                # step begins in the same turn of the event loop as the last check.
+                await self._remove_leftover(step, path)
+                continue
+            break
         # A participant reports at its own deadline (timeout_s after its save) plus the
         # report call's slack: after that, a missing report will not come.
         expires_at = time.monotonic() + timeout_s + 2 * RPC_SLACK_S
@@ -224,6 +237,27 @@ class CheckpointFinalizer:
             # foreseen; the commit checks it against what the ranks then report.
             self._forecast.begin(step, role, target)
         return str(target)
+
+    async def _remove_leftover(self, step: int, path: Path) -> None:
+        """Delete the uncommitted leftover `path` of `step`, once for every participant that
+        finds it: the first starts the removal, the others wait for the same one."""
+        removal = self._leftover_removals.get(step)
+        if removal is None:
+            logger.warning("removing uncommitted leftover %s before re-saving it", path)
+            removal = self._spawn(self._delete_leftover(step, path))
+            self._leftover_removals[step] = removal
+        # Shielded: a participant's call cancelled meanwhile leaves the removal to the others.
+        await asyncio.shield(removal)
+
+    async def _delete_leftover(self, step: int, path: Path) -> None:
+        try:
+            # Off the event loop (a large leftover takes long to delete, and every other call
+            # would wait), and under the lock of commits and retention: retention purges
+            # `.deleting_*` directories, and both would delete this one's at once.
+            async with self._file_work:
+                await asyncio.to_thread(delete_step_dir, path)
+        finally:
+            self._leftover_removals.pop(step, None)
 
     # ---- protocol step 4: report ---------------------------------------------------------
 
@@ -332,11 +366,15 @@ class CheckpointFinalizer:
             # Step 8 starts (in the background): the remote tier never delays a local commit.
             if self._remote is not None:
                 self._remote.after_local_commit(step)
+            # Taken in the same turn of the event loop as the steps retention keeps: an upload
+            # that ends while retention runs still finds its step in the spared ones below.
+            uploading = self._uploading()
             try:
                 outcome = await asyncio.to_thread(
                     apply_retention, self._root, self._keep, self._retention_keeps()
                 )
                 errors = outcome.errors
+                self._spared_for_uploads = uploading.intersection(outcome.spared)
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
                 errors = [f"{type(exc).__name__}: {exc}"]
             # Only now may another step start (back-pressure counts the deleted step's
@@ -432,17 +470,30 @@ class CheckpointFinalizer:
         return self._remote
 
     def _retain_after_upload(self) -> None:
-        """Local retention left the steps being uploaded; one upload ended: run it again."""
+        """An upload ended: finish the retention of a commit that left its step, if any."""
         if self._keep is not None:
             self._spawn(self._retain_again())
 
     async def _retain_again(self) -> None:
+        # The spared steps are read under the lock: a commit's retention running when the
+        # upload ended sets them once it is done, and this runs after it.
         async with self._file_work:
-            outcome = await asyncio.to_thread(
-                apply_retention, self._root, self._keep, self._retention_keeps()
-            )
+            uploading = self._uploading()
+            if not self._spared_for_uploads - uploading:
+                return  # no retention of this finalizer waits for an upload that ended
+            try:
+                outcome = await asyncio.to_thread(
+                    apply_retention, self._root, self._keep, self._retention_keeps()
+                )
+            except Exception as exc:  # noqa: BLE001 - a background task: logged, retried later
+                logger.error("retention after an upload failed: %s: %s", type(exc).__name__, exc)
+                return
+            self._spared_for_uploads = uploading.intersection(outcome.spared)
         if outcome.errors:
             logger.error("retention after an upload failed: %s", "; ".join(outcome.errors))
+
+    def _uploading(self) -> set[int]:
+        return set(self._remote.protected()) if self._remote is not None else set()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -528,10 +579,11 @@ class CheckpointFinalizer:
         if getattr(self, "_remote", None) is not None:
             self._remote.notify()  # ranks waiting for an upload turn see a failed step
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _check_participant(self, role: str, rank: int, world_size: int) -> None:
         expected = self._participants.get(role)

@@ -38,7 +38,8 @@ class RemoteTier:
     """Uploads of one checkpoint root to one remote tier URL. `settings` are the fields of
     `RemoteConfig` plus `timeout_s`; `local_status(step)` is the step's state in the local
     ledger (ledger.StepLedger.status); `on_upload_end()` is called when
-    an upload ended, either way (the finalizer re-runs local retention)."""
+    an upload ended, either way (the finalizer finishes a local retention that left the step
+    for its upload, if one did)."""
 
     def __init__(
         self,
@@ -68,7 +69,8 @@ class RemoteTier:
             for rank in range(size)
         }
         self._local_status = local_status
-        # Local retention skipped the steps being uploaded: it runs again once one ended.
+        # Local retention after a commit left the steps being uploaded: the finalizer finishes
+        # it once one ended.
         self._on_upload_end = on_upload_end
         self._changed = asyncio.Event()
         # One remote commit at a time: two would race on the remote tracker and listing.
