@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.state import RankState
+from verl_ckpt.config import WriterConfig
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, EarlyWriteback, new_hasher
 
 __all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
@@ -54,7 +55,7 @@ def verl_config(
     snapshot: str = "now",
     nice: int = 10,
     prepare: bool = True,
-    early_writeback_mb: int = 16,
+    early_writeback_mb: int = WriterConfig.early_writeback_mb,
     write_while_copying: bool = False,
 ) -> dict[str, Any]:
     """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match).
