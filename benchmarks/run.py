@@ -320,7 +320,7 @@ WRITE_PATH_NOTE = (
     "like the systems, fsync included: `raw + xxh3_64` (verl_ckpt's checksum) and `raw + "
     "crc32` (zlib's, used before) are the write floor with that checksum over the bytes on "
     "the writing thread; `write floor, early writeback` is the write floor handing its bytes "
-    "to the disk every 16 MiB (sync_file_range) as verl_ckpt's stream does; `plain files x1` "
+    "to the disk every 4 MiB (sync_file_range) as verl_ckpt's stream does; `plain files x1` "
     "is verl_ckpt's CRC-free torch.save blobs (torch_format.py) into one file, without its "
     "checksumming stream; `verl files xN` is verl_ckpt's own `file_writer.write_bucket` (the "
     "same blobs, its checksumming stream with early writeback) into N files by N threads, as "

@@ -345,7 +345,7 @@ class WritePath:
     with its CRC32, what verl_ckpt did before); `plain files x1` is the CRC-free blobs
     without the checksumming stream or early writeback; `raw + <algorithm>` is the write
     floor plus that checksum over the bytes on the writing thread; `write floor, early
-    writeback` is the write floor handing its bytes to the disk every 16 MiB, as verl_ckpt's
+    writeback` is the write floor handing its bytes to the disk every 4 MiB, as verl_ckpt's
     stream does.
     """
 
