@@ -41,7 +41,7 @@ from verl_ckpt.commit_record import (
     read_commit_record,
     write_commit_record,
 )
-from verl_ckpt.errors import CheckpointError, StepNotCommittedError
+from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.finalizer import CheckpointFinalizer
@@ -363,6 +363,80 @@ def test_I5_the_finalizer_answers_while_a_large_leftover_is_removed(tmp_path, mo
     assert directories == [str(leftover)] * 2
     assert not (leftover / "part0.bin").exists()
     assert not list(tmp_path.glob(".deleting_*"))
+
+
+def test_I5_a_begin_step_whose_leftover_waits_for_the_file_work_ends_at_its_deadline(
+    tmp_path, monkeypatch
+):
+    """The removal of a leftover waits for the commit or retention under way (they share the
+    root's file work); begin_step's deadline covers that wait. Before, it waited past its
+    timeout_s for as long as the retention took, and the rank, whose own wait ends at
+    timeout_s plus the call's slack, heard only that the finalizer did not answer. Here the
+    retention after step 2's commit is slowed for 3 s (the fault hook, once); begin_step(3)
+    with 0.5 s fails naming the leftover; once the retention ended the step starts."""
+    root = tmp_path / "ckpt"
+    leftover = leftover_of_an_earlier_run(root, 3)
+    marker = tmp_path / "deletion_slowed"
+
+    async def run() -> tuple[BaseException | None, str]:
+        finalizer = CheckpointFinalizer(str(root), DRIVER_ONLY, max_ckpt_to_keep=1, max_in_flight=2)
+        await save_driver_step(finalizer, 1)
+        monkeypatch.setenv(ENV_VAR, "delete=sleep=3")
+        monkeypatch.setenv(ONCE_ENV_VAR, str(marker))
+        await save_driver_step(finalizer, 2)
+        await file_within(marker)  # retention of step 1 holds the file work, and sleeps
+        error = None
+        try:
+            await finalizer.begin_step(3, "driver", 0, 1, 0.5)
+        except CheckpointError as exc:
+            error = exc
+        directory = await finalizer.begin_step(3, "driver", 0, 1, 30.0)
+        await finalizer.drain(30.0)
+        return error, directory
+
+    error, directory = asyncio.run(run())
+    assert isinstance(error, CommitTimeoutError), error
+    assert str(leftover) in str(error) and "not removed within" in str(error), error
+    assert directory == str(leftover) and not (leftover / "part0.bin").exists()
+
+
+def test_I5_a_leftover_whose_files_outlive_its_rename_lets_the_step_start(tmp_path, monkeypatch):
+    """delete_step_dir first renames a step out of its name, then deletes its files. A
+    failure in between (here ENOSPC from the fault hook, once: a delete failing for real on a
+    healthy disk cannot be made) leaves only a `.deleting_*` directory, which no loader reads
+    and retention purges: the step can start. Before, the OSError went back to the rank as a
+    remote traceback and failed the save."""
+    leftover = leftover_of_an_earlier_run(tmp_path, 3)
+    monkeypatch.setenv(ENV_VAR, "delete=enospc")
+    monkeypatch.setenv(ONCE_ENV_VAR, str(tmp_path / "fired"))
+
+    async def run() -> str:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=None)
+        return await finalizer.begin_step(3, "driver", 0, 1, 10.0)
+
+    assert asyncio.run(run()) == str(leftover)
+    assert not (leftover / "part0.bin").exists()
+    assert (tmp_path / ".deleting_global_step_3" / "part0.bin").exists()
+
+
+def test_a_leftover_that_cannot_leave_the_step_namespace_is_one_line_naming_it(tmp_path):
+    """A leftover that stays under its step's name cannot be saved over: begin_step refuses in
+    one line naming what could not be removed (here a file in the place of the removal's
+    `.deleting_*` directory, a real fault; before, a NotADirectoryError as a traceback)."""
+    leftover = leftover_of_an_earlier_run(tmp_path, 3)
+    blocker = tmp_path / ".deleting_global_step_3"
+    blocker.write_bytes(b"not a directory")
+
+    async def run() -> BaseException:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=None)
+        with pytest.raises(CheckpointError) as caught:
+            await finalizer.begin_step(3, "driver", 0, 1, 10.0)
+        return caught.value
+
+    error = asyncio.run(run())
+    assert str(blocker) in str(error) and "could not be removed" in str(error), error
+    assert "\n" not in str(error)
+    assert (leftover / "part0.bin").exists()
 
 
 # ---- a role's `.metadata`, forecast while its ranks write (metadata_forecast) -------------

@@ -292,7 +292,7 @@ def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path
 
     monkeypatch.setattr(fsio, "start_writeback", observed)
     open_before = len(os.listdir("/proc/self/fd"))
-    payload = os.urandom(1 << 20) * 40  # 40 MiB: hints at 16 and 32 MiB (writeback_every)
+    payload = os.urandom(1 << 20) * 40  # 40 MiB: a hint per write slice (writeback_every)
     path = tmp_path / "shard.distcp"
     written = write_checksummed(path, lambda stream: stream.write(payload))
     assert path.read_bytes() == payload
@@ -309,7 +309,7 @@ import os, resource, sys
 from verl_ckpt.file_writer import write_checksummed
 from verl_ckpt.fsio import file_checksum
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-payload = os.urandom(1 << 20) * 40  # the early writeback's helper wants a dup at 16 MiB
+payload = os.urandom(1 << 20) * 40  # the early writeback's helper wants a dup at the first hint
 held = []
 try:
     while True:  # take every descriptor but one, for real: the file's own open gets it

@@ -197,10 +197,13 @@ class CheckpointFinalizer:
         # else may notice: a new step is when its space is wanted.
         self._discard_settled_failures()
         path = step_dir(self._root, step)
+        # One deadline for the whole call, removal of a leftover included: the caller's own
+        # wait ends at timeout_s plus the call's slack, and it must hear why before that.
+        deadline = time.monotonic() + timeout_s
         while True:
             await self._wait_until(
                 lambda: self._ledger.has_room_for(step),
-                timeout_s,
+                max(0.0, deadline - time.monotonic()),
                 lambda: self._no_room_message(step, timeout_s),
             )
             status = self._ledger.status(step)
@@ -214,7 +217,7 @@ class CheckpointFinalizer:
                 # with the new save's, so it goes before anyone writes. Its removal let other
                 # calls run: everything above is checked again (room included) before the
                 # step begins in the same turn of the event loop as the last check.
-                await self._remove_leftover(step, path)
+                await self._remove_leftover(step, path, deadline, timeout_s)
                 continue
             break
         # A participant reports at its own deadline (timeout_s after its save) plus the
@@ -238,16 +241,27 @@ class CheckpointFinalizer:
             self._forecast.begin(step, role, target)
         return str(target)
 
-    async def _remove_leftover(self, step: int, path: Path) -> None:
+    async def _remove_leftover(
+        self, step: int, path: Path, deadline: float, timeout_s: float
+    ) -> None:
         """Delete the uncommitted leftover `path` of `step`, once for every participant that
-        finds it: the first starts the removal, the others wait for the same one."""
+        finds it: the first starts the removal, the others wait for the same one, each until
+        its begin_step's `deadline`."""
         removal = self._leftover_removals.get(step)
         if removal is None:
             logger.warning("removing uncommitted leftover %s before re-saving it", path)
             removal = self._spawn(self._delete_leftover(step, path))
             self._leftover_removals[step] = removal
-        # Shielded: a participant's call cancelled meanwhile leaves the removal to the others.
-        await asyncio.shield(removal)
+        try:
+            # Shielded: a participant's call that ends (cancelled, or at its deadline) leaves
+            # the removal running for the others and for the next save of the step.
+            await asyncio.wait_for(asyncio.shield(removal), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise CommitTimeoutError(
+                f"step {step} cannot start under {self._root}: the uncommitted leftover {path} "
+                f"was not removed within {timeout_s:.0f}s (a commit or retention holding the "
+                "root's file work, or a slow delete)"
+            ) from None
 
     async def _delete_leftover(self, step: int, path: Path) -> None:
         try:
@@ -256,6 +270,18 @@ class CheckpointFinalizer:
             # `.deleting_*` directories, and both would delete this one's at once.
             async with self._file_work:
                 await asyncio.to_thread(delete_step_dir, path)
+        except OSError as exc:
+            if not path.exists():
+                # It left the step's name (the atomic rename) and only its files stayed: the
+                # step can start; retention purges the `.deleting_*` directory later.
+                logger.warning(
+                    "leftover %s left the step namespace but not the disk: %s", path, exc
+                )
+                return
+            raise CheckpointError(
+                f"step {step} cannot start: its uncommitted leftover {exc.filename or path} "
+                f"could not be removed: {exc.strerror or exc}"
+            ) from None
         finally:
             self._leftover_removals.pop(step, None)
 
@@ -377,6 +403,8 @@ class CheckpointFinalizer:
                 self._spared_for_uploads = uploading.intersection(outcome.spared)
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
                 errors = [f"{type(exc).__name__}: {exc}"]
+                # What it left is unknown: the end of any of these uploads runs it again.
+                self._spared_for_uploads = uploading
             # Only now may another step start (back-pressure counts the deleted step's
             # directory until it is gone), whether or not retention succeeded.
             self._ledger.retire(step)
