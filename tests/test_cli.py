@@ -330,3 +330,40 @@ def test_entry_points_run_without_traceback(tmp_path):
     assert done.stderr.splitlines()[-1] == f"verl-ckpt: error: ROOT {missing} does not exist"
     (script,) = entry_points(group="console_scripts", name="verl-ckpt")
     assert script.load() is main
+
+
+def test_I3_prune_of_a_step_linked_in_from_elsewhere_removes_only_the_link(
+    root_copy, tmp_path, capsys
+):
+    """A `global_step_<N>` that is a symbolic link to a checkpoint outside the root (another
+    run's committed step) counts as a step of the root, but only the link is the root's:
+    deleting it must never touch what it points to. Before, the deletion renamed the link,
+    then unlinked `verl_ckpt_commit.json` through it (uncommitting the other checkpoint) and
+    failed with "Cannot call rmtree on a symbolic link", naming no path."""
+    elsewhere = tmp_path / "shared" / "global_step_1"
+    elsewhere.parent.mkdir()
+    shutil.move(step_dir(root_copy, 1), elsewhere)
+    step_dir(root_copy, 1).symlink_to(elsewhere, target_is_directory=True)
+    code, out, err = run_cli(capsys, "prune", root_copy, "--keep", 1)
+    assert (code, err) == (0, ""), err
+    assert "deleted step 1:" in out and "deleted step 2:" in out
+    assert steps_on_disk(root_copy) == [3, LEFTOVER]
+    assert not list(root_copy.glob(".deleting_*"))
+    assert (elsewhere / COMMIT_RECORD_FILENAME).is_file()
+    assert read_commit_record(elsewhere).step == 1
+
+
+def test_I1_a_step_directory_named_otherwise_than_step_dir_makes_is_no_step(root_copy, capsys):
+    """Only the names step_dir() makes are steps: `global_step_03` (or Unicode digits) read as
+    step 3 while step_dir(3) names `global_step_3`, so start-up's recovery moved the tracker
+    to a step whose directory does not exist. Here step 3 is renamed `global_step_03` and
+    the tracker set back to 2: `ls` lists steps 1 and 2, and recovery leaves the tracker."""
+    from verl_ckpt.recovery import recover_root
+
+    step_dir(root_copy, 3).rename(root_copy / "global_step_03")
+    (root_copy / "global_step_\u0663").mkdir()  # an Arabic-Indic digit three
+    write_tracker(root_copy, 2)
+    assert recover_root(root_copy).tracker == 2
+    assert tracker_path(root_copy).read_text().strip() == "2"
+    code, out, _ = run_cli(capsys, "ls", root_copy)
+    assert code == 0 and sorted(table_rows(out)) == [1, 2, LEFTOVER]

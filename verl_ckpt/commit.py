@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from verl_ckpt.fsio import RenameNotDurable, file_checksum, fsync_dir
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, RUN_MARKER_FILENAME, step_dir
 from verl_ckpt.protocol import Phase
 from verl_ckpt.reports import RankReport
-from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, steps_to_delete
+from verl_ckpt.retention import DELETING_PREFIX, delete_step_dir, remove_tree, steps_to_delete
 from verl_ckpt.tracker import read_tracker, write_tracker
 
 __all__ = [
@@ -159,7 +158,7 @@ def apply_retention(
     outcome = RetentionOutcome()
     for leftover in sorted(root.glob(f"{DELETING_PREFIX}*")):
         try:
-            shutil.rmtree(leftover)
+            remove_tree(leftover)
             outcome.purged.append(leftover.name)
         except OSError as exc:
             outcome.errors.append(f"{leftover}: {exc.strerror or exc}")

@@ -35,7 +35,10 @@ ROOT_MARKER_FILENAME = ".verl_ckpt_root_marker"
 RUN_MARKER_FILENAME = ".verl_ckpt_run"
 # The driver reports as one more participant under this role name.
 DRIVER_ROLE = "driver"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Only the name step_dir() makes: ASCII digits, no leading zero. `global_step_05` (or other
+# Unicode digits) would be read as step 5 while step_dir(5) names another directory, and
+# the tracker could then name a step whose directory does not exist (I1).
+_STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$", re.ASCII)
 # A role names a directory of every step: one plain name (no separator, no "..", not hidden).
 _ROLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 

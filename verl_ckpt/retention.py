@@ -11,7 +11,7 @@ from verl_ckpt import faults
 from verl_ckpt.fsio import fsync_dir
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME
 
-__all__ = ["DELETING_PREFIX", "delete_step_dir", "steps_to_delete"]
+__all__ = ["DELETING_PREFIX", "delete_step_dir", "remove_tree", "steps_to_delete"]
 
 # A step being deleted is renamed to this prefix first: out of the step namespace at once.
 DELETING_PREFIX = ".deleting_"
@@ -45,10 +45,25 @@ def delete_step_dir(path: Path) -> None:
     not loadable.
     """
     doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
-    if doomed.exists():
-        shutil.rmtree(doomed)
+    if doomed.is_symlink() or doomed.exists():
+        remove_tree(doomed)
+    if path.is_symlink():
+        # A step linked in from elsewhere: only the link is the root's. Deleting through it
+        # would take the commit record of a checkpoint outside the root (another run's).
+        path.unlink()
+        fsync_dir(path.parent)
+        return
     os.replace(path, doomed)
     fsync_dir(path.parent)
     faults.inject("delete")
     (doomed / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
-    shutil.rmtree(doomed)
+    remove_tree(doomed)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory tree, or only the link where `path` is a symbolic link (never what
+    it points to)."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)

@@ -314,7 +314,9 @@ def _finish(root: Path, intent: RollbackIntent) -> None:
     if intent.delete:
         # Records first, as retention does: a half-deleted step is never loadable (I3).
         for step in intent.steps:
-            (archive / step_dir(root, step).name / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
+            moved = archive / step_dir(root, step).name
+            if not moved.is_symlink():  # a step linked in: its record is not the root's
+                (moved / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
         shutil.rmtree(archive)
         fsync_dir(root)
     intent_path(root).unlink()
