@@ -340,3 +340,41 @@ def test_I3_retention_keeps_a_step_under_export_and_a_waiting_export_is_supersed
     # Every export the job did not finish is one command away.
     assert verl_ckpt_cli(["export", str(root), "--step", "3", "--role", "actor"]) == 0
     assert verify_export(export_dir(step_dir(root, 3), "actor"))[1] == []
+
+
+def flip_a_byte_amid(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def cut_the_end_of(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 100)
+
+
+@pytest.mark.parametrize("damage", [flip_a_byte_amid, cut_the_end_of])
+def test_an_export_of_a_step_whose_shard_changed_since_its_commit_is_refused(
+    ranks, tmp_path, capsys, damage
+):
+    """An export converts the committed bytes or nothing: a shard changed after the commit
+    (one flipped byte amid the tensors, as a failing disk leaves it; its end cut off) is
+    refused in one line naming the file, and nothing is written. Before, only the model
+    description was checked: the export converted the flipped byte and published it under a
+    valid export record, and a cut shard ended `verl-ckpt export` with torch's traceback."""
+    cfg = config(tmp_path, hf_model=False)
+    root = Path(cfg["root_dir"])
+    fresh_models(ranks)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    close_all(ranks, coordinator)
+    shard = max((step_dir(root, 1) / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    damage(shard)
+    out_dir = tmp_path / "actor_hf"
+    code, out, err = run_cli(capsys, "export", root, "--step", 1, "--role", "actor", out_dir)
+    assert code == 1 and out == "", out
+    assert str(shard) in err and err.count("\n") == 1, err
+    assert not out_dir.exists()

@@ -182,8 +182,11 @@ def _committed_role_dir(step_path: Path, role: str, record: Any) -> Path:
         raise CheckpointError(
             f"{step_path / role / MODEL_SPEC_FILENAME} is not part of the committed step"
         )
-    # Small, and it decides how every tensor is read: checked against the commit record.
-    problems = verify_files(step_path, record, prefix=entry.path)
+    # Every file of the role (the description, which decides how every tensor is read, and
+    # the shards) is checked against the commit record before a byte is converted: an export
+    # is published with its own record, which would vouch for bytes changed since the commit
+    # (a flipped bit, a truncated shard) if they were not the committed ones.
+    problems = verify_files(step_path, record, prefix=f"{role}/")
     if problems:
         raise CommitRecordError("; ".join(problems))
     return step_path / role
@@ -294,12 +297,19 @@ def _read_global_tensor(role_dir: Path, key: str, meta: Any) -> torch.Tensor:
     shards (no process group: `no_dist`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     target = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, storage_reader=FileSystemReader(str(role_dir)), no_dist=True)
+        try:
+            dcp.load(target, storage_reader=FileSystemReader(str(role_dir)), no_dist=True)
+        except CheckpointException as exc:
+            # A BaseException in torch: past every `except Exception` (the export queue's
+            # worker among them) it would end the caller with a traceback.
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{role_dir}: reading {key} failed: {detail}") from None
     return target[key]
 
 
