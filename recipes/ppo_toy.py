@@ -506,11 +506,18 @@ class PPOToyTrainer:
         if self.cfg.checkpoint.remote.url is not None:
             self.wait_for_uploads()
 
+    def _left_before_the_stop(self) -> float | None:
+        """What is left of the stop's grace once the job must stop (None: not stopping, the
+        checkpoint deadline applies). The scheduler kills the job at the stop's deadline:
+        an export or upload that would outlast it is left to the next run (logged)."""
+        return None if self.stop is None else self.stop.remaining_s()
+
     def report_exports(self) -> None:
-        """Wait (checkpoint.timeout_s) for the exports; a failed one is an error line that
-        says how to retry it, and leaves its step committed."""
+        """Wait (checkpoint.timeout_s, or what is left of a stop's grace) for the exports; a
+        failed one is an error line that says how to retry it, and leaves its step
+        committed."""
         try:
-            outcomes = self.coordinator.wait_for_exports()
+            outcomes = self.coordinator.wait_for_exports(timeout_s=self._left_before_the_stop())
         except verl_ckpt.CommitTimeoutError as exc:
             log.error("%s", exc)
             return
@@ -530,7 +537,11 @@ class PPOToyTrainer:
     def wait_for_uploads(self) -> None:
         """A finished run has its last committed step in the remote tier too (within the
         checkpoint deadline); a remote tier that fails is logged, the local tier stands."""
-        remote = self.coordinator.wait_for_uploads()
+        try:
+            remote = self.coordinator.wait_for_uploads(timeout_s=self._left_before_the_stop())
+        except verl_ckpt.CommitTimeoutError as exc:
+            log.error("%s; the next run uploads the newest committed step", exc)
+            return
         if remote["status"] == "committed" or remote["step"] is None:
             log.info(
                 "remote tier %s: step %s committed; remote tracker names step %s",

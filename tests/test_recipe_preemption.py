@@ -259,3 +259,38 @@ def test_I1_I3_I5_a_save_past_its_grace_is_named_and_after_a_sigkill_mid_save_th
         "verl_ckpt_commit.json"
     }
     assert on_disk == {f.path for f in read_commit_record(partial).files}
+
+
+def test_I5_after_a_stop_commits_an_export_that_would_outlast_the_grace_is_left_to_the_next_run(
+    tmp_path,
+):
+    """With hf_model saved, the step committed on SIGTERM is exported after its commit; here
+    the export is held (VERL_CKPT_FAULT=export=hang). The recipe waits for it only for what
+    is left of checkpoint.preemption.grace_s, says it is left (one line naming the step),
+    and exits with status 75 before the scheduler's SIGKILL would come. Before, it waited
+    checkpoint.timeout_s (600 s) for the export: past the grace, into the SIGKILL."""
+    root = tmp_path / "ckpt"
+    proc = start_recipe(
+        tmp_path / "run",
+        *UNSCHEDULED,
+        f"checkpoint.root_dir={root}",
+        "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "checkpoint.preemption.grace_s=20",
+        env=recipe_env(**{ENV_VAR: "export:actor=hang"}),
+    )
+    output = Output(proc)
+    wait_for_steps(tmp_path / "run" / "metrics.jsonl", 2, output)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    # The grace, plus the recipe's own exit (closing the coordinator, shutting Ray down).
+    text = output.wait_exit(120)
+    exited_after = time.monotonic() - signalled
+    assert proc.returncode == PREEMPTED_EXIT_STATUS, text[-4000:]
+    stopped_at = read_tracker(root)
+    assert is_committed(step_dir(root, stopped_at))
+    assert re.search(rf"exports of steps \[{stopped_at}\] .* did not end within", text), text[
+        -4000:
+    ]
+    assert "Traceback" not in text
+    # Not the 600 s of checkpoint.timeout_s: the grace (20 s) and the exit.
+    assert exited_after < 90, exited_after
