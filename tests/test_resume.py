@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 
 from verl_ckpt import (
     CheckpointConfigError,
+    CheckpointError,
     CommitRecordError,
     ResumeConflictError,
     TrackerError,
@@ -23,7 +25,7 @@ from verl_ckpt import (
     resolve_resume_dir,
     to_checkpoint_config,
 )
-from verl_ckpt.commit_record import CommitRecord, write_commit_record
+from verl_ckpt.commit_record import CommitRecord, is_committed, write_commit_record
 from verl_ckpt.layout import list_step_dirs, step_dir
 from verl_ckpt.recovery import read_root_state, recover_root
 from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
@@ -240,3 +242,50 @@ def test_I2_recovery_rolls_forward_and_deletes_nothing(tmp_path):
     assert (tmp_path / ".deleting_global_step_0").exists()  # left for the next retention
     assert not stale.exists()
     assert read_root_state(tmp_path) == state
+
+
+_START_WHERE_NO_FILE_CAN_GROW = """
+import resource, signal, sys
+from verl_ckpt import CheckpointError
+from verl_ckpt.startup import prepare_start
+# A file that cannot grow, for real (what a full disk does to the lock's record): the
+# process's file size limit at 0, its signal ignored so that write() fails with EFBIG.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    prepare_start({"root_dir": sys.argv[1]})
+except CheckpointError as exc:
+    print("ERROR", exc)
+"""
+
+
+def test_a_start_on_a_root_where_no_file_can_grow_is_one_line_naming_the_file(tmp_path):
+    """Start-up writes (the lock's record, a rolled-forward tracker, a quarantine): a full
+    disk there was an OSError with a traceback. Now one CheckpointError line names the file
+    and the cause; the committed step and the tracker are untouched."""
+    root = tmp_path / "ckpt"
+    committed(root, 30)
+    write_tracker(root, 30)
+    run = subprocess.run(
+        [sys.executable, "-c", _START_WHERE_NO_FILE_CAN_GROW, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stdout.startswith("ERROR checkpoint start-up under "), run.stdout
+    assert str(root / ".verl_ckpt.lock") in run.stdout, run.stdout
+    assert "File too large" in run.stdout and run.stdout.count("\n") == 1, run.stdout
+    assert read_tracker(root) == 30 and is_committed(step_dir(root, 30))
+
+
+def test_a_resume_path_with_a_name_too_long_is_one_line_naming_it(tmp_path):
+    """checkpoint.resume_from_path with a component longer than the filesystem allows was an
+    OSError (ENAMETOOLONG) with a traceback from start-up's first look at it."""
+    too_long = tmp_path / ("a" * 300) / "global_step_1"
+    with pytest.raises(CheckpointError) as caught:
+        prepare_start(
+            cfg(tmp_path / "ckpt", resume_mode="resume_path", resume_from_path=str(too_long))
+        )
+    assert "a" * 40 in str(caught.value) and "\n" not in str(caught.value), caught.value

@@ -219,9 +219,12 @@ class _Flock:
             live, lease = _lease_state(root / LEASE_FILENAME, 0.0)
             if live:
                 raise _locked_error(root, root / LEASE_FILENAME, _holder_of(lease))
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(record).encode(), 0)
-            os.fsync(fd)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(record).encode(), 0)
+                os.fsync(fd)
+            except OSError as exc:  # a full disk: name the file, which the call does not
+                raise OSError(exc.errno, exc.strerror, str(path)) from None
         except BaseException:
             os.close(fd)  # the only descriptor of this open file: closing drops the flock
             raise

@@ -31,6 +31,7 @@ from verl_ckpt.commit_record import read_commit_record
 from verl_ckpt.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.errors import (
     CheckpointConfigError,
+    CheckpointError,
     CommitRecordError,
     ResumeConflictError,
     TrackerError,
@@ -80,10 +81,28 @@ def prepare_start(
 
     Raises a CheckpointError subclass naming the key or path: CheckpointConfigError,
     TrackerError, CommitRecordError (ResumeVerificationError), ResumeConflictError or
-    RootLockedError; or, with `roles`, CheckpointError.
+    RootLockedError; or CheckpointError (with `roles`, or the root's filesystem failing).
     """
     config = to_checkpoint_config(config)
     root = Path(config.root_dir).resolve()
+    try:
+        return _prepare_start(config, root, purpose, roles)
+    except OSError as exc:
+        # The filesystem failed under a step of the start (a full disk, a name too long, an
+        # I/O error): each step is crash-safe, so what it left is what a crash there leaves,
+        # and the next start takes it up. One line naming the file, not a traceback.
+        where = exc.filename or root
+        raise CheckpointError(
+            f"checkpoint start-up under {root} failed: {where}: {exc.strerror or exc}"
+        ) from None
+
+
+def _prepare_start(
+    config: CheckpointConfig,
+    root: Path,
+    purpose: str | None,
+    roles: Mapping[str, int] | None,
+) -> StartPlan:
     check_root_dir(root)
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     check_deadline_env(config.preemption)
