@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_remote_units import committed_step
-from verl_ckpt import prepare_start, read_tracker, step_dir
+from verl_ckpt import CheckpointError, prepare_start, read_tracker, step_dir
 from verl_ckpt.cli import main
 from verl_ckpt.errors import CommitRecordError, ResumeConflictError
 from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
@@ -100,6 +100,23 @@ def test_resume_path_after_a_local_rollback_names_the_remote_rollback_not_prune(
     assert f"verl-ckpt rollback {tier.url} --to 20 --delete" in message, message
     assert cli(capsys, "rollback", tier.url, "--to", 20, "--delete")[0] == 0
     assert start(config) == step_dir(root, 20)
+
+
+def test_a_resume_path_that_is_no_step_directory_is_named_as_such_with_a_remote_tier(both):
+    """A resume_from_path that names no global_step_<N> directory was refused by the remote
+    tier's check as "resumes from step None, but ... holds committed step 30": now the local
+    check names the path."""
+    root, tier = both
+    config = {
+        "root_dir": str(root),
+        "remote": {"url": tier.url},
+        "resume_mode": "resume_path",
+        "resume_from_path": str(root / "no_such_step"),
+    }
+    with pytest.raises(CheckpointError) as refused:
+        start(config)
+    message = str(refused.value)
+    assert "step None" not in message and str(root / "no_such_step") in message, message
 
 
 def test_a_remote_step_that_no_rollback_moved_out_is_still_downloaded(both, tmp_path):

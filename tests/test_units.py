@@ -130,6 +130,10 @@ def test_I1_commit_record_unknown_version_and_corruption(tmp_path):
     record_file.write_text("{not json")
     with pytest.raises(CommitRecordError, match="corrupt"):
         read_commit_record(path)
+    # Nested past the parser's stack: a RecursionError (a traceback) before.
+    record_file.write_text("[" * 100_000)
+    with pytest.raises(CommitRecordError, match="corrupt"):
+        read_commit_record(path)
     record_file.unlink()
     with pytest.raises(CommitRecordError, match="not a committed step"):
         read_commit_record(path)

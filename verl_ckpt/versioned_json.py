@@ -19,6 +19,8 @@ def parse_versioned_json(
         raw = json.loads(data)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise error(f"{label} is corrupt: {exc}") from None
+    except RecursionError:  # nested deeper than the parser's stack: never a file we wrote
+        raise error(f"{label} is corrupt: nested too deeply") from None
     found = raw.get("format_version") if isinstance(raw, dict) else None
     if found != version:
         raise error(

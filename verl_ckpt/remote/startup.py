@@ -107,6 +107,10 @@ def check_remote_start(config: CheckpointConfig) -> RemoteStart:
             start, what = None, "checkpoint.resume_mode=disable starts from step 0"
         else:
             start = step_of_dir(config.resume_from_path)
+            if start is None:
+                # No global_step_<N> directory: the local check says so in its own words
+                # (resume_check), rather than this one calling it "step None".
+                return started
             what = f"checkpoint.resume_from_path resumes from step {start}"
         if start is None or newest > start:
             raise ResumeConflictError(
