@@ -87,6 +87,8 @@ def prepare_start(
     root = Path(config.root_dir).resolve()
     try:
         return _prepare_start(config, root, purpose, roles)
+    except CheckpointError:
+        raise  # already one line naming what failed (a CommitTimeoutError is an OSError too)
     except OSError as exc:
         # The filesystem failed under a step of the start (a full disk, a name too long, an
         # I/O error): each step is crash-safe, so what it left is what a crash there leaves,
