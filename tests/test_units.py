@@ -74,6 +74,31 @@ def test_I2_tracker_that_is_a_directory(tmp_path):
         read_tracker(tmp_path)
 
 
+def test_I5_tracker_that_is_a_fifo_is_an_error_not_a_wait(tmp_path):
+    """A FIFO in the tracker's place: reading it waited for a writer forever (start-up hung).
+    Run in a thread with a deadline, so that the old behaviour fails the test, not hangs it."""
+    import os
+    import threading
+
+    os.mkfifo(tracker_path(tmp_path))
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            outcome.append(read_tracker(tmp_path))
+        except TrackerError as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # release the old code's blocked open before failing
+        os.close(os.open(tracker_path(tmp_path), os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("reading a FIFO tracker waited for a writer")
+    assert isinstance(outcome[0], TrackerError) and "not a regular file" in str(outcome[0])
+
+
 def _record(tmp_path, step=3, algorithm=CHECKSUM_ALGORITHM):
     path = step_dir(tmp_path, step)
     (path / "actor").mkdir(parents=True)

@@ -6,6 +6,8 @@ record beside each step carries the format version.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from verl_ckpt import faults
@@ -32,7 +34,19 @@ def read_tracker(root: str | Path) -> int | None:
     """
     path = tracker_path(root)
     try:
-        raw = path.read_bytes()
+        # Opened without blocking, and read only if it is a regular file: a FIFO in its
+        # place would wait for a writer forever, a link to a device never end.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TrackerError(f"tracker {path} is not a regular file holding a step")
+            raw = b""
+            while chunk := os.read(fd, 1 << 16):
+                raw += chunk
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return None
     except IsADirectoryError:
