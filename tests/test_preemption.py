@@ -179,6 +179,18 @@ def test_deadline_counts_the_measured_save_until_its_commit_record(monkeypatch, 
     assert request.deadline == pytest.approx(request.since + config.grace_s)
 
 
+def test_a_deadline_stop_waits_no_longer_than_the_deadline_itself(monkeypatch):
+    """A stop decided by the deadline rule gave its save checkpoint.preemption.grace_s (60 s)
+    from the decision, even with the job's deadline 20 s away: the wait ran into the
+    scheduler's SIGKILL instead of ending with a clean error. Now it ends at the deadline."""
+    monkeypatch.setenv(DEADLINE_VAR, str(time.time() + 20))
+    config = PreemptionConfig(signals=[], deadline_env=DEADLINE_VAR, margin_s=30.0, grace_s=60)
+    request = PreemptionGuard(config).stop_requested()
+    assert request is not None
+    assert request.deadline - request.since == pytest.approx(20, abs=2)
+    assert "waiting at most" in request.reason and "until that deadline" in request.reason
+
+
 def test_deadline_already_past_stops_at_the_first_boundary(monkeypatch):
     monkeypatch.setenv(DEADLINE_VAR, str(time.time() - 5))
     guard = PreemptionGuard(PreemptionConfig(signals=[], deadline_env=DEADLINE_VAR))

@@ -232,7 +232,12 @@ class PreemptionGuard:
             f"checkpoint.preemption.margin_s={margin:g}"
         )
         grace = self.config.grace_s
-        return StopRequest(reason, now, now + grace, grace)
+        # The job ends at its deadline whatever the grace says: a wait past it would meet
+        # the scheduler's SIGKILL instead of ending with a clean error.
+        budget = min(grace, max(0.0, left))
+        if budget < grace:
+            reason += f"; waiting at most {budget:.0f} s, until that deadline"
+        return StopRequest(reason, now, now + budget, grace)
 
     def _time_committed_saves(self) -> None:
         """Move saves whose commit record appeared into the recent save durations."""
