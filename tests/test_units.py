@@ -215,6 +215,12 @@ def test_I3_delete_removes_commit_record_first_and_next_retention_finishes(tmp_p
         ({"writer": {"mode": "fork"}}, "checkpoint.writer.mode"),
         ({"writer": {"threads": 0}}, "checkpoint.writer.threads"),
         ({"root_dir": ""}, "checkpoint.root_dir"),
+        # A NUL byte: a bare ValueError from the first filesystem call, before.
+        ({"root_dir": "ckpt\0x"}, "checkpoint.root_dir"),
+        (
+            {"resume_mode": "resume_path", "resume_from_path": "/x/global_step_1\0"},
+            "checkpoint.resume_from_path",
+        ),
     ],
 )
 def test_config_rejects_bad_values_naming_the_key(override, key):

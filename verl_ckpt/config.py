@@ -256,6 +256,10 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.root_dir, str) or not self.root_dir.strip():
             _fail("root_dir", self.root_dir, "must be a non-empty path")
+        for key in ("root_dir", "resume_from_path"):
+            # No filesystem call takes one: it would fail later as a bare ValueError.
+            if "\0" in str(getattr(self, key) or ""):
+                _fail(key, getattr(self, key), "is no path: it holds a NUL byte")
         if not isinstance(self.save_freq, int):
             _fail("save_freq", self.save_freq, "must be an integer (<= 0 disables saving)")
         if self.max_ckpt_to_keep is not None and (
