@@ -500,3 +500,31 @@ def test_I3_an_upload_that_no_commit_of_the_run_waited_for_deletes_no_local_step
     assert summary["step"] == 3 and summary["status"] == "committed", summary
     assert sorted(list_step_dirs(root)) == [1, 2, 3]
     assert read_tracker(str(root)) == 3
+
+
+def test_I5_back_pressure_counts_an_uploads_deadline_from_when_it_began(
+    lone_rank,  # noqa: F811 - the fixture
+    s3_server,
+    tmp_path,
+):
+    """One upload runs at a time per rank; the next waits behind it. Each upload here takes
+    4 s (the fault hook slows it: a store cannot be made slow at will), within
+    checkpoint.timeout_s=6. With remote.max_in_flight=2, the fourth save waits for step 2's
+    upload, which began only when step 1's ended. Before, its deadline counted from its
+    submission, so save 4 failed ("still running after checkpoint.timeout_s") about 2 s before
+    an upload well within its own time would have ended. Now every save goes through."""
+    cfg = remote_config(
+        tmp_path, s3_server, s3_server.new_bucket(), timeout_s=6.0, remote={"max_in_flight": 2}
+    )
+    coordinator = CheckpointCoordinator(cfg, {"victim": 1})
+    try:
+        ray.get(lone_rank.open_manager.remote(cfg))
+        ray.get(lone_rank.set_env.remote(ENV_VAR, "upload:victim=sleep=4"))
+        for step in (1, 2, 3, 4):
+            ray.get(lone_rank.save.remote(step))
+            coordinator.save_driver_state(step, {"step": step})
+            assert coordinator.wait_for_commit(step)["tracker"] == step
+    finally:
+        ray.get(lone_rank.set_env.remote(ENV_VAR, None))
+        ray.get(lone_rank.close.remote(30.0))
+        coordinator.close()

@@ -16,6 +16,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,18 @@ from verl_ckpt.threads import DaemonPool
 __all__ = ["RankUploader"]
 
 logger = logging.getLogger(__name__)
+
+# What a call to the finalizer may take beyond the upload's own deadline.
+_CALL_SLACK_S = 30.0
+
+
+@dataclass
+class _PendingUpload:
+    step: int
+    future: Future | None = None
+    # time.monotonic() when the upload began: its deadline counts from there, not from its
+    # submission (one upload runs at a time; the next waits behind it). None until then.
+    began: float | None = None
 
 
 class RankUploader:
@@ -55,22 +68,30 @@ class RankUploader:
         self._call = call
         self._who = f"{role} rank {rank}"
         self._pool = DaemonPool(1, f"verl_ckpt_{role}{rank}_upload")
-        self._pending: deque[tuple[int, float, Future]] = deque()
+        self._pending: deque[_PendingUpload] = deque()
 
     def submit(self, step: int, files: list[FileEntry]) -> None:
         """Upload `files` (this rank's, as reported) of `step` once it committed locally."""
-        deadline = time.monotonic() + self._timeout_s
-        future = self._pool.submit(self._upload, step, list(files), label=f"upload of step {step}")
-        self._pending.append((step, deadline, future))
+        upload = _PendingUpload(step)
+        upload.future = self._pool.submit(
+            self._upload, upload, list(files), label=f"upload of step {step}"
+        )
+        self._pending.append(upload)
 
     def wait_for_room(self) -> None:
-        """Back-pressure before a save: wait (with the upload's deadline) while
-        `remote.max_in_flight` uploads are pending; raise naming the step and the URL."""
+        """Back-pressure before a save: wait (until the oldest upload's own deadline,
+        counted from when it began) while `remote.max_in_flight` uploads are pending; raise
+        naming the step and the URL."""
         self._collect()
         while len(self._pending) >= self._config.max_in_flight:
-            step, deadline, future = self._pending[0]
-            done, _ = wait_for_futures([future], timeout=max(0.0, deadline - time.monotonic()))
+            oldest = self._pending[0]
+            # The oldest is running or about to (the one before it ended): not yet begun,
+            # its deadline counts from now.
+            began = oldest.began if oldest.began is not None else time.monotonic()
+            left = began + self._timeout_s - time.monotonic()
+            done, _ = wait_for_futures([oldest.future], timeout=max(0.0, left))
             if not done:
+                step = oldest.step
                 raise CommitTimeoutError(
                     f"{self._who}: the upload of step {step} to {self._config.url} is still "
                     f"running after checkpoint.timeout_s={self._timeout_s:g}s; not starting "
@@ -80,18 +101,20 @@ class RankUploader:
 
     def pending_steps(self) -> list[int]:
         self._collect()
-        return [step for step, _, _ in self._pending]
+        return [upload.step for upload in self._pending]
 
     def close(self, deadline: float) -> None:
         """Let pending uploads finish until `deadline`; an upload still running then is
         named in a warning and left (the finalizer uploads what it did not confirm)."""
-        for step, _, future in list(self._pending):
-            done, _ = wait_for_futures([future], timeout=max(0.0, deadline - time.monotonic()))
+        for upload in list(self._pending):
+            done, _ = wait_for_futures(
+                [upload.future], timeout=max(0.0, deadline - time.monotonic())
+            )
             if not done:
                 logger.warning(
                     "%s: the upload of step %d to %s did not end before close()'s deadline",
                     self._who,
-                    step,
+                    upload.step,
                     self._config.url,
                 )
                 break
@@ -100,10 +123,14 @@ class RankUploader:
 
     # ---- the upload (its own thread) ----------------------------------------------------
 
-    def _upload(self, step: int, files: list[FileEntry]) -> None:
-        deadline = time.monotonic() + self._timeout_s
+    def _upload(self, upload: _PendingUpload, files: list[FileEntry]) -> None:
+        step = upload.step
+        upload.began = time.monotonic()
+        deadline = upload.began + self._timeout_s
         try:
-            turn = self._call("upload_turn", step, self._timeout_s, deadline=deadline + 30.0)
+            turn = self._call(
+                "upload_turn", step, self._timeout_s, deadline=deadline + _CALL_SLACK_S
+            )
         except Exception as exc:  # noqa: BLE001 - no word from the finalizer: nothing to do
             logger.warning("%s: no upload of step %d: %s", self._who, step, exc)
             return
@@ -127,12 +154,12 @@ class RankUploader:
         except Exception as exc:  # noqa: BLE001 - reported: the finalizer uploads the files
             report.errors = [describe_store_error(exc)]
         try:
-            self._call("report_upload", report, deadline=deadline + 30.0)
+            self._call("report_upload", report, deadline=deadline + _CALL_SLACK_S)
         except Exception as exc:  # noqa: BLE001 - the finalizer's deadline covers a lost report
             logger.warning("%s: could not report the upload of step %d: %s", self._who, step, exc)
 
     def _collect(self) -> None:
-        while self._pending and self._pending[0][2].done():
+        while self._pending and self._pending[0].future.done():
             self._pending.popleft()
 
 
