@@ -38,9 +38,10 @@ def read_tracker(root: str | Path) -> int | None:
         # place would wait for a writer forever, a link to a device never end.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
                 raise IsADirectoryError
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            if not stat.S_ISREG(mode):
                 raise TrackerError(f"tracker {path} is not a regular file holding a step")
             raw = b""
             while chunk := os.read(fd, 1 << 16):

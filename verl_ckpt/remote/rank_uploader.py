@@ -26,6 +26,7 @@ from verl_ckpt.config import RemoteConfig
 from verl_ckpt.errors import CommitTimeoutError
 from verl_ckpt.fsio import CHECKSUM_ALGORITHM
 from verl_ckpt.layout import step_dir
+from verl_ckpt.protocol import RPC_SLACK_S
 from verl_ckpt.remote.ledger import UploadReport
 from verl_ckpt.remote.store import RemoteStore, describe_store_error
 from verl_ckpt.remote.transfer import upload_files
@@ -34,9 +35,6 @@ from verl_ckpt.threads import DaemonPool
 __all__ = ["RankUploader"]
 
 logger = logging.getLogger(__name__)
-
-# What a call to the finalizer may take beyond the upload's own deadline.
-_CALL_SLACK_S = 30.0
 
 
 @dataclass
@@ -128,9 +126,7 @@ class RankUploader:
         upload.began = time.monotonic()
         deadline = upload.began + self._timeout_s
         try:
-            turn = self._call(
-                "upload_turn", step, self._timeout_s, deadline=deadline + _CALL_SLACK_S
-            )
+            turn = self._call("upload_turn", step, self._timeout_s, deadline=deadline + RPC_SLACK_S)
         except Exception as exc:  # noqa: BLE001 - no word from the finalizer: nothing to do
             logger.warning("%s: no upload of step %d: %s", self._who, step, exc)
             return
@@ -154,7 +150,7 @@ class RankUploader:
         except Exception as exc:  # noqa: BLE001 - reported: the finalizer uploads the files
             report.errors = [describe_store_error(exc)]
         try:
-            self._call("report_upload", report, deadline=deadline + _CALL_SLACK_S)
+            self._call("report_upload", report, deadline=deadline + RPC_SLACK_S)
         except Exception as exc:  # noqa: BLE001 - the finalizer's deadline covers a lost report
             logger.warning("%s: could not report the upload of step %d: %s", self._who, step, exc)
 
