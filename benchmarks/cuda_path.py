@@ -104,7 +104,7 @@ def _timed_write(floor: WriteFloor, path: Path) -> float:
 
 
 def staging(state: RankState, reps: int) -> dict[str, list[float]]:
-    from verl_ckpt.staging import StagingPool, copy_into, device_ready_events
+    from verl_ckpt.rank.staging import StagingPool, copy_into, device_ready_events
 
     tensors = list(state.tensors().values())
     pool = StagingPool(slots=1, pin_memory=True)

@@ -1,11 +1,11 @@
 """How the finalizer's commit grows with the number of ranks (8 to 4096 per step).
 
-What is real: the `CheckpointFinalizer` actor (started by `verl_ckpt.finalizer.start_finalizer`
-with participants {"actor": N}, no driver participant, keep 2 committed steps), its
-`begin_step` and `report` calls over Ray, and everything a commit does: it checks the size
-of every reported file (a stat each, made as each report arrives), writes the role's
-`.metadata` (DCP) and `metadata.json`, the commit record, the tracker, and deletes the step
-that retention drops.
+What is real: the `CheckpointFinalizer` actor (started by
+`verl_ckpt.commit.client.start_finalizer` with participants {"actor": N}, no driver
+participant, keep 2 committed steps), its `begin_step` and `report` calls over Ray, and
+everything a commit does: it checks the size of every reported file (a stat each, made as
+each report arrives), writes the role's `.metadata` (DCP) and `metadata.json`, the commit
+record, the tracker, and deletes the step that retention drops.
 What is simulated: the N ranks. One driver process plays them: it writes, per rank, one
 real DCP data file holding that rank's row of one global [N, 16] tensor (DCP's own
 `_write_item`, so the write results, the global metadata and the file sizes are real, and
@@ -62,11 +62,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from verl_ckpt.commit_record import FileEntry
-from verl_ckpt.fsio import ChecksummingWriter
 from verl_ckpt.protocol import Failure, Phase
-from verl_ckpt.reports import RankReport
-from verl_ckpt.tracker import read_tracker
+from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.store.commit_record import FileEntry
+from verl_ckpt.store.fsio import ChecksummingWriter
+from verl_ckpt.store.tracker import read_tracker
 
 __all__ = ["run"]
 
@@ -164,7 +164,7 @@ class _TrackerWatch:
 
 @functools.cache
 def _begin_takes_timeout() -> bool:
-    from verl_ckpt.finalizer import CheckpointFinalizer
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
     return "timeout_s" in inspect.signature(CheckpointFinalizer.begin_step).parameters
 
@@ -176,7 +176,7 @@ def _begin_args(step: int, rank: int, world: int) -> tuple:
 
 
 def _measure(world: int, root: Path) -> list[dict[str, float]]:
-    from verl_ckpt.finalizer_client import start_finalizer
+    from verl_ckpt.commit.client import start_finalizer
 
     finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=2, timeout_s=120.0)
     figures = []
@@ -236,10 +236,10 @@ def _profile_in_process(world: int, root: Path) -> str:
 
     Step 2 is profiled: its N begin_step calls and N reports, then its commit. The commit
     normally runs in a worker thread (out of cProfile's sight), so for the profiled step the
-    commit and retention functions (verl_ckpt.commit) are called directly on the reports.
+    commit and retention functions (verl_ckpt.commit.steps) are called directly on the reports.
     """
-    from verl_ckpt.commit import apply_retention, commit_step
-    from verl_ckpt.finalizer import CheckpointFinalizer
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+    from verl_ckpt.commit.steps import apply_retention, commit_step
 
     finalizer = CheckpointFinalizer(str(root), {ROLE: world}, 2)
     profiler = cProfile.Profile()
@@ -289,7 +289,7 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, f
     ranks on disk and retention off (max_ckpt_to_keep=None, the default): the committed
     steps are copies of one real commit record of N ranks (committed_steps() reads only
     the records)."""
-    from verl_ckpt.finalizer_client import start_finalizer
+    from verl_ckpt.commit.client import start_finalizer
 
     finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=None, timeout_s=120.0)
     out = []
@@ -393,9 +393,9 @@ def soak_run(commits: int = SOAK_COMMITS, trace_memory: bool = False) -> list[di
     import tempfile
     import tracemalloc
 
-    from verl_ckpt.file_writer import write_checksummed
-    from verl_ckpt.finalizer import CheckpointFinalizer
-    from verl_ckpt.layout import DRIVER_STATE_FILENAME
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+    from verl_ckpt.format.file_writer import write_checksummed
+    from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
     interned = [
         tracemalloc.Filter(False, pathlib.__file__, number)

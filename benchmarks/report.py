@@ -20,7 +20,7 @@ from benchmarks.systems import (
     RAW_CHECKSUMMED,
     REFERENCE,
 )
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM
 
 __all__ = ["Row", "machine_description", "summarize", "targets", "timing_tables"]
 

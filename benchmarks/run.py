@@ -351,7 +351,7 @@ LOAD_CPU_NOTE = (
     "load's wall time: both ranks share the machine's cores, so where the two ranks' CPU "
     "fills them, a load can only be as short as its CPU time allows. Second: where "
     "verl_ckpt's load went on the thread that called load() (`CheckpointManager.last_load`, "
-    "verl_ckpt/load_stats.py): during `reads in place` it waits for the reading threads; "
+    "verl_ckpt/format/load_stats.py): during `reads in place` it waits for the reading threads; "
     "every other phase is Python on that thread (the checkpoint's `.metadata`, megatron-core's "
     "conversions, matching tensors to saved chunks), the fixed cost a load pays above the "
     "read floor, whatever the state's size."

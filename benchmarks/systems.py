@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from benchmarks.state import RankState
-from verl_ckpt.config import WriterConfig
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, EarlyWriteback, new_hasher
+from verl_ckpt.protocol.config import WriterConfig
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, EarlyWriteback, new_hasher
 
 __all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
 
@@ -372,7 +372,7 @@ class WritePath:
             elif variant.endswith(NO_WRITEBACK):
                 write = partial(_write_bucket_bare, dcp_items=False, checksummed=True)
             else:
-                from verl_ckpt.file_writer import write_bucket as write
+                from verl_ckpt.format.file_writer import write_bucket as write
             self._files(directory, files, write)
         else:
             raise ValueError(variant)
@@ -469,8 +469,8 @@ def _write_bucket_bare(
     CRC-free blobs; without `checksummed`, no checksumming stream; never early writeback."""
     from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
 
-    from verl_ckpt.fsio import ChecksummingWriter
-    from verl_ckpt.torch_format import write_item
+    from verl_ckpt.format.torch_format import write_item
+    from verl_ckpt.store.fsio import ChecksummingWriter
 
     path, storage_key, (_, tensor_data) = bucket
     with open(path, "wb") as raw:

@@ -28,15 +28,15 @@ from pathlib import Path
 
 import xxhash
 
-from verl_ckpt.commit_record import (
+from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
     read_commit_record,
     verify_files,
     write_commit_record,
 )
-from verl_ckpt.fsio import file_checksum
-from verl_ckpt.verification import available_cores, verify_step
+from verl_ckpt.store.fsio import file_checksum
+from verl_ckpt.store.verification import available_cores, verify_step
 
 HERE = Path(__file__).resolve().parent
 

@@ -15,8 +15,8 @@ once the snapshot is taken); the commit happens in the background (the finalizer
 the loop never waits for it. Before exit the ranks finish their writes (`close`) and the
 driver waits for the last save to commit.
 
-Preemption (`checkpoint.preemption`, verl_ckpt.preemption): on SIGTERM or SIGUSR1, or when the
-deadline in `checkpoint.preemption.deadline_env` comes near, the step under way finishes, is
+Preemption (`checkpoint.preemption`, verl_ckpt.driver.preemption): on SIGTERM or SIGUSR1, or when
+the deadline in `checkpoint.preemption.deadline_env` comes near, the step under way finishes, is
 saved out of schedule and committed within `grace_s`, and the recipe exits with status 75
 (EX_TEMPFAIL: run the same command again to resume).
 

@@ -61,7 +61,7 @@ def save_changed_before_the_fence(ranks: dict, coordinator, slowed, role: str) -
     import pytest
 
     from verl_ckpt import CheckpointWriteError, StepNotCommittedError
-    from verl_ckpt.faults import ENV_VAR
+    from verl_ckpt.protocol.faults import ENV_VAR
 
     ray.get(slowed.set_env.remote(ENV_VAR, f"stage:{role}=sleep=1"))
     try:

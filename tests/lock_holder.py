@@ -21,7 +21,7 @@ READY_TIMEOUT_S = 60
 
 
 def _hold(root: str, mode: str, lease_s: str, purpose: str) -> None:
-    from verl_ckpt.root_lock import RootLock
+    from verl_ckpt.startup.root_lock import RootLock
 
     lock = RootLock.acquire(root, purpose=purpose, mode=mode, lease_s=float(lease_s))
     print(f"READY {lock.mode}", flush=True)

@@ -1,4 +1,4 @@
-"""The save group's agreement off the training thread (verl_ckpt/group_agreement.py), on real
+"""The save group's agreement off the training thread (verl_ckpt/rank/agreement.py), on real
 Megatron ranks in Ray actors: a rank whose plan is cached states so and goes on at once, and
 its save thread checks the outcome before anything is written (invariants I4, I5: no save
 waits for a peer without a deadline, and no rank is left in a collective the others never
@@ -22,7 +22,7 @@ from verl_ckpt import (
     StepNotCommittedError,
     read_tracker,
 )
-from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.protocol.faults import ENV_VAR
 
 # A bound on calls that must return at once, far above what they take: before the change,
 # a rank that went ahead waited in the agreement for its peer until checkpoint.timeout_s.

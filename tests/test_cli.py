@@ -2,7 +2,7 @@
 in a Ray actor) saving through CheckpointManager, the real finalizer committing, real files.
 
 Most tests call `main()` in-process (each fresh interpreter pays seconds of torch and
-megatron imports); one test runs `python -m verl_ckpt.cli` as a user does.
+megatron imports); one test runs `python -m verl_ckpt.cli.main` as a user does.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from recipes.megatron_cpu import TinyGPTConfig
 from tests.conftest import REPO_ROOT
 from tests.rank_worker import start_world
 from verl_ckpt import CheckpointCoordinator, read_commit_record, step_dir
-from verl_ckpt.cli import main
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_STATE_FILENAME
-from verl_ckpt.tracker import tracker_path, write_tracker
-from verl_ckpt.verification import available_cores
+from verl_ckpt.cli.main import main
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_STATE_FILENAME
+from verl_ckpt.store.tracker import tracker_path, write_tracker
+from verl_ckpt.store.verification import available_cores
 
 COMMITTED = (1, 2, 3)
 LEFTOVER = 4  # written by the rank, never committed: the driver's state is never reported
@@ -315,10 +315,10 @@ def test_user_errors_are_one_line_naming_the_path(root_copy, capsys, argv, damag
 
 
 def test_entry_points_run_without_traceback(tmp_path):
-    """`python -m verl_ckpt.cli` in a fresh interpreter, and the declared console script."""
+    """`python -m verl_ckpt.cli.main` in a fresh interpreter, and the declared console script."""
     missing = tmp_path / "missing"
     done = subprocess.run(
-        [sys.executable, "-m", "verl_ckpt.cli", "verify", str(missing)],
+        [sys.executable, "-m", "verl_ckpt.cli.main", "verify", str(missing)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -358,7 +358,7 @@ def test_I1_a_step_directory_named_otherwise_than_step_dir_makes_is_no_step(root
     step 3 while step_dir(3) names `global_step_3`, so start-up's recovery moved the tracker
     to a step whose directory does not exist. Here step 3 is renamed `global_step_03` and
     the tracker set back to 2: `ls` lists steps 1 and 2, and recovery leaves the tracker."""
-    from verl_ckpt.recovery import recover_root
+    from verl_ckpt.store.recovery import recover_root
 
     step_dir(root_copy, 3).rename(root_copy / "global_step_03")
     (root_copy / "global_step_\u0663").mkdir()  # an Arabic-Indic digit three

@@ -1,4 +1,4 @@
-"""Protocol steps 5-7 (verl_ckpt/commit.py) as plain functions on a temporary root: the
+"""Protocol steps 5-7 (verl_ckpt/commit/steps.py) as plain functions on a temporary root: the
 commit record, the tracker, retention. No Ray; the driver is the only participant, so no
 megatron-core directory needs completing."""
 
@@ -10,27 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from verl_ckpt import commit as commit_module
-from verl_ckpt import fsio
-from verl_ckpt.commit import (
+from verl_ckpt.commit import steps as commit_module
+from verl_ckpt.commit.steps import (
     CommitPhaseError,
     advance_tracker,
     apply_retention,
     commit_step,
     discard_failed_steps,
 )
-from verl_ckpt.commit_record import CommitRecord, FileEntry, is_committed, write_commit_record
-from verl_ckpt.faults import ENV_VAR
-from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.layout import (
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.protocol import Phase
+from verl_ckpt.protocol.faults import ENV_VAR
+from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.store import fsio
+from verl_ckpt.store.commit_record import CommitRecord, FileEntry, is_committed, write_commit_record
+from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
     DRIVER_STATE_FILENAME,
     list_step_dirs,
     step_dir,
 )
-from verl_ckpt.protocol import Phase
-from verl_ckpt.reports import RankReport
-from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
 
 DRIVER_ONLY = {"driver": 1}
 

@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
 from tests.test_torch_format import whole_tensor_item
-from verl_ckpt import staging
-from verl_ckpt.copy_progress import CopyFailed, CopyProgress, write_order
-from verl_ckpt.staging import StagingSlot, copy_into
-from verl_ckpt.writers import ThreadWriter
+from verl_ckpt.rank import staging
+from verl_ckpt.rank.copy_progress import CopyFailed, CopyProgress, write_order
+from verl_ckpt.rank.staging import StagingSlot, copy_into
+from verl_ckpt.rank.writers import ThreadWriter
 
 SHARD = "__0_0.distcp"
 

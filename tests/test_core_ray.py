@@ -21,7 +21,7 @@ from verl_ckpt import (
     step_dir,
 )
 from verl_ckpt.protocol import Failure, Phase
-from verl_ckpt.reports import RankReport
+from verl_ckpt.protocol.messages import RankReport
 
 LOAD_PHASES = [
     "checks (fence, commit record, checksums)",

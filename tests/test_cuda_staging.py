@@ -20,7 +20,7 @@ from verl_ckpt import (
     CheckpointCoordinator,
     read_tracker,
 )
-from verl_ckpt.staging import StagingPool, copy_into
+from verl_ckpt.rank.staging import StagingPool, copy_into
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -112,7 +112,7 @@ def test_I4_device_destinations_are_read_through_host_memory_once(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from tests.test_direct_reader import many_tensors, saved_as_verl_ckpt_writes
-    from verl_ckpt.direct_reader import DirectFileSystemReader
+    from verl_ckpt.format.direct_reader import DirectFileSystemReader
 
     state = many_tensors(12)
     for writer, directory in (("verl_ckpt", tmp_path / "ours"), ("dcp", tmp_path / "dcp")):

@@ -1,4 +1,4 @@
-"""The direct reader (verl_ckpt/direct_reader.py): whole saved tensors are read straight
+"""The direct reader (verl_ckpt/format/direct_reader.py): whole saved tensors are read straight
 into their destination, with the same result as DCP's own reader; anything it does not
 know goes through DCP's path. Real DCP files (by DCP's save, and by verl_ckpt's own blob
 writer with the finalizer's `.metadata`), no Ray."""
@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tests.test_torch_format import whole_tensor_item
-from verl_ckpt import direct_reader, torch_format
-from verl_ckpt.direct_reader import DirectFileSystemReader
-from verl_ckpt.torch_dist_dir import metadata_file_bytes
-from verl_ckpt.torch_format import _WRITE_ITEM_KWARGS, write_item
+from verl_ckpt.format import direct_reader, torch_format
+from verl_ckpt.format.direct_reader import DirectFileSystemReader
+from verl_ckpt.format.torch_dist_dir import metadata_file_bytes
+from verl_ckpt.format.torch_format import _WRITE_ITEM_KWARGS, write_item
 
 
 def saved(tmp_path) -> dict[str, torch.Tensor]:

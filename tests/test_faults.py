@@ -3,7 +3,7 @@ names a complete, loadable step and resume works. Each test names the invariant 
 
 Faults are real wherever they can be produced for real (SIGKILL of processes, a small tmpfs
 that fills up, files truncated and bit-flipped on disk). The documented hook
-VERL_CKPT_FAULT (verl_ckpt/faults.py) only places a fault at an exact moment: a hang or a
+VERL_CKPT_FAULT (verl_ckpt/protocol/faults.py) only places a fault at an exact moment: a hang or a
 process exit at a chosen phase, and ENOSPC exactly during the tracker write, which no real
 disk can be made to produce at that instant.
 """
@@ -41,12 +41,12 @@ from verl_ckpt import (
     read_tracker,
     step_dir,
 )
-from verl_ckpt.commit_record import is_committed, read_commit_record
-from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR, InjectedFault
-from verl_ckpt.finalizer import CheckpointFinalizer
-from verl_ckpt.finalizer_client import actor_options
-from verl_ckpt.layout import list_step_dirs
-from verl_ckpt.verification import verify_files
+from verl_ckpt.commit.client import actor_options
+from verl_ckpt.commit.finalizer import CheckpointFinalizer
+from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR, InjectedFault
+from verl_ckpt.store.commit_record import is_committed, read_commit_record
+from verl_ckpt.store.layout import list_step_dirs
+from verl_ckpt.store.verification import verify_files
 
 
 def faulty_coordinator(cfg, roles, fault, disarmed_marker):

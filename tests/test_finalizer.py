@@ -33,25 +33,25 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from verl_ckpt import metadata_forecast
-from verl_ckpt.commit_record import (
+from verl_ckpt.commit import metadata_forecast
+from verl_ckpt.commit.finalizer import CheckpointFinalizer
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.format.torch_format import write_item
+from verl_ckpt.protocol import Failure, Phase
+from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
+from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
+from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
     is_committed,
     read_commit_record,
     write_commit_record,
 )
-from verl_ckpt.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
-from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
-from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.finalizer import CheckpointFinalizer
-from verl_ckpt.fsio import ChecksummingWriter
-from verl_ckpt.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
-from verl_ckpt.protocol import Failure, Phase
-from verl_ckpt.reports import RankReport
-from verl_ckpt.torch_format import write_item
-from verl_ckpt.tracker import read_tracker, write_tracker
-from verl_ckpt.verification import verify_files
+from verl_ckpt.store.fsio import ChecksummingWriter
+from verl_ckpt.store.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.store.tracker import read_tracker, write_tracker
+from verl_ckpt.store.verification import verify_files
 
 DRIVER_ONLY = {"driver": 1}
 # The lines of CPython's pathlib that intern path components (3.11: in parse_parts).
@@ -262,7 +262,7 @@ def test_I5_a_step_whose_participant_never_reports_fails_at_its_deadline(tmp_pat
     step) kept the step collecting for ever: with max_in_flight=1 no later step could start.
     The step now fails once its deadline passed (the report slack is shortened here), naming
     who is missing, and the next step starts."""
-    monkeypatch.setattr("verl_ckpt.finalizer.RPC_SLACK_S", 0.1)
+    monkeypatch.setattr("verl_ckpt.commit.finalizer.RPC_SLACK_S", 0.1)
 
     async def run() -> None:
         finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)

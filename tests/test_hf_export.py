@@ -20,10 +20,10 @@ from tests.conftest import ROLES
 from tests.helpers import close_all, every_rank, open_all, save_everyone
 from tests.rank_worker import start_world
 from verl_ckpt import CheckpointCoordinator, export_role, read_tracker, step_dir
-from verl_ckpt.cli import main as verl_ckpt_cli
-from verl_ckpt.commit_record import is_committed
+from verl_ckpt.cli.main import main as verl_ckpt_cli
 from verl_ckpt.hf.model_spec import MODEL_SPEC_FILENAME
 from verl_ckpt.hf.record import EXPORT_RECORD_FILENAME, export_dir, verify_export
+from verl_ckpt.store.commit_record import is_committed
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never the hub: every model comes from a local directory
 import transformers  # noqa: E402 - the test extra; imported once the hub is off
@@ -281,10 +281,10 @@ def exporting_coordinator(cfg: dict, fault: str, disarmed_marker: Path) -> Check
     missing (tests.test_faults.faulty_coordinator, with the export plan)."""
     from tests.test_faults import REPO_ROOT
     from verl_ckpt import to_checkpoint_config
-    from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
-    from verl_ckpt.finalizer import CheckpointFinalizer
-    from verl_ckpt.finalizer_client import actor_options
+    from verl_ckpt.commit.client import actor_options
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
     from verl_ckpt.hf.scheduler import plan_exports
+    from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
 
     config = to_checkpoint_config(cfg)
     root = Path(cfg["root_dir"]).resolve()

@@ -19,8 +19,8 @@ import pytest
 
 from tests.test_recipe import finish, read_metrics, recipe_env, start_recipe
 from verl_ckpt import read_tracker, step_dir
-from verl_ckpt.commit_record import is_committed
-from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.protocol.faults import ENV_VAR
+from verl_ckpt.store.commit_record import is_committed
 
 pytestmark = pytest.mark.slow
 

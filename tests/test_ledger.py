@@ -1,4 +1,4 @@
-"""The finalizer's step ledger (verl_ckpt/ledger.py): pure state, no Ray, no files.
+"""The finalizer's step ledger (verl_ckpt/commit/ledger.py): pure state, no Ray, no files.
 
 I1: a step commits only once every expected participant reported success, exactly once;
 duplicate and late reports change nothing. I5: failures are kept for whoever waits.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from verl_ckpt.ledger import Begun, Recorded, StepLedger, StepStatus
+from verl_ckpt.commit.ledger import Begun, Recorded, StepLedger, StepStatus
 from verl_ckpt.protocol import Failure, Phase, describe_failures
-from verl_ckpt.reports import RankReport
+from verl_ckpt.protocol.messages import RankReport
 
 PARTICIPANTS = {"actor": 2, "driver": 1}
 

@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from torch.distributed.checkpoint.metadata import Metadata
 
-from verl_ckpt import megatron_compat, torch_dist_dir
+from verl_ckpt.format import megatron_compat, torch_dist_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -208,7 +208,7 @@ def test_a_real_gpt_and_adam_state_splits_as_megatron_core_splits_it():
     run_with_megatron(
         """
 from tests.test_megatron_compat import assert_same_split
-from verl_ckpt import megatron_compat
+from verl_ckpt.format import megatron_compat
 shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=128)
 model = mc.build_tiny_gpt(shape, seed=1)
 optimizer = mc.make_adam(model)
@@ -260,7 +260,7 @@ class CheckpointingConfig:
 {extra_field}
 
 core.CheckpointingConfig = CheckpointingConfig
-import verl_ckpt.megatron_compat
+import verl_ckpt.format.megatron_compat
 print("imported")
 """
 
@@ -396,8 +396,8 @@ def test_I4_whole_chunks_load_without_a_dcp_plan_and_mismatches_still_fail_in_me
 from megatron.core.dist_checkpointing.strategies import torch as mt
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from verl_ckpt import megatron_compat
-from verl_ckpt.load_stats import PhaseClock
+from verl_ckpt.format import megatron_compat
+from verl_ckpt.format.load_stats import PhaseClock
 PHASES = ["megatron-core: before the strategy", "megatron-core: conversion for DCP",
           "checkpoint metadata", "matching saved chunks", "reads in place",
           "DCP's path (the rest)", "megatron-core: unwrapping",
@@ -453,7 +453,7 @@ def test_a_load_through_both_paths_warns_nothing_from_verl_ckpts_own_calls(tmp_p
         + f"""
 import warnings
 from pathlib import Path
-from verl_ckpt import megatron_compat
+from verl_ckpt.format import megatron_compat
 model, optimizer = built(seed=2)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""The copy of non-tensor state taken inside save() (verl_ckpt/object_copy.py, invariant I4):
+"""The copy of non-tensor state taken inside save() (verl_ckpt/format/object_copy.py, invariant I4):
 the quick path gives what copy.deepcopy gives, and whatever it could not reproduce exactly
 goes through copy.deepcopy itself."""
 
@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from verl_ckpt import object_copy
-from verl_ckpt.object_copy import snapshot_copy
+from verl_ckpt.format import object_copy
+from verl_ckpt.format.object_copy import snapshot_copy
 
 
 def _extra_state() -> dict:

@@ -1,4 +1,4 @@
-"""The preemption guard (verl_ckpt/preemption.py) in this process: real signals sent to
+"""The preemption guard (verl_ckpt/driver/preemption.py) in this process: real signals sent to
 ourselves with os.kill, the real environment variable, real commit records on disk. The
 recipe tests (test_recipe_preemption.py) run it end to end: `ray job stop`, SIGTERM, SIGKILL.
 """
@@ -26,8 +26,9 @@ from verl_ckpt import (
     step_dir,
     to_checkpoint_config,
 )
-from verl_ckpt.commit_record import CommitRecord, write_commit_record
-from verl_ckpt.preemption import check_deadline_env, stop_rule
+from verl_ckpt.driver.preemption import stop_rule
+from verl_ckpt.protocol.config import check_deadline_env
+from verl_ckpt.store.commit_record import CommitRecord, write_commit_record
 
 DEADLINE_VAR = "VERL_CKPT_TEST_DEADLINE"
 

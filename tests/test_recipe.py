@@ -218,7 +218,7 @@ def test_I3_readme_rollback_then_resume_path_continues_from_the_older_step(tmp_p
     output, _ = refused.communicate(timeout=RUN_TIMEOUT_S)
     assert refused.returncode == 2, output[-3000:]
     assert f"verl-ckpt rollback {root} --to 2" in output and "embedded Ray" not in output
-    rollback = run_python("-m", "verl_ckpt.cli", "rollback", str(root), "--to", "2")
+    rollback = run_python("-m", "verl_ckpt.cli.main", "rollback", str(root), "--to", "2")
     assert rollback.returncode == 0, rollback.stderr[-2000:]
     assert read_tracker(root) == 2 and not step_dir(root, 4).exists()
     assert [p.name for p in root.glob("rolled_back_*/global_step_4")] == ["global_step_4"]

@@ -1,4 +1,4 @@
-"""Preemption of the real recipe (verl_ckpt/preemption.py; invariants I1, I3, I4, I5):
+"""Preemption of the real recipe (verl_ckpt/driver/preemption.py; invariants I1, I3, I4, I5):
 `ray job stop` of a job submitted to a head on 127.0.0.1, SIGTERM to the embedded-Ray recipe
 process, and a SIGKILL of the whole job after its grace period ran out. Each run is
 `python -m recipes.ppo_toy` with real Megatron ranks over gloo and real checkpoint files;
@@ -32,9 +32,9 @@ from tests.test_recipe import (
     start_recipe,
 )
 from verl_ckpt import PREEMPTED_EXIT_STATUS, read_commit_record, read_tracker, step_dir
-from verl_ckpt.cli import main as verl_ckpt_cli
-from verl_ckpt.commit_record import is_committed
-from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.cli.main import main as verl_ckpt_cli
+from verl_ckpt.protocol.faults import ENV_VAR
+from verl_ckpt.store.commit_record import is_committed
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 from tests.test_recipe import COMPARED, Output, finish, read_metrics, start_recipe
 from tests.test_recipe_trust import assert_refused_in_one_line, run_recipe
 from verl_ckpt import prepare_start, read_tracker, step_dir
-from verl_ckpt.layout import list_step_dirs
-from verl_ckpt.resume_check import QUARANTINE_DIRNAME
+from verl_ckpt.startup.resume_check import QUARANTINE_DIRNAME
+from verl_ckpt.store.layout import list_step_dirs
 
 pytestmark = pytest.mark.slow
 

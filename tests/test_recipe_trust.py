@@ -15,9 +15,9 @@ import pytest
 from tests.lock_holder import HolderProcesses
 from tests.test_recipe import REPO_ROOT, recipe_env
 from verl_ckpt import prepare_start
-from verl_ckpt.commit_record import CommitRecord, write_commit_record
-from verl_ckpt.layout import step_dir
-from verl_ckpt.tracker import write_tracker
+from verl_ckpt.store.commit_record import CommitRecord, write_commit_record
+from verl_ckpt.store.layout import step_dir
+from verl_ckpt.store.tracker import write_tracker
 
 
 def committed(root: Path, step: int) -> Path:

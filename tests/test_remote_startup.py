@@ -13,12 +13,12 @@ import pytest
 
 from tests.test_remote_units import committed_step
 from verl_ckpt import CheckpointError, prepare_start, read_tracker, step_dir
-from verl_ckpt.cli import main
-from verl_ckpt.errors import CommitRecordError, ResumeConflictError
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
-from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.cli.main import main
+from verl_ckpt.protocol.errors import CommitRecordError, ResumeConflictError
 from verl_ckpt.remote.tier import commit_remote_step, read_remote_tracker
-from verl_ckpt.tracker import write_tracker
+from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.store.tracker import write_tracker
 
 STEPS = (10, 20, 30)
 
@@ -137,7 +137,7 @@ def test_a_remote_step_that_no_rollback_moved_out_is_still_downloaded(both, tmp_
 def test_rollback_record_hash_is_that_of_the_bytes_the_remote_tier_holds(both):
     """The record's hash is that of the commit record's bytes: the same bytes the remote
     tier holds for the uploaded step, which is what start-up compares."""
-    from verl_ckpt.rollback import read_rolled_back
+    from verl_ckpt.store.rollback import read_rolled_back
 
     root, tier = both
     remote = tier.read_bytes(f"global_step_30/{COMMIT_RECORD_FILENAME}")
@@ -279,8 +279,8 @@ def test_I5_start_up_store_calls_end_at_the_config_deadline_when_the_store_stall
     one line naming the object; nothing is left in the root."""
     import time
 
-    import verl_ckpt.remote.startup as remote_startup
-    from verl_ckpt.errors import CheckpointError
+    import verl_ckpt.startup.remote as remote_startup
+    from verl_ckpt.protocol.errors import CheckpointError
 
     url, options = stalled_s3_tier(own_s3_server, tmp_path)
     fetch = remote_startup.fetch_newer_remote_step

@@ -19,14 +19,14 @@ from tests.helpers import close_all, every_rank, open_all, save_everyone
 from tests.test_faults import lone_rank  # noqa: F401 - a fixture
 from tests.test_finalizer import DRIVER_ONLY, save_driver_step
 from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, step_dir
-from verl_ckpt.commit_record import read_commit_record
-from verl_ckpt.faults import ENV_VAR, ONCE_ENV_VAR
-from verl_ckpt.finalizer import CheckpointFinalizer
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.commit.finalizer import CheckpointFinalizer
+from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.remote.finalizer_tier import RemoteTier
-from verl_ckpt.remote.store import RemoteStore
 from verl_ckpt.remote.tier import read_remote_record, read_remote_tracker
 from verl_ckpt.remote.transfer import verify_remote_files
+from verl_ckpt.store.commit_record import read_commit_record
+from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 
 
 def remote_config(tmp_path, server, bucket, **overrides):
@@ -130,7 +130,7 @@ def uploaded(ranks, s3_server, tmp_path_factory):
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
-    from verl_ckpt.cli import main
+    from verl_ckpt.cli.main import main
 
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -189,7 +189,7 @@ def test_I1_a_remote_object_changed_after_upload_is_named_by_verify(
     try:
         env = {**__import__("os").environ, **s3_server.env(), "PYTHONPATH": str(REPO_ROOT)}
         done = subprocess.run(
-            [sys.executable, "-m", "verl_ckpt.cli", "verify", url, "--step", "1"],
+            [sys.executable, "-m", "verl_ckpt.cli.main", "verify", url, "--step", "1"],
             env=env,
             capture_output=True,
             text=True,
@@ -213,7 +213,7 @@ def test_cli_pull_fetches_a_committed_step_that_loads_like_a_local_one(
     """`verl-ckpt pull URL --step 2 ROOT` into an empty root: the step is committed there
     (record last, every file verified) and the ranks load it; the next start of a job on
     that root rolls the tracker forward to it."""
-    from verl_ckpt.startup import prepare_start
+    from verl_ckpt.startup.prepare import prepare_start
 
     dest = tmp_path / "pulled"
     url, options = uploaded["remote"]["url"], options_json(uploaded)

@@ -11,20 +11,10 @@ from pathlib import Path
 import pytest
 
 from verl_ckpt import prepare_start
-from verl_ckpt.commit_record import (
-    CommitRecord,
-    FileEntry,
-    is_committed,
-    read_commit_record,
-    write_commit_record,
-)
-from verl_ckpt.config import to_checkpoint_config
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError
-from verl_ckpt.fsio import file_checksum
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
+from verl_ckpt.protocol.config import to_checkpoint_config
+from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.pull import pull_step
-from verl_ckpt.remote.store import RemoteStore
 from verl_ckpt.remote.tier import (
     advance_remote_tracker,
     apply_remote_retention,
@@ -34,6 +24,16 @@ from verl_ckpt.remote.tier import (
     recover_remote,
 )
 from verl_ckpt.remote.transfer import upload_file
+from verl_ckpt.store.commit_record import (
+    CommitRecord,
+    FileEntry,
+    is_committed,
+    read_commit_record,
+    write_commit_record,
+)
+from verl_ckpt.store.fsio import file_checksum
+from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
 
 RANKS = {("actor", 0), ("actor", 1)}
 
@@ -244,7 +244,7 @@ def test_without_a_remote_url_nothing_of_fsspec_is_imported():
     import sys
 
     code = (
-        "import sys, verl_ckpt.startup, verl_ckpt.finalizer, verl_ckpt.cli;"
+        "import sys, verl_ckpt.startup.prepare, verl_ckpt.commit.finalizer, verl_ckpt.cli.main;"
         "from verl_ckpt import prepare_start;"
         "print('fsspec' in sys.modules, 's3fs' in sys.modules)"
     )
@@ -301,7 +301,7 @@ def test_I3_remote_retention_counts_only_readable_records_toward_keep(tmp_path, 
     format_version) toward remote.keep, so `prune URL --keep 1` deleted steps 10 and 20, the
     ones a resume can use. As in the local tier, only readable records count; a step with an
     unreadable record is neither counted nor deleted."""
-    from verl_ckpt.cli import main
+    from verl_ckpt.cli.main import main
 
     root = tmp_path / "ckpt"
     for step in (10, 20, 30):

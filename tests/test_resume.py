@@ -25,10 +25,10 @@ from verl_ckpt import (
     resolve_resume_dir,
     to_checkpoint_config,
 )
-from verl_ckpt.commit_record import CommitRecord, is_committed, write_commit_record
-from verl_ckpt.layout import list_step_dirs, step_dir
-from verl_ckpt.recovery import read_root_state, recover_root
-from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.store.commit_record import CommitRecord, is_committed, write_commit_record
+from verl_ckpt.store.layout import list_step_dirs, step_dir
+from verl_ckpt.store.recovery import read_root_state, recover_root
+from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
 
 
 def committed(root, step):
@@ -247,7 +247,7 @@ def test_I2_recovery_rolls_forward_and_deletes_nothing(tmp_path):
 _START_WHERE_NO_FILE_CAN_GROW = """
 import resource, signal, sys
 from verl_ckpt import CheckpointError
-from verl_ckpt.startup import prepare_start
+from verl_ckpt.startup.prepare import prepare_start
 # A file that cannot grow, for real (what a full disk does to the lock's record): the
 # process's file size limit at 0, its signal ignored so that write() fails with EFBIG.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

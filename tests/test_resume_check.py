@@ -1,5 +1,5 @@
 """Verified resume with fallback at start-up (`checkpoint.resume_verify`, `resume_fallback`;
-protocol step 0, verl_ckpt/resume_check.py), before Ray: real files on disk, real commit
+protocol step 0, verl_ckpt/startup/resume_check.py), before Ray: real files on disk, real commit
 records with real checksums, real damage (a flipped bit, a truncated file, a deleted file,
 a corrupt record). No Ray and no megatron-core here: verification works on files; the
 recipe tests (test_recipe_resume_check.py) run the same on real megatron-core shards.
@@ -22,21 +22,21 @@ from verl_ckpt import (
     step_dir,
     verify_step,
 )
-from verl_ckpt.cli import main as verl_ckpt_cli
-from verl_ckpt.commit import apply_retention
-from verl_ckpt.commit_record import (
+from verl_ckpt.cli.main import main as verl_ckpt_cli
+from verl_ckpt.commit.steps import apply_retention
+from verl_ckpt.startup.resume_check import QUARANTINE_DIRNAME, quarantine_step
+from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
     committed_steps,
     read_commit_record,
     write_commit_record,
 )
-from verl_ckpt.fsio import file_checksum
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs
-from verl_ckpt.recovery import recover_root
-from verl_ckpt.resume_check import QUARANTINE_DIRNAME, quarantine_step
-from verl_ckpt.tracker import write_tracker
-from verl_ckpt.verification import available_cores
+from verl_ckpt.store.fsio import file_checksum
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.store.recovery import recover_root
+from verl_ckpt.store.tracker import write_tracker
+from verl_ckpt.store.verification import available_cores
 
 SHARD = "actor/__0_1.distcp"
 FILES = ("actor/__0_0.distcp", SHARD, "actor/.metadata", "driver_state.pt")
@@ -120,7 +120,7 @@ def test_I1_previous_quarantines_the_failing_step_and_resumes_from_the_older_one
     bad = step_dir(root, 4) / SHARD
     damage(bad)
     kept = sorted(p.name for p in step_dir(root, 4).rglob("*"))
-    caplog.set_level(logging.WARNING, logger="verl_ckpt.resume_check")
+    caplog.set_level(logging.WARNING, logger="verl_ckpt.startup.resume_check")
     resume = start(config(root, resume_verify=mode, resume_fallback="previous"))
     assert resume == step_dir(root, 2)
     assert read_tracker(root) == 2
@@ -169,7 +169,7 @@ def test_I1_every_newer_failing_step_is_quarantined_down_to_one_that_verifies(tm
     root = a_root(tmp_path, steps=(2, 4, 6))
     flip_bit(step_dir(root, 6) / SHARD)
     remove(step_dir(root, 4) / "driver_state.pt")
-    caplog.set_level(logging.WARNING, logger="verl_ckpt.resume_check")
+    caplog.set_level(logging.WARNING, logger="verl_ckpt.startup.resume_check")
     resume = start(config(root, resume_verify="checksums", resume_fallback="previous"))
     assert resume == step_dir(root, 2) and read_tracker(root) == 2
     assert quarantined(root) == ["global_step_4", "global_step_6"]

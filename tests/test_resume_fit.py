@@ -21,10 +21,10 @@ import pytest
 
 from tests.test_recipe_trust import snapshot
 from verl_ckpt import CheckpointError, CommitRecordError, prepare_start
-from verl_ckpt.commit_record import CommitRecord, write_commit_record
-from verl_ckpt.layout import step_dir
-from verl_ckpt.resume_fit import EXTRA_STATE_KEY
-from verl_ckpt.tracker import write_tracker
+from verl_ckpt.startup.resume_fit import EXTRA_STATE_KEY
+from verl_ckpt.store.commit_record import CommitRecord, write_commit_record
+from verl_ckpt.store.layout import step_dir
+from verl_ckpt.store.tracker import write_tracker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""`verl-ckpt rollback` (verl_ckpt/rollback.py) over hand-made roots, and `ls`'s leftovers.
+"""`verl-ckpt rollback` (verl_ckpt/store/rollback.py) over hand-made roots, and `ls`'s leftovers.
 
 Committed steps are made by hand (a real commit record, no Ray): steps 10, 20, 30 committed
 with the tracker at 30, and step 40 an uncommitted leftover. The interrupted rollback is a
@@ -15,12 +15,13 @@ import sys
 import pytest
 
 from tests.lock_holder import REPO_ROOT, HolderProcesses
-from verl_ckpt.cli import main
-from verl_ckpt.commit_record import CommitRecord, is_committed, write_commit_record
-from verl_ckpt.errors import CommitRecordError, TrackerError
-from verl_ckpt.faults import ENV_VAR
-from verl_ckpt.layout import list_step_dirs, step_dir
-from verl_ckpt.rollback import (
+from verl_ckpt.cli.main import main
+from verl_ckpt.protocol.errors import CommitRecordError, TrackerError
+from verl_ckpt.protocol.faults import ENV_VAR
+from verl_ckpt.startup.root_lock import LOCK_FILENAME, is_locked
+from verl_ckpt.store.commit_record import CommitRecord, is_committed, write_commit_record
+from verl_ckpt.store.layout import list_step_dirs, step_dir
+from verl_ckpt.store.rollback import (
     ARCHIVE_PREFIX,
     INTENT_FILENAME,
     RollbackError,
@@ -30,8 +31,7 @@ from verl_ckpt.rollback import (
     plan_rollback,
     read_rollback_intent,
 )
-from verl_ckpt.root_lock import LOCK_FILENAME, is_locked
-from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
 
 COMMITTED = (10, 20, 30)
 LEFTOVER = 40
@@ -90,7 +90,7 @@ def crash_during_rollback(root, to_step: int, delete: bool = False) -> None:
     """Run a rollback in a real process that dies (os._exit) right after its first rename."""
     code = (
         "import sys\n"
-        "from verl_ckpt.rollback import execute_rollback, plan_rollback\n"
+        "from verl_ckpt.store.rollback import execute_rollback, plan_rollback\n"
         "execute_rollback(sys.argv[1], plan_rollback(sys.argv[1], int(sys.argv[2]), "
         "delete=sys.argv[3] == 'delete'))\n"
     )
@@ -326,7 +326,7 @@ def test_rollback_records_each_moved_committed_step_with_its_record_hash(root, c
     rollbacks add to it, a completed interrupted one too."""
     import hashlib
 
-    from verl_ckpt.rollback import ROLLED_BACK_FILENAME, read_rolled_back
+    from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, read_rolled_back
 
     def digest(path):
         return hashlib.sha256((path / "verl_ckpt_commit.json").read_bytes()).hexdigest()

@@ -1,4 +1,4 @@
-"""One root, one job: the root lock (verl_ckpt/root_lock.py) against real processes.
+"""One root, one job: the root lock (verl_ckpt/startup/root_lock.py) against real processes.
 
 Every holder is a real process (tests/lock_holder.py) and every crash a real SIGKILL. This
 machine's filesystem supports flock, so the lease fallback is not reached by a failing
@@ -20,8 +20,8 @@ from datetime import datetime
 import pytest
 
 from tests.lock_holder import REPO_ROOT, HolderProcesses
-from verl_ckpt.errors import RootLockedError
-from verl_ckpt.root_lock import (
+from verl_ckpt.protocol.errors import RootLockedError
+from verl_ckpt.startup.root_lock import (
     LEASE_FILENAME,
     LOCK_FILENAME,
     LockHolder,
@@ -44,8 +44,8 @@ def acquire_elsewhere(root) -> str:
     """Try the lock from a fresh process: "ACQUIRED <mode>" or the RootLockedError message."""
     code = (
         "import sys\n"
-        "from verl_ckpt.errors import RootLockedError\n"
-        "from verl_ckpt.root_lock import RootLock\n"
+        "from verl_ckpt.protocol.errors import RootLockedError\n"
+        "from verl_ckpt.startup.root_lock import RootLock\n"
         "try:\n"
         "    lock = RootLock.acquire(sys.argv[1], purpose='probe')\n"
         "except RootLockedError as exc:\n"

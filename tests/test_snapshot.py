@@ -30,7 +30,7 @@ from verl_ckpt import (
     StepNotCommittedError,
     read_tracker,
 )
-from verl_ckpt.faults import ENV_VAR
+from verl_ckpt.protocol.faults import ENV_VAR
 
 
 def assert_restores(ranks, step, before):

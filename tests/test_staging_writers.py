@@ -26,10 +26,10 @@ from verl_ckpt import (
     CommitTimeoutError,
     read_tracker,
 )
-from verl_ckpt.faults import ENV_VAR
-from verl_ckpt.file_writer import write_bucket
-from verl_ckpt.staging import StagingSlot
-from verl_ckpt.writers import ProcessWriter
+from verl_ckpt.format.file_writer import write_bucket
+from verl_ckpt.protocol.faults import ENV_VAR
+from verl_ckpt.rank.staging import StagingSlot
+from verl_ckpt.rank.writers import ProcessWriter
 
 
 def assert_restores(ranks, step, before):

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from verl_ckpt import torch_format
-from verl_ckpt.torch_format import (
+from verl_ckpt.format import torch_format
+from verl_ckpt.format.torch_format import (
     _WRITE_ITEM_KWARGS,
     BLOB_TEMPLATES,
     CRC_FREE_BLOBS,

@@ -19,12 +19,12 @@ from tests.conftest import ROLES
 from tests.helpers import close_all, every_rank, open_all, save_everyone
 from tests.test_faults import faulty_coordinator, lone_rank  # noqa: F401 - a fixture
 from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, step_dir
-from verl_ckpt.cli import main as verl_ckpt_cli
-from verl_ckpt.commit_record import read_commit_record
-from verl_ckpt.faults import ENV_VAR
-from verl_ckpt.layout import list_step_dirs
+from verl_ckpt.cli.main import main as verl_ckpt_cli
 from verl_ckpt.protocol import Failure, Phase
-from verl_ckpt.reports import RankReport
+from verl_ckpt.protocol.faults import ENV_VAR
+from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.store.commit_record import read_commit_record
+from verl_ckpt.store.layout import list_step_dirs
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -12,22 +12,22 @@ import sys
 
 import pytest
 
-from verl_ckpt.commit import apply_retention
-from verl_ckpt.commit_record import (
+from verl_ckpt.commit.steps import apply_retention
+from verl_ckpt.protocol.config import CheckpointConfig, WriterConfig, to_checkpoint_config
+from verl_ckpt.protocol.errors import CheckpointConfigError, CommitRecordError, TrackerError
+from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
+from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
     is_committed,
     read_commit_record,
     write_commit_record,
 )
-from verl_ckpt.config import CheckpointConfig, WriterConfig, to_checkpoint_config
-from verl_ckpt.errors import CheckpointConfigError, CommitRecordError, TrackerError
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
-from verl_ckpt.reports import GlobalMetadataCache, RankReport
-from verl_ckpt.retention import delete_step_dir, steps_to_delete
-from verl_ckpt.tracker import read_tracker, tracker_path, write_tracker
-from verl_ckpt.verification import verify_files
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.store.retention import delete_step_dir, steps_to_delete
+from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.store.verification import verify_files
 
 
 def test_I2_tracker_round_trip_and_no_temp_left(tmp_path):
@@ -284,8 +284,8 @@ def test_I2_tracker_with_an_absurdly_long_number_is_an_error_naming_the_path(tmp
 
 _WRITE_PAST_FILE_SIZE_CAP = """
 import resource, signal, sys, torch
-from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.torch_format import save_tensor_blob
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.format.torch_format import save_tensor_blob
 # A real OS limit: writes past 64 KiB fail with EFBIG, as a full disk fails with ENOSPC.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
@@ -315,8 +315,8 @@ def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path
     import threading
     import time
 
-    from verl_ckpt import fsio
-    from verl_ckpt.file_writer import write_checksummed
+    from verl_ckpt.format.file_writer import write_checksummed
+    from verl_ckpt.store import fsio
 
     callers: list[str] = []
     real = fsio.start_writeback
@@ -341,8 +341,8 @@ def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path
 
 _WRITE_WITH_ONE_DESCRIPTOR_LEFT = """
 import os, resource, sys
-from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.fsio import file_checksum
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.store.fsio import file_checksum
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 payload = os.urandom(1 << 20) * 40  # the early writeback's helper wants a dup at the first hint
 held = []
@@ -391,7 +391,7 @@ def test_early_writeback_is_a_hint_a_stream_that_refuses_it_still_gets_every_byt
     import os
     import threading
 
-    from verl_ckpt.fsio import ChecksummingWriter, file_checksum, start_writeback
+    from verl_ckpt.store.fsio import ChecksummingWriter, file_checksum, start_writeback
 
     with open(tmp_path / "f.bin", "wb") as regular:
         regular.write(b"x" * 4096)

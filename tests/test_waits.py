@@ -14,9 +14,9 @@ from concurrent.futures import wait as wait_for_futures
 
 import pytest
 
-from verl_ckpt.errors import CommitTimeoutError
-from verl_ckpt.inflight import InFlightSaves
-from verl_ckpt.threads import DaemonPool
+from verl_ckpt.protocol.errors import CommitTimeoutError
+from verl_ckpt.protocol.threads import DaemonPool
+from verl_ckpt.rank.inflight import InFlightSaves
 
 
 def interrupt_soon(delay_s: float = 0.3) -> threading.Timer:
@@ -101,7 +101,7 @@ def test_a_pause_takes_hold_inside_a_large_write(monkeypatch):
     starts while it is written must hold the rest of it back, not only the next tensor.
     The pause is started from inside the first slice's write (a BytesIO that clears the
     gate): the one moment a real quiet() could not be placed at on purpose."""
-    from verl_ckpt import fsio
+    from verl_ckpt.store import fsio
 
     monkeypatch.setattr(fsio, "_WRITE_SLICE", 4)
     gate = threading.Event()
@@ -136,8 +136,8 @@ def test_I5_paused_writes_wait_between_calls_and_a_lost_resume_ends_by_itself(
 ):
     """CheckpointManager.quiet() holds background writes back while the trainer's update
     runs; a pause whose resume never comes (an optimizer step that raised) is bounded."""
-    from verl_ckpt import fsio
-    from verl_ckpt.file_writer import write_checksummed
+    from verl_ckpt.format.file_writer import write_checksummed
+    from verl_ckpt.store import fsio
 
     gate = threading.Event()  # cleared: paused
     wrote = threading.Event()

@@ -23,11 +23,7 @@ from typing import Any
 
 import torch
 
-from verl_ckpt import faults
-from verl_ckpt.commit_record import FileEntry, read_commit_record
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError, CommitRecordError
-from verl_ckpt.file_writer import write_checksummed
-from verl_ckpt.fsio import fsync_dir
+from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.hf.mapping import (
     HFMapping,
     TensorRule,
@@ -43,8 +39,13 @@ from verl_ckpt.hf.record import (
     verify_export,
     write_export_record,
 )
-from verl_ckpt.layout import DRIVER_ROLE
-from verl_ckpt.verification import verify_files
+from verl_ckpt.protocol import faults
+from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError, CommitRecordError
+from verl_ckpt.protocol.phases import Phase
+from verl_ckpt.store.commit_record import FileEntry, read_commit_record
+from verl_ckpt.store.fsio import fsync_dir
+from verl_ckpt.store.layout import DRIVER_ROLE
+from verl_ckpt.store.verification import verify_files
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportSummary", "choose_mapping", "export_role"]
 
@@ -105,7 +106,7 @@ def export_role(
         )
     tensors = _model_tensors(role_dir)
     rules = _checked_rules(mapping, spec, tensors, role_dir)
-    faults.inject("export", role)
+    faults.inject(Phase.EXPORT, role)
     if out_dir is None:
         _remove_stale_temporaries(target)
     tmp = target.with_name(f".{target.name}.tmp.{uuid.uuid4().hex[:12]}")

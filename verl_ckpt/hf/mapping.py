@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol
 
-from verl_ckpt.errors import CheckpointConfigError, CheckpointError
+from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError
 
 if TYPE_CHECKING:
     import torch

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt.config import HF_MODEL, CheckpointConfig
-from verl_ckpt.errors import CheckpointError
-from verl_ckpt.versioned_json import parse_versioned_json
+from verl_ckpt.protocol.config import HF_MODEL, CheckpointConfig
+from verl_ckpt.protocol.errors import CheckpointError
+from verl_ckpt.protocol.versioned_json import parse_versioned_json
 
 __all__ = [
     "MODEL_SPEC_FILENAME",
@@ -98,7 +98,7 @@ def encode_model_spec(spec: dict[str, Any]) -> bytes:
 
 def write_model_spec(data: bytes, role_dir: Path) -> Any:
     """Write the description into the role's directory (fsynced, checksummed, step 3)."""
-    from verl_ckpt.file_writer import write_checksummed
+    from verl_ckpt.format.file_writer import write_checksummed
 
     return write_checksummed(role_dir / MODEL_SPEC_FILENAME, lambda stream: stream.write(data))
 

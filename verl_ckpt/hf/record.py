@@ -12,10 +12,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from verl_ckpt.commit_record import FileEntry
-from verl_ckpt.errors import CommitRecordError
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
-from verl_ckpt.versioned_json import parse_versioned_json
+from verl_ckpt.protocol.errors import CommitRecordError
+from verl_ckpt.protocol.versioned_json import parse_versioned_json
+from verl_ckpt.store.commit_record import FileEntry
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
 
 __all__ = [
     "EXPORT_DIRNAME",

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt.config import HF_MODEL, CheckpointConfig
-from verl_ckpt.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.hf.mapping import check_architecture
-from verl_ckpt.layout import step_dir
+from verl_ckpt.protocol.config import HF_MODEL, CheckpointConfig
+from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
+from verl_ckpt.store.layout import step_dir
 
 __all__ = ["ExportOutcome", "ExportPlan", "ExportQueue", "check_export_config", "plan_exports"]
 

@@ -16,18 +16,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt.commit_record import committed_steps, is_committed
-from verl_ckpt.errors import CommitTimeoutError
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
-from verl_ckpt.ledger import StepStatus
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
+from verl_ckpt.protocol.errors import CommitTimeoutError
+from verl_ckpt.protocol.messages import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
-from verl_ckpt.remote.store import RemoteStore, call_with_deadline, describe_store_error
 from verl_ckpt.remote.tier import (
     apply_remote_retention,
     commit_remote_step,
     recover_remote,
     withdraw_other_remote_record,
 )
+from verl_ckpt.store.commit_record import committed_steps, is_committed
+from verl_ckpt.store.fsspec_store import RemoteStore, call_with_deadline, describe_store_error
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 
 __all__ = ["RemoteTier"]
 
@@ -112,7 +113,7 @@ class RemoteTier:
         """Whether a rank uploads its files of `step`: waits until the step committed
         locally (a report-based wait, no collective: I6). False when the step is skipped
         (`every`), its local commit failed, or the remote commit no longer waits for ranks."""
-        deadline = time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while (decided := self._ledger.status(step)) is None or (
             decided is UploadStatus.UPLOADING and step not in self._cleared
         ):
@@ -127,7 +128,7 @@ class RemoteTier:
                 step_path = step_dir(self._root, step)
                 if local is None and await asyncio.to_thread(is_committed, step_path):
                     return False
-            remaining = deadline - time.monotonic()
+            remaining = time_left(deadline)
             if remaining <= 0:
                 what = (
                     f"did not commit locally within {timeout_s:g}s"
@@ -233,7 +234,7 @@ class RemoteTier:
         return True
 
     async def _commit_step(self, step: int) -> None:
-        deadline = time.monotonic() + self._timeout_s
+        deadline = deadline_in(self._timeout_s)
         # The ranks' reports, up to the deadline; what a missing rank did not confirm is
         # uploaded here, so a dead rank delays the remote tier but never blocks it.
         while not self._ledger.all_reported(step) and time.monotonic() < deadline:

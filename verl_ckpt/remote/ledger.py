@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from verl_ckpt.reports import Participant
+from verl_ckpt.protocol.messages import Participant
 
 __all__ = ["UploadEntry", "UploadLedger", "UploadReport", "UploadStatus"]
 

@@ -17,13 +17,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_ckpt.commit_record import is_committed, parse_commit_record
-from verl_ckpt.errors import CheckpointError, CommitRecordError
-from verl_ckpt.fsio import atomic_write_bytes, fsync_dir
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, step_dir
-from verl_ckpt.remote.store import RemoteStore
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
 from verl_ckpt.remote.transfer import download_files
-from verl_ckpt.retention import delete_step_dir
+from verl_ckpt.store.commit_record import is_committed, parse_commit_record
+from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir
+from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
+from verl_ckpt.store.retention import delete_step_dir
 
 __all__ = [
     "PULLING_PREFIX",

@@ -20,17 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt import faults
-from verl_ckpt.commit_record import FileEntry
-from verl_ckpt.config import RemoteConfig
-from verl_ckpt.errors import CommitTimeoutError
-from verl_ckpt.fsio import CHECKSUM_ALGORITHM
-from verl_ckpt.layout import step_dir
-from verl_ckpt.protocol import RPC_SLACK_S
+from verl_ckpt.protocol import RPC_SLACK_S, faults
+from verl_ckpt.protocol.config import RemoteConfig
+from verl_ckpt.protocol.deadlines import time_left
+from verl_ckpt.protocol.errors import CommitTimeoutError
+from verl_ckpt.protocol.phases import Phase
+from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.remote.ledger import UploadReport
-from verl_ckpt.remote.store import RemoteStore, describe_store_error
 from verl_ckpt.remote.transfer import upload_files
-from verl_ckpt.threads import DaemonPool
+from verl_ckpt.store.commit_record import FileEntry
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM
+from verl_ckpt.store.fsspec_store import RemoteStore, describe_store_error
+from verl_ckpt.store.layout import step_dir
 
 __all__ = ["RankUploader"]
 
@@ -105,9 +106,7 @@ class RankUploader:
         """Let pending uploads finish until `deadline`; an upload still running then is
         named in a warning and left (the finalizer uploads what it did not confirm)."""
         for upload in list(self._pending):
-            done, _ = wait_for_futures(
-                [upload.future], timeout=max(0.0, deadline - time.monotonic())
-            )
+            done, _ = wait_for_futures([upload.future], timeout=time_left(deadline))
             if not done:
                 logger.warning(
                     "%s: the upload of step %d to %s did not end before close()'s deadline",
@@ -117,7 +116,7 @@ class RankUploader:
                 )
                 break
         self._collect()
-        self._pool.close(max(0.0, deadline - time.monotonic()))
+        self._pool.close(time_left(deadline))
 
     # ---- the upload (its own thread) ----------------------------------------------------
 
@@ -134,7 +133,7 @@ class RankUploader:
             return
         report = UploadReport(step, self._role, self._rank, node=_node_address())
         try:
-            faults.inject("upload", self._role, self._rank)
+            faults.inject(Phase.UPLOAD, self._role, self._rank)
             outcome = upload_files(
                 self._store,
                 step_dir(self._root, step),
@@ -142,7 +141,7 @@ class RankUploader:
                 files,
                 CHECKSUM_ALGORITHM,
                 self._config.threads,
-                max(0.0, deadline - time.monotonic()),
+                time_left(deadline),
             )
             report.paths = [entry.path for entry in outcome.done]
             report.errors = outcome.errors

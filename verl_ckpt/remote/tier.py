@@ -15,13 +15,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_ckpt.commit_record import CommitRecord, parse_commit_record
-from verl_ckpt.errors import CheckpointError, CommitRecordError, TrackerError
-from verl_ckpt.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
-from verl_ckpt.remote.store import RemoteListing, RemoteStore
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, TrackerError
 from verl_ckpt.remote.transfer import upload_files
-from verl_ckpt.retention import steps_to_delete
-from verl_ckpt.tracker import parse_tracker
+from verl_ckpt.store.commit_record import CommitRecord, parse_commit_record
+from verl_ckpt.store.fsspec_store import RemoteListing, RemoteStore
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
+from verl_ckpt.store.retention import steps_to_delete
+from verl_ckpt.store.tracker import parse_tracker
 
 __all__ = [
     "RemoteCommitSummary",

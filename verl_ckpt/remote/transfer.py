@@ -18,11 +18,12 @@ from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_ckpt.commit_record import FileEntry
-from verl_ckpt.errors import CheckpointError, CommitTimeoutError
-from verl_ckpt.fsio import new_hasher
-from verl_ckpt.remote.store import RemoteStore
-from verl_ckpt.threads import DaemonPool
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
+from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.protocol.threads import DaemonPool
+from verl_ckpt.store.commit_record import FileEntry
+from verl_ckpt.store.fsio import new_hasher
+from verl_ckpt.store.fsspec_store import RemoteStore
 
 __all__ = [
     "PART_SIZE",
@@ -163,7 +164,7 @@ class _PartPool:
         self._store = store
         self._pool = DaemonPool(threads, "verl_ckpt_parts")
         self._room = threading.BoundedSemaphore(threads)
-        self._deadline = time.monotonic() + timeout_s
+        self._deadline = deadline_in(timeout_s)
 
     def upload(self, local: Path, rel: str, entry: FileEntry, algorithm: str) -> None:
         bucket, key, _ = self._fs.split_path(self._store.key(rel))
@@ -228,7 +229,7 @@ class _PartPool:
             self._room.release()
 
     def _remaining(self) -> float:
-        return max(0.0, self._deadline - time.monotonic())
+        return time_left(self._deadline)
 
 
 def _send(local: Path, write: Callable, entry: FileEntry, algorithm: str) -> None:

@@ -1,0 +1,177 @@
+"""Talking to the finalizer actor: start it, find it, call it with a deadline.
+
+One finalizer per checkpoint root, named after the root, so that every rank finds the one
+the driver started. `actor_options()` is the single definition of how it runs (tests that
+start it with a fault hook reuse it rather than copying it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
+from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
+
+if TYPE_CHECKING:
+    from verl_ckpt.hf.scheduler import ExportPlan
+
+__all__ = [
+    "FINALIZER_NAMESPACE",
+    "actor_options",
+    "call_finalizer",
+    "check_shared_root",
+    "finalizer_name",
+    "get_finalizer",
+    "start_finalizer",
+]
+
+FINALIZER_NAMESPACE = "verl_ckpt"
+
+
+def finalizer_name(root_dir: str | os.PathLike) -> str:
+    """The actor name for a root: one finalizer per checkpoint root, found by every rank."""
+    digest = hashlib.sha1(str(Path(root_dir).resolve()).encode()).hexdigest()[:16]
+    return f"verl_ckpt_finalizer_{digest}"
+
+
+def actor_options(root_dir: str | os.PathLike) -> dict[str, Any]:
+    """How the finalizer of `root_dir` runs: named, restarted on failure, no CPU slot, on the
+    caller's node (the driver's, which must see the root anyway; the job ends with it)."""
+    return {
+        "name": finalizer_name(root_dir),
+        "namespace": FINALIZER_NAMESPACE,
+        "get_if_exists": True,
+        # Restarted after a crash: it rebuilds its state from disk (recovery.py). A call in
+        # flight is retried on the new instance, which refuses reports it cannot trust.
+        "max_restarts": -1,
+        "max_task_retries": 3,
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+    }
+
+
+def start_finalizer(
+    root_dir: str | os.PathLike,
+    participants: dict[str, int],
+    max_ckpt_to_keep: int | None,
+    timeout_s: float = 120.0,
+    max_in_flight: int = 1,
+    hf_exports: ExportPlan | None = None,
+    remote: dict[str, Any] | None = None,
+) -> ray.actor.ActorHandle:
+    """Start the finalizer of `root_dir`, or reconnect to the one already running.
+
+    A running finalizer of the same root with other settings is an error, not silently
+    reused.
+    """
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+
+    if not participants or any(size < 1 for size in participants.values()):
+        raise CheckpointError(f"participants must map roles to world sizes >= 1: {participants}")
+    root = str(Path(root_dir).resolve())
+    actor = (
+        ray.remote(CheckpointFinalizer)
+        .options(**actor_options(root))
+        .remote(
+            root,
+            dict(participants),
+            max_ckpt_to_keep,
+            max_in_flight,
+            hf_exports,
+            remote,
+            uuid.uuid4().hex,  # this job's run id, the same for every restart of the actor
+        )
+    )
+    try:
+        found = ray.get(actor.describe.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise CommitTimeoutError(
+            f"the finalizer of {root} did not start within {timeout_s:.0f}s"
+        ) from None
+    wanted = {
+        "root_dir": root,
+        "participants": dict(participants),
+        "max_ckpt_to_keep": max_ckpt_to_keep,
+        "max_in_flight": max_in_flight,
+        "hf_exports": asdict(hf_exports) if hf_exports else None,
+        "remote": dict(remote) if remote else None,
+    }
+    if found != wanted:
+        raise CheckpointError(
+            f"a finalizer for {root} is already running with {found}, but {wanted} was asked "
+            "for; use the same checkpoint config everywhere or stop the other job"
+        )
+    return actor
+
+
+def get_finalizer(root_dir: str | os.PathLike, timeout_s: float) -> ray.actor.ActorHandle:
+    """Find the finalizer of `root_dir` that the driver started, waiting up to `timeout_s`."""
+    root = str(Path(root_dir).resolve())
+    deadline = deadline_in(timeout_s)
+    while True:
+        try:
+            return ray.get_actor(finalizer_name(root), namespace=FINALIZER_NAMESPACE)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise CommitTimeoutError(
+                    f"no finalizer for checkpoint root {root} appeared within {timeout_s:.0f}s: "
+                    "the driver must call CheckpointCoordinator (or start_finalizer) first"
+                ) from None
+            time.sleep(0.1)
+
+
+def check_shared_root(
+    root_dir: str | os.PathLike, finalizer: ray.actor.ActorHandle, timeout_s: float, who: str
+) -> None:
+    """Fail unless this process sees the marker the finalizer wrote into the root.
+
+    Ranks, driver and finalizer may run on different nodes; a root that is not one shared
+    filesystem would scatter a step's files over several disks and never commit correctly.
+    """
+    token = call_finalizer(finalizer, "marker_token", deadline=deadline_in(timeout_s), who=who)
+    marker = Path(root_dir) / ROOT_MARKER_FILENAME
+    try:
+        seen = marker.read_text()
+    except OSError:
+        seen = None
+    if seen != token:
+        raise CheckpointError(
+            f"{who} on node {ray.util.get_node_ip_address()} does not see the checkpoint root "
+            f"{root_dir} that the finalizer writes to (marker {marker.name} "
+            f"{'missing' if seen is None else 'differs'}): checkpoint.root_dir must be one "
+            "filesystem shared by every node"
+        )
+
+
+def call_finalizer(
+    finalizer: ray.actor.ActorHandle, method: str, *args: Any, deadline: float, who: str
+) -> Any:
+    """Call `method` on the finalizer and wait for the answer until `deadline` (monotonic).
+
+    Where the finalizer itself waits (begin_step, wait_for_commit, drain) it applies the
+    caller's timeout and names what is missing; this deadline only bounds the call, so
+    callers give it some slack beyond their own timeout.
+    """
+    ref = getattr(finalizer, method).remote(*args)
+    try:
+        return ray.get(ref, timeout=time_left(deadline, 0.1))
+    except ray.exceptions.GetTimeoutError:
+        raise CommitTimeoutError(f"{who}: the finalizer did not answer {method} in time") from None
+    except ray.exceptions.RayTaskError as exc:
+        # The finalizer's own error (a refusal, a deadline naming who is missing) is raised
+        # as itself: one line, not wrapped in Ray's remote traceback.
+        if isinstance(exc.cause, CheckpointError):
+            raise exc.cause from None
+        raise

@@ -1,0 +1,116 @@
+"""What a participant tells the finalizer once its write for a step ended (protocol step 4)."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from verl_ckpt.protocol import Failure
+
+__all__ = ["FileEntry", "GlobalMetadataCache", "Participant", "RankReport", "StepStatus"]
+
+# (role, rank): who takes part in a step. The driver is role "driver", rank 0.
+Participant = tuple[str, int]
+
+
+class StepStatus(StrEnum):
+    """Where a step stands in the finalizer's ledger (and in the remote tier's view of it)."""
+
+    COLLECTING = "collecting"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    LOST = "lost"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a committed step, relative to the step directory."""
+
+    path: str
+    size: int
+    checksum: str
+
+
+@dataclass
+class RankReport:
+    """One participant's outcome for one step; reports are idempotent by (step, role, rank).
+
+    `files` are relative to the step directory. `write_results` are DCP WriteResults and
+    `global_metadata` the DCP Metadata (coordinator rank only) that the finalizer turns into
+    the role's `.metadata`. `failure` set means this participant failed and the step will
+    not commit.
+    """
+
+    step: int
+    role: str
+    rank: int
+    world_size: int
+    save_id: str
+    files: list[FileEntry] = field(default_factory=list)
+    write_results: list[Any] = field(default_factory=list)
+    global_metadata: Any = None
+    failure: Failure | None = None
+    # In transit (pack/unpack), as plain pickles: about half of what Ray's own serialisation
+    # of a hundred WriteResult dataclasses costs on the report's round trip. The global
+    # metadata arrives pickled already (once per save plan: megatron_compat.PreparedSave).
+    packed_write_results: bytes | None = None
+    packed_global_metadata: bytes | None = None
+    # Set by the finalizer when the report arrives, whatever a sender put here: what was
+    # wrong with its files on disk then ("" when nothing; commit.reported_files_problem).
+    # None: not checked, and the commit checks them.
+    files_on_arrival: str | None = None
+
+    def pack(self) -> RankReport:
+        """Before sending: write_results as one pickled blob."""
+        if self.write_results:
+            self.packed_write_results = pickle.dumps(self.write_results, pickle.HIGHEST_PROTOCOL)
+            self.write_results = []
+        return self
+
+    def unpack(self, metadata_cache: GlobalMetadataCache | None = None) -> RankReport:
+        """On receipt, at the finalizer's intake: the global metadata back, from
+        `metadata_cache` when its bytes are the ones unpickled last for this role (shared,
+        never to be changed). The write results stay packed until a commit needs them
+        (unpacked_write_results): with a forecast `.metadata` it does not, and the bytes are
+        what the forecast is checked against (metadata_forecast)."""
+        if self.packed_global_metadata is not None:
+            packed = self.packed_global_metadata
+            if metadata_cache is None:
+                self.global_metadata = pickle.loads(packed)
+            else:
+                self.global_metadata = metadata_cache.unpickle(self.role, packed)
+        return self
+
+    def unpacked_write_results(self) -> list:
+        """The DCP write results, unpickled now if they arrived packed."""
+        if self.packed_write_results is None:
+            return self.write_results
+        return pickle.loads(self.packed_write_results)
+
+    @property
+    def participant(self) -> Participant:
+        return (self.role, self.rank)
+
+
+class GlobalMetadataCache:
+    """The finalizer's last unpickled global metadata of each role.
+
+    A save group whose plan is cached sends the same bytes at every step (pickled once per
+    plan), and unpickling them is most of the coordinator rank's report intake: on the
+    commit's path whenever that report comes last. One entry per role, replaced when the
+    plan changes; the objects handed out are shared between steps and never changed.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[bytes, Any]] = {}
+
+    def unpickle(self, role: str, packed: bytes) -> Any:
+        last = self._last.get(role)
+        if last is not None and last[0] == packed:
+            return last[1]
+        metadata = pickle.loads(packed)
+        self._last[role] = (packed, metadata)
+        return metadata

@@ -1,0 +1,128 @@
+"""A small pool of daemon threads whose shutdown honours a deadline.
+
+`concurrent.futures.ThreadPoolExecutor` cannot: `shutdown(wait=True)` waits for a hung task
+forever, and its threads are joined at interpreter exit, so a write stuck on a dead disk
+would also keep the process from exiting. Here a hung task is named at the deadline and
+left to a daemon thread that does not hold the process up.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
+
+__all__ = ["DaemonPool", "lower_priority", "run_when_idle"]
+
+_STOP = None
+
+
+def lower_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority to `nice` (and its I/O to the best-effort
+    class's lowest level), so that background writes yield to the training thread.
+
+    On Linux, niceness and I/O priority belong to each thread (a thread id is a task of its
+    own), and threads started afterwards by this one inherit them. Elsewhere, and where the
+    system refuses, this does nothing: priorities are an optimisation, never a requirement.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        import psutil
+
+        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, 7)
+    except Exception:  # noqa: BLE001 - OSError, psutil's NoSuchProcess/AccessDenied: optional
+        pass
+
+
+def run_when_idle() -> None:
+    """Put the calling thread in Linux's SCHED_IDLE class: it runs only on a core that
+    nothing else wants, however low its niceness (a nice-19 thread still takes a share of a
+    busy core). For work whose result is optional: its callers must never wait for it
+    unboundedly, since a busy machine may not run it at all. Elsewhere, does nothing."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except OSError:
+        pass
+
+
+class DaemonPool:
+    """`threads` daemon threads running submitted calls in order of submission, at CPU
+    niceness `nice` (0: unchanged), or, with `idle`, only when a core is idle
+    (run_when_idle)."""
+
+    def __init__(self, threads: int, name: str, nice: int = 0, idle: bool = False) -> None:
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: dict[int, str] = {}  # thread ident -> what it runs, for close()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._nice = nice
+        self._idle = idle
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "") -> Future:
+        """Run `fn(*args)` on a pool thread; `label` names it if it is still running at
+        close()."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DaemonPool is closed")
+            future: Future = Future()
+            self._tasks.put((future, fn, args, label or getattr(fn, "__name__", "task")))
+        return future
+
+    def close(self, timeout_s: float) -> list[str]:
+        """Stop the threads, waiting up to `timeout_s` for running tasks; calls not started
+        yet are cancelled. Returns the labels of tasks still running at the deadline."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    self._tasks.put(_STOP)
+        deadline = deadline_in(timeout_s)
+        for thread in self._threads:
+            thread.join(time_left(deadline))
+        with self._lock:
+            return [self._running[t.ident] for t in self._threads if t.ident in self._running]
+
+    def _work(self) -> None:
+        lower_priority(self._nice)
+        if self._idle:
+            run_when_idle()
+        while True:
+            # An idle worker's wait, deliberately without a deadline: every caller bounds
+            # its own wait on the future it was handed, and close() posts _STOP for each
+            # thread and joins them within its timeout (the threads are daemons).
+            item = self._tasks.get()
+            if item is _STOP:
+                return
+            future, fn, args, label = item
+            # A call not started by close() is cancelled; notify_cancel wakes its waiters
+            # (a future only cancel()ed never counts as done for concurrent.futures.wait).
+            if self._closed:
+                future.cancel()
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._lock:
+                self._running[threading.get_ident()] = label
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._running.pop(threading.get_ident(), None)

@@ -1,0 +1,70 @@
+"""Whether a run's ranks can load a committed step, from what is on disk alone.
+
+A rank's `load()` refuses a step that holds no state of its role, and per-rank extra state
+(RNG and the like) saved by another number of ranks: megatron-core reshards model and
+optimizer, but a rank's own state has no counterpart in a world of another size.
+`prepare_start(config, roles=...)` makes the same checks before Ray starts, from the commit
+record's rank counts and, only when a role's rank count changed, the names in its DCP
+`.metadata`: a run started with another world size then fails in one line naming the step
+and the key, instead of in every rank's load once the workers are up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
+from verl_ckpt.store.commit_record import CommitRecord, read_commit_record
+
+__all__ = [
+    "EXTRA_STATE_KEY",
+    "check_resume_fits",
+    "extra_reshard_error",
+    "missing_role_error",
+]
+
+# The megatron-core key of each rank's extra state (a ShardedObject per rank).
+EXTRA_STATE_KEY = "verl_ckpt.extra_state"
+
+
+def missing_role_error(path: Path, role: str, record: CommitRecord) -> CommitRecordError:
+    return CommitRecordError(
+        f"{path} holds no state of role {role!r} (roles: {sorted(record.participants)})"
+    )
+
+
+def extra_reshard_error(path: Path, role: str, saved: int, loading: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: role {role} was saved with {saved} ranks, loading with {loading}; per-rank "
+        "extra state cannot be resharded (drop 'extra' from checkpoint.load_contents to load "
+        f"model and optimizer only, or load with {saved} ranks)"
+    )
+
+
+def check_resume_fits(path: Path, roles: Mapping[str, int], load_contents: Iterable[str]) -> None:
+    """Raise what `load()` would raise in the ranks of `roles` (role -> ranks) loading the
+    committed step `path` with `load_contents`: a role the step does not hold, or a role
+    whose rank count changed while it saved extra state that `load_contents` asks for."""
+    record = read_commit_record(path)
+    wants_extra = "extra" in load_contents
+    for role, ranks in roles.items():
+        saved = record.role_world_size(role)
+        if saved is None:
+            raise missing_role_error(path, role, record)
+        if saved != ranks and wants_extra and _holds_extra_state(path / role):
+            raise extra_reshard_error(path, role, saved, ranks)
+
+
+def _holds_extra_state(role_dir: Path) -> bool:
+    # Imported here: only a start with a changed rank count reads a `.metadata`.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(role_dir)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - unpickling raises anything on a damaged file
+        raise CommitRecordError(
+            f"{role_dir / '.metadata'} is unreadable: {type(exc).__name__}: {exc}"
+        ) from None
+    # megatron-core names each rank's object "<key>/shard_<rank>_<ranks>".
+    return any(key.startswith(EXTRA_STATE_KEY + "/") for key in keys)

@@ -1,0 +1,512 @@
+"""One checkpoint root, one job: a lock on the root that dies with its holder.
+
+The same job launched twice on one root (a scheduler's double launch, a re-submitted Ray
+job) would interleave its saves in one step namespace. The driver takes this lock at
+start-up, before anything under the root changes; `verl-ckpt` commands that change a root
+take it too. A second taker is refused at once with a `RootLockedError` naming the holder.
+
+Two mechanisms behind one interface:
+
+- "flock" (preferred): `flock(LOCK_EX | LOCK_NB)` on `<root>/.verl_ckpt.lock`. The kernel
+  drops it when the holder dies, however it dies, so a stale lock never blocks a restart.
+  Over NFS, Linux maps flock onto POSIX locks held by the server, so it excludes processes
+  on other nodes too (unless the mount says `local_lock=flock` or `local_lock=all`). Not
+  fcntl/lockf record locks: a process loses those as soon as it closes ANY descriptor of
+  the file, which any code that reads the lock file would do.
+- "lease" (the fallback where flock fails with ENOLCK, EOPNOTSUPP or ENOSYS: Lustre mounted
+  without `-o flock`, some FUSE filesystems): `<root>/.verl_ckpt.lease`, whose heartbeat a
+  daemon thread renews every lease_s/4. A lease is stale when its heartbeat is older than
+  lease_s (the nodes' clocks must agree to well within lease_s), or at once when its holder
+  ran on this machine and is dead.
+
+Each taker publishes its own lock first and then checks the other mechanism, so that a
+lease holder and a flock holder exclude each other where both can be seen. A node that
+cannot flock at all cannot see a flock holder: mount the root with the same lock support on
+every node.
+
+Within one process the lock is re-entrant: acquiring a root this process holds returns
+another handle on the same lock, released with the last handle.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from verl_ckpt.protocol.deadlines import deadline_in
+from verl_ckpt.protocol.errors import RootLockedError
+from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir
+
+__all__ = [
+    "LEASE_FILENAME",
+    "LOCK_FILENAME",
+    "LockHolder",
+    "RootLock",
+    "is_locked",
+    "read_holder",
+]
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILENAME = ".verl_ckpt.lock"
+LEASE_FILENAME = ".verl_ckpt.lease"
+_MODES = ("auto", "flock", "lease")
+# flock errors meaning "this filesystem cannot flock", as opposed to "someone holds it".
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+# A held flock is retried this long before refusing: `is_locked` probes hold a shared flock
+# for microseconds, and a probe must not turn a job's start into a refusal.
+_CONTENDED_GRACE_S = 0.5
+_RETRY_S = 0.02
+# How long a lease taker waits before re-reading the lease to learn whether it won.
+_SETTLE_S = 0.2
+# Process start times read twice through psutil differ by rounding only.
+_START_TIME_SLACK_S = 1.0
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a root: written into the lock (or lease) file by the holder."""
+
+    host: str
+    pid: int
+    since: str  # ISO-8601 local time with its UTC offset
+    purpose: str  # e.g. "job `python -m recipes.ppo_toy`", "verl-ckpt rollback"
+
+    def describe(self) -> str:
+        return f"{self.purpose} on host {self.host} (pid {self.pid}, since {self.since})"
+
+
+# ---- holder records ------------------------------------------------------------------------
+
+
+def _machine() -> str:
+    """Where our pids mean something: hostname, kernel boot and pid namespace. The hostname
+    alone is not enough: containers on one node can share it and not their pids."""
+    parts = [socket.gethostname()]
+    for read in (
+        lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        lambda: str(os.stat("/proc/self/ns/pid").st_ino),
+    ):
+        try:
+            parts.append(read())
+        except OSError:
+            pass
+    return "/".join(parts)
+
+
+def _new_record(purpose: str) -> dict[str, Any]:
+    holder = LockHolder(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        since=datetime.now().astimezone().isoformat(timespec="seconds"),
+        purpose=purpose,
+    )
+    # The start time tells our pid from a later process that reuses it.
+    started = psutil.Process().create_time()
+    return {**asdict(holder), "machine": _machine(), "pid_started": started}
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The holder record in `path`; None when the file is missing, empty or not a record."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # missing, or written this very moment, or damaged
+        return None
+    if not isinstance(record, dict):
+        return None
+    types = {"host": str, "pid": int, "since": str, "purpose": str}
+    if not all(isinstance(record.get(key), kind) for key, kind in types.items()):
+        return None
+    return record
+
+
+def _holder_of(record: dict[str, Any] | None) -> LockHolder | None:
+    if record is None:
+        return None
+    return LockHolder(record["host"], record["pid"], record["since"], record["purpose"])
+
+
+def _holder_is_dead(record: dict[str, Any]) -> bool:
+    """True only when the holder ran where we can see its pid and that process is gone."""
+    if record.get("machine") != _machine():
+        return False
+    try:
+        process = psutil.Process(record["pid"])
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return True
+        started = record.get("pid_started")
+        reused = isinstance(started, (int, float)) and (
+            abs(process.create_time() - started) > _START_TIME_SLACK_S
+        )
+        return reused
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False  # it exists; someone else's process, but alive
+
+
+def _locked_error(root: Path, path: Path, holder: LockHolder | None) -> RootLockedError:
+    who = holder.describe() if holder else "another process (no holder info in the file yet)"
+    return RootLockedError(
+        f"checkpoint root {root} is in use by {who}; stop it, or use another "
+        f"checkpoint.root_dir (lock {path})"
+    )
+
+
+# ---- flock ---------------------------------------------------------------------------------
+
+
+def _flock_held(root: Path) -> bool:
+    """Whether some open file (of any process, ours included) holds the root's flock.
+
+    Probes with a shared lock that is dropped at once; False where flock is unsupported.
+    """
+    try:
+        fd = os.open(root / LOCK_FILENAME, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as exc:
+        if exc.errno in _NO_FLOCK:
+            return False
+        raise
+    finally:
+        os.close(fd)  # also drops the probe's shared lock
+    return False
+
+
+class _Flock:
+    mode = "flock"
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+        self._pid = os.getpid()
+
+    @classmethod
+    def take(cls, root: Path, record: dict[str, Any]) -> _Flock:
+        path = root / LOCK_FILENAME
+        # O_CLOEXEC: a child that exec()s must not inherit the lock and keep it alive.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = deadline_in(_CONTENDED_GRACE_S)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise _locked_error(root, path, _holder_of(_read_record(path))) from None
+                    time.sleep(_RETRY_S)
+            # Published (the flock), now check the other mechanism: a lease taker does the
+            # same in the opposite order, so of two simultaneous takers one sees the other.
+            live, lease = _lease_state(root / LEASE_FILENAME, 0.0)
+            if live:
+                raise _locked_error(root, root / LEASE_FILENAME, _holder_of(lease))
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(record).encode(), 0)
+                os.fsync(fd)
+            except OSError as exc:  # a full disk: name the file, which the call does not
+                raise OSError(exc.errno, exc.strerror, str(path)) from None
+        except BaseException:
+            os.close(fd)  # the only descriptor of this open file: closing drops the flock
+            raise
+        return cls(path, fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            # A child forked while we held the lock shares our open file, and with it the
+            # lock: its copy only closes, it never unlocks its parent.
+            if os.getpid() == self._pid:
+                # Clear the holder info while still holding the lock, so that a cleanly
+                # released root names nobody. Never unlink the file: a process that opened
+                # it before the unlink would lock an orphan inode while a newcomer locks a
+                # new file, and both would run.
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+# ---- lease ---------------------------------------------------------------------------------
+
+
+def _lease_state(path: Path, lease_s: float) -> tuple[bool, dict[str, Any] | None]:
+    """(whether the lease in `path` is live, its record). Fresh means a heartbeat younger than
+    the larger of `lease_s` and the holder's own lease_s (the holder decides how often it
+    renews, so it decides when its silence means death)."""
+    record = _read_record(path)
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return False, None
+    if record is None:
+        # Created with O_EXCL and not yet written, or damaged: its age is the file's.
+        return time.time() - mtime < lease_s, None
+    heartbeat = record.get("heartbeat")
+    heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else mtime
+    own = record.get("lease_s")
+    window = max(lease_s, own if isinstance(own, (int, float)) else 0.0)
+    fresh = time.time() - heartbeat < window
+    return fresh and not _holder_is_dead(record), record
+
+
+class _LeaseLost(Exception):
+    """Raised inside a renewal when the lease file no longer holds our token."""
+
+
+def _write_lease(
+    path: Path, record: dict[str, Any], before_replace: Callable[[], None] | None = None
+) -> None:
+    """Replace the lease atomically. Its temporary is named by the lease's random token, not
+    by pid: two nodes can run the same pid."""
+    data = json.dumps(record).encode()
+    atomic_write_bytes(path, data, before_replace=before_replace, tmp_tag=record["token"])
+
+
+def _create_lease(path: Path, record: dict[str, Any]) -> bool:
+    """Create the lease file if there is none; False when one exists."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, json.dumps(record).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+    return True
+
+
+class _Lease:
+    mode = "lease"
+
+    def __init__(self, path: Path, record: dict[str, Any], lease_s: float) -> None:
+        self.path = path
+        self._record = record
+        self._lease_s = lease_s
+        self._pid = os.getpid()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._heartbeat, name=f"verl-ckpt lease {path.parent}", daemon=True
+        )
+
+    @classmethod
+    def take(cls, root: Path, record: dict[str, Any], lease_s: float) -> _Lease:
+        path = root / LEASE_FILENAME
+        record = {**record, "token": secrets.token_hex(16), "lease_s": lease_s}
+        record["heartbeat"] = time.time()
+        # An exclusive create cannot race: only one taker finds no file. Taking over a stale
+        # lease can, and is settled by re-reading (see `_take_over`).
+        if not _create_lease(path, record):
+            cls._take_over(root, path, record, lease_s)
+        lease = cls(path, record, lease_s)
+        # Published (the lease), now check the other mechanism (see _Flock.take).
+        if _flock_held(root):
+            lease.release()
+            lock_path = root / LOCK_FILENAME
+            raise _locked_error(root, lock_path, _holder_of(_read_record(lock_path)))
+        lease._thread.start()
+        return lease
+
+    @staticmethod
+    def _take_over(root: Path, path: Path, record: dict[str, Any], lease_s: float) -> None:
+        def refuse_if_live() -> None:
+            live, current = _lease_state(path, lease_s)
+            if live:
+                raise _locked_error(root, path, _holder_of(current))
+
+        refuse_if_live()
+        # Judged once more right before the rename: between judgement and rename there is
+        # then one read, not a write and an fsync, for another taker to slip into.
+        _write_lease(path, record, before_replace=refuse_if_live)
+        # Two takers that both judged the lease stale both rename, and the last rename wins:
+        # after a moment, whoever no longer finds its own token has lost.
+        time.sleep(min(_SETTLE_S, lease_s / 4))
+        winner = _read_record(path)
+        if winner is None or winner.get("token") != record["token"]:
+            raise _locked_error(root, path, _holder_of(winner))
+        logger.warning("took over the stale lease %s", path)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self._lease_s / 4):
+            try:
+                self._renew()
+            except _LeaseLost:
+                logger.error(
+                    "lost the lease %s to another process (this one stalled for more than "
+                    "%.1f s?): two jobs may now be using the checkpoint root",
+                    self.path,
+                    self._lease_s,
+                )
+                return
+            except OSError as exc:  # a transient NFS error; the lease has lease_s of slack
+                logger.warning("could not renew the lease %s: %s", self.path, exc)
+
+    def _renew(self) -> None:
+        def still_ours() -> None:
+            current = _read_record(self.path)
+            if current is None or current.get("token") != self._record["token"]:
+                raise _LeaseLost
+
+        self._record = {**self._record, "heartbeat": time.time()}
+        _write_lease(self.path, self._record, before_replace=still_ours)
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._lease_s)  # one renewal at most is under way
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the lease is its parent's
+        current = _read_record(self.path)
+        if current is not None and current.get("token") == self._record["token"]:
+            self.path.unlink(missing_ok=True)
+            fsync_dir(self.path.parent)
+
+
+# ---- the public handle ---------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    lock: _Flock | _Lease
+    pid: int
+    handles: int = 0
+
+
+# Roots this process holds, by resolved path. Re-entrance must be handled here: two flocks
+# of one process on two open files of the same file conflict like two processes' would.
+_HELD: dict[Path, _Held] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def _take(root: Path, purpose: str, mode: str, lease_s: float) -> _Flock | _Lease:
+    record = _new_record(purpose)
+    if mode != "lease":
+        try:
+            return _Flock.take(root, record)
+        except OSError as exc:
+            if mode == "flock" or exc.errno not in _NO_FLOCK:
+                raise
+            logger.warning(
+                "cannot flock %s (%s): locking the root with a heartbeat lease instead",
+                root / LOCK_FILENAME,
+                exc.strerror,
+            )
+    return _Lease.take(root, record, lease_s)
+
+
+class RootLock:
+    """A handle on the lock of one checkpoint root; get one with `RootLock.acquire`."""
+
+    def __init__(self, key: Path, held: _Held) -> None:
+        self._key = key
+        self._held = held
+        self._released = False
+
+    @classmethod
+    def acquire(
+        cls,
+        root: str | os.PathLike,
+        purpose: str,
+        mode: str = "auto",
+        lease_s: float = 30.0,
+    ) -> RootLock:
+        """Lock `root` (created with its parents if missing) for `purpose`, or raise
+        RootLockedError naming the holder. `mode`: "auto" (flock, else a lease where the
+        filesystem cannot flock), "flock" or "lease". `lease_s`: how long a silent lease
+        holder stays the holder. A root this process holds gives another handle on the same
+        lock, whatever `purpose` and `mode` say."""
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        key = root.resolve()
+        with _HELD_LOCK:
+            held = _HELD.get(key)
+            # An entry of another pid was inherited through fork: that lock is the parent's.
+            if held is None or held.pid != os.getpid():
+                held = _Held(_take(root, purpose, mode, lease_s), os.getpid())
+                _HELD[key] = held
+            held.handles += 1
+            return cls(key, held)
+
+    def release(self) -> None:
+        """Drop this handle; the lock itself goes with the process's last handle."""
+        with _HELD_LOCK:
+            if self._released:
+                return
+            self._released = True
+            self._held.handles -= 1
+            if self._held.handles > 0:
+                return
+            if _HELD.get(self._key) is self._held:
+                del _HELD[self._key]
+            self._held.lock.release()
+
+    def __enter__(self) -> RootLock:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    @property
+    def path(self) -> Path:
+        """The lock file (flock) or the lease file."""
+        return self._held.lock.path
+
+    @property
+    def mode(self) -> str:
+        """Either "flock" or "lease"."""
+        return self._held.lock.mode
+
+
+def read_holder(root: str | os.PathLike) -> LockHolder | None:
+    """The holder named in the root's lock or lease file, None when neither names one.
+
+    It may be a holder that died: a killed process cannot clear its info. Whether the root
+    is held now is `is_locked`. Where both files name a holder, the newer file wins: a
+    holder writes its file when it takes the lock.
+    """
+    found = []
+    for name in (LOCK_FILENAME, LEASE_FILENAME):
+        path = Path(root) / name
+        holder = _holder_of(_read_record(path))
+        if holder is not None:
+            try:
+                found.append((path.stat().st_mtime, holder))
+            except FileNotFoundError:
+                continue
+    return max(found, key=lambda pair: pair[0])[1] if found else None
+
+
+def is_locked(root: str | os.PathLike) -> bool:
+    """Whether some process holds the root now (this one included), without taking it."""
+    root = Path(root)
+    return _flock_held(root) or _lease_state(root / LEASE_FILENAME, 0.0)[0]

@@ -1,0 +1,266 @@
+"""One remote tier URL through fsspec: the same layout as a local root, under a prefix.
+
+    <url>/latest_checkpointed_iteration.txt        the remote tracker ("N\\n", one PUT)
+    <url>/global_step_<N>/<role>/...               the files of the step, as on disk
+    <url>/global_step_<N>/driver_state.pt
+    <url>/global_step_<N>/verl_ckpt_commit.json    the commit record, uploaded LAST
+
+Every listing goes to the store (no fsspec listings cache: other processes write the same
+prefix), and every call runs under the deadlines given in storage_options (botocore's
+connect and read timeouts for s3). Those alone do not bound a call: s3fs retries a timed
+out request on top of botocore's attempts (a 2 s read timeout took 25 s with one attempt;
+the defaults, minutes). A store opened with `call_timeout_s` (start-up, the CLI) runs each
+of its calls through `call_with_deadline`, which ends it at that deadline naming the object.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
+from verl_ckpt.store.fsio import atomic_write_bytes
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
+
+__all__ = [
+    "RemoteListing",
+    "RemoteStore",
+    "call_with_deadline",
+    "check_store",
+    "describe_store_error",
+    "is_remote_url",
+]
+
+_T = TypeVar("_T")
+
+# s3 defaults when storage_options' config_kwargs do not say: an unreachable endpoint fails
+# a connection after 10 s (botocore: 60 s), a stopped one a request after 60 s, with 3
+# attempts (s3fs retries timeouts a few more times on top).
+_S3_CONFIG_DEFAULTS = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
+
+
+def is_remote_url(text: str) -> bool:
+    """Whether a ROOT argument is a URL for the remote tier rather than a local directory."""
+    return "://" in text
+
+
+@dataclass(frozen=True)
+class RemoteListing:
+    """Every object under the URL, read in one (paginated) listing."""
+
+    # step -> {path relative to the step directory: size}
+    steps: dict[int, dict[str, int]]
+
+    def committed(self) -> list[int]:
+        """Steps whose commit record is present, oldest first."""
+        return sorted(s for s, files in self.steps.items() if COMMIT_RECORD_FILENAME in files)
+
+    def uncommitted(self) -> list[int]:
+        return sorted(s for s, files in self.steps.items() if COMMIT_RECORD_FILENAME not in files)
+
+    def size(self, step: int) -> int:
+        return sum(self.steps.get(step, {}).values())
+
+
+class RemoteStore:
+    """An fsspec filesystem and the prefix of one remote tier URL. With `call_timeout_s`,
+    each call of the methods below (not the transfers, which have their own deadline) ends
+    within it, or raises CommitTimeoutError naming the object."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        import fsspec
+
+        self.call_timeout_s = call_timeout_s
+        self.url = url.rstrip("/")
+        protocol = self.url.split("://", 1)[0]
+        options = _with_defaults(protocol, dict(storage_options or {}))
+        try:
+            self.fs, path = fsspec.core.url_to_fs(self.url, **options)
+        except ImportError as exc:
+            raise CheckpointConfigError(
+                f"checkpoint.remote.url={url!r} needs a package that is not installed: {exc} "
+                "(pip install 'verl_ckpt[s3]' for s3://)"
+            ) from None
+        except ValueError as exc:
+            raise CheckpointConfigError(
+                f"checkpoint.remote.url={url!r} is invalid: {exc}"
+            ) from None
+        self.path = path.rstrip("/")
+        self.is_local = "file" in _protocols(self.fs)
+
+    # ---- names ---------------------------------------------------------------------------
+
+    def key(self, *parts: str) -> str:
+        """The fsspec path of `parts` under the prefix."""
+        return "/".join([self.path, *parts])
+
+    def uri(self, *parts: str) -> str:
+        """The URL of `parts`, for messages."""
+        return "/".join([self.url, *parts])
+
+    # ---- objects -------------------------------------------------------------------------
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        """The whole object `rel`, or None when it does not exist."""
+
+        def read() -> bytes | None:
+            try:
+                return self.fs.cat_file(self.key(rel))
+            except FileNotFoundError:
+                return None
+
+        return self._bounded(read, rel)
+
+    def put_bytes(self, rel: str, data: bytes) -> None:
+        """Replace object `rel` whole: one PUT on object stores, which readers see entirely
+        or not at all; on a local filesystem, tmp file + fsync + rename (fsio)."""
+
+        def put() -> None:
+            if self.is_local:
+                os.makedirs(os.path.dirname(self.key(rel)), exist_ok=True)
+                atomic_write_bytes(self.key(rel), data)
+            else:
+                self.fs.pipe_file(self.key(rel), data)
+
+        self._bounded(put, rel)
+
+    def remove(self, rel: str) -> None:
+        def remove() -> None:
+            try:
+                self.fs.rm_file(self.key(rel))
+            except FileNotFoundError:
+                pass
+
+        self._bounded(remove, rel)
+
+    def remove_tree(self, rel: str) -> None:
+        def remove_tree() -> None:
+            try:
+                self.fs.rm(self.key(rel), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._bounded(remove_tree, rel)
+
+    def listing(self) -> RemoteListing:
+        """Every step's objects and sizes, in one recursive listing of the prefix."""
+
+        def find() -> dict[str, Any]:
+            try:
+                return self.fs.find(self.path, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        return self._listing_of(self._bounded(find, ""))
+
+    def _listing_of(self, found: dict[str, Any]) -> RemoteListing:
+        steps: dict[int, dict[str, int]] = {}
+        prefix = self.path + "/"
+        for name, info in found.items():
+            if info.get("type") == "directory" or not name.startswith(prefix):
+                continue
+            parts = name[len(prefix) :].split("/", 1)
+            step = step_of_dir(parts[0])
+            if step is None or len(parts) != 2:
+                continue
+            steps.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
+        return RemoteListing(steps)
+
+    def tracker_bytes(self) -> bytes | None:
+        return self.read_bytes(TRACKER_FILENAME)
+
+    def _bounded(self, call: Callable[[], _T], rel: str) -> _T:
+        """`call()`, ended at `call_timeout_s` (if set) with an error naming `rel`'s URL."""
+        if self.call_timeout_s is None:
+            return call()
+        where = self.uri(rel) if rel else self.url
+        return call_with_deadline(call, self.call_timeout_s, f"the remote tier {where}")
+
+
+def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> RemoteStore:
+    """Open the store and prove that it takes a write: one small object put and removed.
+
+    A wrong scheme, a missing bucket, wrong credentials or an unreachable endpoint is one
+    CheckpointConfigError naming the URL, within `timeout_s`.
+    """
+    # Every later call of the returned store ends within `timeout_s` too (start-up's reads).
+    store = RemoteStore(url, storage_options, call_timeout_s=timeout_s)
+    probe = f".verl_ckpt_probe_{uuid.uuid4().hex}"
+
+    def write_and_remove() -> None:
+        if store.is_local:
+            os.makedirs(store.path, exist_ok=True)
+        store.fs.pipe_file(store.key(probe), b"probe")
+        store.remove(probe)
+
+    try:
+        call_with_deadline(write_and_remove, timeout_s, f"the remote tier {url}")
+    except Exception as exc:  # noqa: BLE001 - every failure here is the URL's, in one line
+        raise CheckpointConfigError(
+            f"checkpoint.remote.url={url!r} is unusable: {describe_store_error(exc)}"
+        ) from None
+    return store
+
+
+def describe_store_error(exc: BaseException) -> str:
+    """One line saying what a store error means to the user."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, CommitTimeoutError):
+        return f"{text} (endpoint unreachable or stopped?)"
+    if isinstance(exc, FileNotFoundError):
+        return f"the bucket or path does not exist ({text})"
+    if isinstance(exc, PermissionError):
+        return (
+            f"access denied ({text}); check the credentials (checkpoint.remote.storage_options "
+            "or the AWS_* environment variables) and the bucket's permissions"
+        )
+    return f"{type(exc).__name__}: {text}"
+
+
+def call_with_deadline(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
+    """Run `fn` on a daemon thread; raise CommitTimeoutError naming `what` if it has not
+    returned within `timeout_s` (the thread is left behind: a hung socket cannot be
+    interrupted, and a daemon thread does not keep the process alive)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="verl_ckpt_remote_call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CommitTimeoutError(f"{what} did not answer within {timeout_s:g}s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _with_defaults(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    # Other processes write the same prefix: a cached listing would hide their objects.
+    options.setdefault("skip_instance_cache", True)
+    options.setdefault("use_listings_cache", False)
+    if protocol in ("s3", "s3a"):
+        config = dict(_S3_CONFIG_DEFAULTS)
+        config.update(options.get("config_kwargs") or {})
+        options["config_kwargs"] = config
+    elif protocol == "file":
+        options.setdefault("auto_mkdir", True)
+    return options
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

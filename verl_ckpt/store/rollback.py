@@ -1,0 +1,350 @@
+"""`verl-ckpt rollback`: move the steps newer than an older committed step out of the way.
+
+Resuming from a step older than the newest committed step of a root is refused: the run's
+later saves would collide with committed steps. Rolling back to committed step N moves every
+`global_step_M` with M > N (committed or not) out of the step namespace, into
+`<root>/rolled_back_<time>/` (deleted at the end with `delete`), then points the tracker at N.
+
+Start-up recovery rolls the tracker FORWARD to the newest committed step (a commit record
+newer than the tracker is a commit interrupted before the tracker moved). A rollback
+interrupted half-way must neither be undone by that nor leave the tracker naming a moved
+step, so it is journaled. One run, by the holder of the root lock (`RootLock`):
+
+  1. write the intent `<root>/.verl_ckpt_rollback.json` atomically. Before any rename: from
+     the first rename on, whoever finds the root must learn that a rollback is under way.
+  2. rename each newer step into the archive, newest first, then fsync the archive and the
+     root. Newest first: the tracker's target leaves before any older step, so code that
+     knows nothing of the intent soon fails loudly (the tracker names a missing step) rather
+     than resuming from a step being rolled back.
+  3. add each moved committed step, with the sha256 of its commit record's bytes, to the
+     root's record of rolled-back steps `<root>/.verl_ckpt_rolled_back.json` (atomic; kept
+     for good, each rollback adds to it). Before the tracker and the end of the intent: once
+     those are gone this record is the only witness that the steps left on purpose, and a
+     remote tier still holding them must not bring them back (remote/startup.py refuses).
+  4. write the tracker (atomic). After every rename is durable: from the moment the tracker
+     names N, no newer committed step is left in the namespace for a roll-forward to find.
+  5. with `delete`, remove the archive.
+  6. remove the intent. Last: the intent outlives everything it describes.
+
+`complete_interrupted_rollback` finishes 2-6 from the intent, skipping what is done. Start-up
+recovery calls it FIRST, before rolling the tracker forward; a check that must not write
+uses `read_rollback_intent` and takes `intent.to` as the tracker's value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from verl_ckpt.protocol import faults
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, TrackerError
+from verl_ckpt.protocol.phases import Phase
+from verl_ckpt.protocol.versioned_json import parse_versioned_json
+from verl_ckpt.store.commit_record import is_committed, read_commit_record
+from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir, remove_stale_temporaries
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.store.tracker import read_tracker, write_tracker
+
+__all__ = [
+    "ARCHIVE_PREFIX",
+    "INTENT_FILENAME",
+    "ROLLBACK_FORMAT_VERSION",
+    "ROLLED_BACK_FILENAME",
+    "RolledBackStep",
+    "RollbackError",
+    "RollbackIntent",
+    "complete_interrupted_rollback",
+    "execute_rollback",
+    "find_rolled_back",
+    "intent_path",
+    "plan_rollback",
+    "read_rollback_intent",
+    "read_rolled_back",
+    "record_digest",
+    "refuse_while_rollback_pending",
+]
+
+logger = logging.getLogger(__name__)
+
+INTENT_FILENAME = ".verl_ckpt_rollback.json"
+# Every committed step a rollback moved out of this root (step 3 of the module docstring).
+ROLLED_BACK_FILENAME = ".verl_ckpt_rolled_back.json"
+ARCHIVE_PREFIX = "rolled_back_"
+ROLLBACK_FORMAT_VERSION = 1
+# The archive is removed recursively with `delete`: a damaged intent must never name
+# anything but a plain directory of the root that a rollback created.
+_ARCHIVE_NAME = re.compile(rf"^{ARCHIVE_PREFIX}[0-9A-Za-z_]+$")
+
+
+class RollbackError(CheckpointError):
+    """A rollback is refused or cannot finish; the message names the path and the way out."""
+
+
+@dataclass(frozen=True)
+class RollbackIntent:
+    """What a rollback does, as journaled in the intent file before it starts."""
+
+    to: int  # the committed step the tracker will name
+    archive: str  # directory under the root receiving the moved steps
+    steps: tuple[int, ...]  # every step moved out, ascending
+    delete: bool  # remove the archive once the tracker moved
+
+
+@dataclass(frozen=True)
+class RolledBackStep:
+    """One committed step a rollback moved out of the root, as the root's record keeps it."""
+
+    step: int
+    record_sha256: str  # of the step's commit record bytes: which save of `step` it was
+    to: int  # the step that rollback went back to
+    archive: str  # where it was moved (deleted afterwards with `delete`)
+
+
+def record_digest(data: bytes) -> str:
+    """The hash a rollback keeps of a commit record's bytes (compared with a remote copy)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_rolled_back(root: str | os.PathLike) -> tuple[RolledBackStep, ...]:
+    """Every committed step a rollback moved out of `root`, oldest rollback first; empty when
+    none did. A damaged record is a RollbackError naming it (never taken as "none")."""
+    path = Path(root) / ROLLED_BACK_FILENAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ()
+    raw = parse_versioned_json(
+        data, f"record of rolled-back steps {path}", ROLLBACK_FORMAT_VERSION, RollbackError
+    )
+    try:
+        steps = tuple(RolledBackStep(**entry) for entry in raw["steps"])
+    except (TypeError, KeyError) as exc:
+        raise RollbackError(f"record of rolled-back steps {path} is malformed: {exc}") from None
+    if not all(type(e.step) is int and isinstance(e.record_sha256, str) for e in steps):
+        raise RollbackError(f"record of rolled-back steps {path} is malformed: {raw!r}")
+    return steps
+
+
+def find_rolled_back(root: str | os.PathLike, step: int, record: bytes) -> RolledBackStep | None:
+    """The rollback that moved exactly this save of `step` (the same commit record bytes)
+    out of `root`, or None."""
+    digest = record_digest(record)
+    found = [e for e in read_rolled_back(root) if e.step == step and e.record_sha256 == digest]
+    return found[-1] if found else None
+
+
+def intent_path(root: str | os.PathLike) -> Path:
+    return Path(root) / INTENT_FILENAME
+
+
+def read_rollback_intent(root: str | os.PathLike) -> RollbackIntent | None:
+    """The pending rollback of `root`, None when there is none. Reads only."""
+    path = intent_path(root)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    raw = parse_versioned_json(
+        data, f"rollback intent {path}", ROLLBACK_FORMAT_VERSION, RollbackError
+    )
+    steps = raw.get("steps")
+    intent = RollbackIntent(
+        raw.get("to"),
+        raw.get("archive"),
+        tuple(steps) if isinstance(steps, list) else (),
+        raw.get("delete"),
+    )
+    if not isinstance(steps, list) or not _is_valid(intent):
+        raise RollbackError(f"rollback intent {path} is malformed: {raw!r}")
+    return intent
+
+
+def _is_valid(intent: RollbackIntent) -> bool:
+    # `type(x) is int`: JSON's true and false are ints to isinstance.
+    return (
+        type(intent.to) is int
+        and intent.to >= 0
+        and isinstance(intent.archive, str)
+        and _ARCHIVE_NAME.match(intent.archive) is not None
+        and all(type(s) is int and s > intent.to for s in intent.steps)
+        and list(intent.steps) == sorted(set(intent.steps))
+        and isinstance(intent.delete, bool)
+    )
+
+
+def refuse_while_rollback_pending(root: str | os.PathLike) -> None:
+    """Raise RollbackError, naming the intent and the way out, while a rollback of `root` is
+    pending: the tracker does not yet name the step it goes to, so a command that acts on the
+    tracker's target (prune, another rollback) could delete that step."""
+    pending = read_rollback_intent(root)
+    if pending is not None:
+        raise RollbackError(
+            f"a rollback of {root} to step {pending.to} was interrupted ({intent_path(root)}); "
+            f"complete it first: verl-ckpt rollback {root} --to {pending.to}"
+        )
+
+
+def plan_rollback(root: str | os.PathLike, to_step: int, delete: bool = False) -> RollbackIntent:
+    """What rolling `root` back to `to_step` would do; changes nothing.
+
+    Refused (naming the path) when `to_step` is not a committed step, when the tracker is
+    unreadable, or when a rollback to another step is pending. A pending rollback to the
+    same step is returned as it was journaled (with its own `delete`): executing it
+    completes it.
+    """
+    root = Path(root)
+    pending = read_rollback_intent(root)
+    if pending is not None:
+        if pending.to != to_step:
+            refuse_while_rollback_pending(root)
+        return pending
+    path = step_dir(root, to_step)
+    try:
+        record = read_commit_record(path)
+    except CommitRecordError as exc:
+        raise CommitRecordError(f"cannot roll back to step {to_step}: {exc}") from None
+    if record.step != to_step:
+        raise CommitRecordError(
+            f"cannot roll back to step {to_step}: the commit record of {path} names step "
+            f"{record.step}"
+        )
+    try:
+        read_tracker(root)
+    except TrackerError as exc:
+        # Without the tracker we cannot tell what a resume would load now.
+        raise TrackerError(f"{exc}; refusing to roll back") from None
+    newer = tuple(sorted(step for step in list_step_dirs(root) if step > to_step))
+    return RollbackIntent(to_step, _new_archive_name(root), newer, delete)
+
+
+def execute_rollback(root: str | os.PathLike, intent: RollbackIntent) -> None:
+    """Run `intent` (from `plan_rollback`) on `root`; the caller holds the root's lock."""
+    root = Path(root)
+    if not _is_valid(intent):
+        raise ValueError(f"not a rollback plan: {intent!r}")
+    pending = read_rollback_intent(root)
+    if pending is not None and pending != intent:
+        raise RollbackError(
+            f"another rollback of {root} is pending ({intent_path(root)}: to step "
+            f"{pending.to}); complete it first"
+        )
+    if pending is None:
+        _check_target(root, intent, journaled=False)
+        payload = {
+            "format_version": ROLLBACK_FORMAT_VERSION,
+            "to": intent.to,
+            "archive": intent.archive,
+            "steps": list(intent.steps),
+            "delete": intent.delete,
+            "started_at": datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+        atomic_write_bytes(intent_path(root), json.dumps(payload, indent=1).encode())
+    _finish(root, intent)
+
+
+def complete_interrupted_rollback(root: str | os.PathLike) -> RollbackIntent | None:
+    """Finish a rollback that a crash interrupted; return it, or None when none was pending.
+
+    For start-up recovery, before it rolls the tracker forward; the caller holds the lock.
+    """
+    root = Path(root)
+    # A crash while writing the intent leaves only its temporary: nothing had moved yet.
+    remove_stale_temporaries(root, INTENT_FILENAME)
+    intent = read_rollback_intent(root)
+    if intent is None:
+        return None
+    logger.warning(
+        "completing the interrupted rollback of %s to step %d (%s)",
+        root,
+        intent.to,
+        intent_path(root),
+    )
+    _finish(root, intent)
+    return intent
+
+
+def _new_archive_name(root: Path) -> str:
+    name = f"{ARCHIVE_PREFIX}{time.strftime('%Y%m%dT%H%M%S')}"
+    candidate, n = name, 1
+    while (root / candidate).exists():
+        n += 1
+        candidate = f"{name}_{n}"
+    return candidate
+
+
+def _check_target(root: Path, intent: RollbackIntent, journaled: bool) -> None:
+    # The tracker only ever names a committed step (I1).
+    if not is_committed(step_dir(root, intent.to)):
+        stuck = f"; the rollback in {intent_path(root)} cannot finish" if journaled else ""
+        raise RollbackError(
+            f"cannot roll back {root} to step {intent.to}: {step_dir(root, intent.to)} is not "
+            f"a committed step (any more){stuck}"
+        )
+
+
+def _finish(root: Path, intent: RollbackIntent) -> None:
+    """Steps 2-5 of the module docstring; each is skipped where a previous run did it."""
+    archive = root / intent.archive
+    archive.mkdir(exist_ok=True)
+    for step in sorted(intent.steps, reverse=True):
+        source = step_dir(root, step)
+        target = archive / source.name
+        if not source.exists():
+            continue  # moved by the interrupted run
+        if target.exists():
+            raise RollbackError(f"cannot move {source} into {archive}: {target} exists")
+        os.rename(source, target)
+        faults.inject(Phase.ROLLBACK)
+    # Both directories: the rename's new entry and its removed old one must be durable
+    # before the tracker is, or a power loss could bring back a moved step.
+    fsync_dir(archive)
+    fsync_dir(root)
+    _check_target(root, intent, journaled=True)
+    # Before the tracker and the intent's end: from then on nothing else says that these
+    # steps left on purpose (a remote tier holding them would bring them back).
+    _record_rolled_back(root, intent)
+    write_tracker(root, intent.to)
+    if intent.delete:
+        # Records first, as retention does: a half-deleted step is never loadable (I3).
+        for step in intent.steps:
+            moved = archive / step_dir(root, step).name
+            if not moved.is_symlink():  # a step linked in: its record is not the root's
+                (moved / COMMIT_RECORD_FILENAME).unlink(missing_ok=True)
+        shutil.rmtree(archive)
+        fsync_dir(root)
+    intent_path(root).unlink()
+    fsync_dir(root)
+
+
+def _record_rolled_back(root: Path, intent: RollbackIntent) -> None:
+    """Step 3: add the committed steps `intent` moved into its archive to the root's record
+    of rolled-back steps. Idempotent: a rerun after a crash adds nothing twice, and a step
+    whose record an interrupted `delete` already removed was recorded before that."""
+    known = list(read_rolled_back(root))
+    archive = root / intent.archive
+    added = []
+    for step in intent.steps:
+        moved = archive / step_dir(root, step).name
+        try:
+            data = (moved / COMMIT_RECORD_FILENAME).read_bytes()
+            read_commit_record(moved)
+        except (OSError, CommitRecordError):
+            continue  # an uncommitted leftover (or recorded by the interrupted run)
+        entry = RolledBackStep(step, record_digest(data), intent.to, intent.archive)
+        if entry not in known:
+            added.append(entry)
+    if not added:
+        return
+    payload = {
+        "format_version": ROLLBACK_FORMAT_VERSION,
+        "steps": [asdict(entry) for entry in known + added],
+    }
+    atomic_write_bytes(root / ROLLED_BACK_FILENAME, json.dumps(payload, indent=1).encode())
