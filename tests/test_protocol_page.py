@@ -82,7 +82,9 @@ def _fault_section_phases() -> tuple[Path, set[str]]:
     """The phases listed by the fault-injection section of README.md or docs/."""
     for path in DOCS:
         text = path.read_text()
-        section = re.search(r"^#+ [^\n]*[Ff]ault injection[^\n]*$(.*?)(?=^#+ |\Z)", text, re.M | re.S)
+        section = re.search(
+            r"^#+ [^\n]*[Ff]ault injection[^\n]*$(.*?)(?=^#+ |\Z)", text, re.M | re.S
+        )
         if section is None:
             continue
         listed = re.search(r"^Phases?:(.*?)(?:\n\n|^Actions?:)", section.group(1), re.M | re.S)
