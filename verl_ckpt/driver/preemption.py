@@ -1,5 +1,5 @@
 """Preemption-safe saves: the driver learns that the job is about to be stopped, takes one
-out-of-schedule save at the next step boundary, and exits (protocol.py, "stop").
+out-of-schedule save at the next step boundary, and exits (protocol/__init__.py, step S).
 
 Two warnings are understood (`checkpoint.preemption`):
 - a signal in `signals` (default SIGTERM, SIGUSR1): `ray job stop`, Kubernetes and most

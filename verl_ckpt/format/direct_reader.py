@@ -19,11 +19,9 @@ aligns each blob (torch_format), into scratch memory, each storage straight into
 destination. A blob whose head or tail then differs from
 the template (another writer: torch.save with its CRCs, another pickle) is read again
 through its zip directory, found at the blob's end, and its pickle checked. From a cold
-page cache the one sequential stream per file is what the kernel reads ahead best: two
-ranks loading 1 GiB, cold, median of 8 alternating runs: 0.87 s against 1.01 s for the
-per-blob reads (zip directory first) and 1.14 s for megatron-core's own load. A rank's
-files are read by one thread each (up to four): no slower, and steadier (0.79 to 0.90 s
-against 0.64 to 1.48 s with one thread).
+page cache one sequential stream per file is what the kernel reads ahead best, and a
+rank's files are read by one thread each (up to four), which is steadier than one thread
+(figures: benchmarks/README.md, "Why the defaults are what they are").
 """
 
 from __future__ import annotations
@@ -122,7 +120,7 @@ class DirectFileSystemReader(FileSystemReader):
         for read in reads:
             by_file.setdefault(read.info.relative_path, []).append(read)
         # One thread per file (up to _READ_THREADS): from a cold page cache, several
-        # sequential streams keep the disk busier than one (measured: benchmarks, "Resume").
+        # sequential streams keep the disk busier than one.
         workers = min(len(by_file), _READ_THREADS)
         if workers > 1:
             with ThreadPoolExecutor(workers, thread_name_prefix="verl_ckpt_read") as pool:
@@ -258,9 +256,8 @@ def _deliver(read: _DirectRead, landing: torch.Tensor) -> None:
     if landing is read.target:
         return
     # From pinned memory the copy is queued and the thread reads on: the device copies one
-    # run while the next is read (from pageable memory the copy ran at a fifth of the pinned
-    # rate and in line with the reads: 2 GiB warm, 0.48 s against 0.26 s for the reads alone
-    # on an H100). `landing` can be dropped at once: torch's pinned-memory cache keeps its
+    # run while the next is read (from pageable memory it would run in line with the reads,
+    # and slower). `landing` can be dropped at once: torch's pinned-memory cache keeps its
     # block from reuse until the copy that reads it has finished (the copy records an event).
     # Every device copy is waited for before any commit (_synchronize_devices).
     read.target.copy_(landing, non_blocking=landing.is_pinned())

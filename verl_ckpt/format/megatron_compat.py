@@ -79,14 +79,13 @@ if _RELEASE_CONFIG != list(CHECKPOINTING_CONFIG.items())[: len(_RELEASE_CONFIG)]
 
 
 def _memoise_torch_version_check() -> None:
-    """megatron-core's torch strategy asks `is_torch_min_version("2.6a0")` for every tensor
-    it converts for DCP (`mcore_to_pyt_state_dict`: every load, and every save's plan on the
-    save thread), and each call parses the version string with `packaging` again (7 us a
-    call in a tight loop here; in one rank's warm load of 147 tensors the conversion took
-    4.9 ms as it is, 2.4 ms memoised, medians of 15 loads in one process). Its answer
-    depends only on its arguments and the torch this process imported, so it is memoised,
-    in that module's namespace only (`megatron.core.utils` keeps its own function). A
-    release that drops the name there is left as it is."""
+    """megatron-core's torch strategy asks `is_torch_min_version("2.6a0")` for every tensor it
+    converts for DCP (`mcore_to_pyt_state_dict`: every load, and every save's plan on the
+    save thread), and each call parses the version string with `packaging` again: about half
+    of the conversion's time (benchmarks/README.md). Its answer depends only on its
+    arguments and the torch this process imported, so it is memoised, in that module's
+    namespace only (`megatron.core.utils` keeps its own function). A release that drops the
+    name there is left as it is."""
     check = getattr(mcore_torch, "is_torch_min_version", None)
     if callable(check) and not hasattr(check, "cache_info"):
         mcore_torch.is_torch_min_version = functools.lru_cache(maxsize=64)(check)
@@ -351,8 +350,7 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         metadata = reader.read_metadata()
         mark("checkpoint metadata")
         # Tensors whose chunks are saved chunks, whole, are read first, with no DCP load
-        # plan: its planning and machinery are a fixed cost per tensor (warm, 147 tensors,
-        # 1 GiB over two ranks: 0.129 s against 0.136 s, medians of 15 alternating loads).
+        # plan: its planning and machinery are a fixed cost per tensor.
         # The rest (resharded or mismatching tensors, objects, what the reader does not
         # know) goes through megatron-core's planner, its checks and errors included.
         whole = _whole_chunk_targets(pyt_state_dict, metadata)

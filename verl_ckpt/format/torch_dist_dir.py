@@ -2,7 +2,7 @@
 megatron-core's `metadata.json`. The finalizer writes them when it commits a step.
 
 Only torch's DCP is imported here, never megatron-core: the finalizer is a Ray actor started
-by every job (and again after each restart), and megatron-core's import costs it about 3 s
+by every job (and again after each restart), and megatron-core's import costs it seconds
 of CPU for two files it does not need it to write. `megatron_compat` imports this module and
 checks at import that megatron-core still writes the same `metadata.json`, so a release that
 changes the format fails there, loudly, in the ranks.

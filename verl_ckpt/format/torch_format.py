@@ -2,8 +2,8 @@
 a `torch.save` blob), without torch.save's per-record zip CRC32.
 
 Why the CRC is left out: torch.save computes a CRC32 of every zip record, the tensor's bytes
-included, at about 4 GB/s on one core here: some 40% on top of writing the same bytes into
-the page cache. torch.load does not check it (torch documents this at
+included, on one core: a large share on top of writing the same bytes into the page cache
+(benchmarks/README.md). torch.load does not check it (torch documents this at
 `torch.serialization.set_crc32_options`), and what guards a checkpoint's bytes is verl_ckpt's
 own checksum of every whole file, in the commit record, which resume, `load()` and `verl-ckpt
 verify` check. torch's switch for it is process-global, so flipping it here would also strip
@@ -242,13 +242,11 @@ BLOB_TEMPLATES = _blob_templates_work()
 
 
 def _pad_to_alignment(stream: IO[bytes]) -> None:
-    """Zero bytes up to the next multiple of torch's storage alignment (64), so that the
-    blob written next starts there and its storage, which torch aligns within the blob, lies
-    at an aligned file offset. Why: the kernel's copies between the page cache and a tensor
-    (itself aligned) run about a fifth slower when the file offset is not aligned alike
-    (504 MiB read warm into a rank's tensors: 45 ms at the blobs' unpadded offsets, 37 ms
-    aligned, as the plain read of the whole file). DCP's readers read every item at its
-    recorded offset, so the padding between blobs is never read."""
+    """Zero bytes up to the next multiple of torch's storage alignment (64), so that the blob
+    written next starts there and its storage, which torch aligns within the blob, lies at
+    an aligned file offset. Why: the kernel's copies between the page cache and a tensor
+    (itself aligned) run slower when the file offset is not aligned alike. DCP's readers
+    read every item at its recorded offset, so the padding between blobs is never read."""
     gap = -stream.tell() % torch_serialization._get_storage_alignment()
     if gap:
         stream.write(bytes(gap))

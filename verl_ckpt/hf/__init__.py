@@ -1,5 +1,5 @@
 """Hugging Face weights of a role, exported from its committed torch_dist directory after the
-step commits (protocol.py, step E; `save_contents: hf_model`, `verl-ckpt export`).
+step commits (protocol/__init__.py, step E; `save_contents: hf_model`, `verl-ckpt export`).
 
 - model_spec.py: the model description rank 0 saves with each step;
 - mapping.py: the mapping interface (megatron-core key -> Hugging Face keys and a transform)

@@ -39,9 +39,9 @@ __all__ = [
 ]
 
 # The checksum detects truncation and bit flips; it is no defence against tampering. xxh3_64
-# runs at memory speed (about 3x zlib.crc32 measured here, see benchmarks/results.md) and
-# releases the GIL, so checksumming while writing does not cap a fast disk. crc32 stays
-# readable: commit records name their algorithm, and those written with crc32 still verify.
+# runs at memory speed (several times zlib.crc32) and releases the GIL, so checksumming
+# while writing does not cap a fast disk. crc32 stays readable: commit records name their
+# algorithm, and those written with crc32 still verify.
 CHECKSUM_ALGORITHM = "xxh3_64"
 _READ_CHUNK = 8 << 20
 
@@ -144,11 +144,8 @@ MAX_PAUSE_S = 30.0
 
 # How often a file being written hands its new bytes to the disk (see EarlyWriteback), and
 # the slices a large write is cut into so that this happens inside one big tensor too.
-# 4 MiB: the disk starts sooner and the final fsync finds less left. Measured side by side
-# (2 ranks, thread writer, paired saves): at 0.25 GiB per job durable 0.89x to 0.93x of
-# 16 MiB's time (three runs, 12 to 14 saves each; 1, 2 and 4 MiB alike), at 1 GiB the same
-# (1.02x, 6 saves); 16 MiB was itself 10-16% sooner than 32 MiB. Inside a large tensor the
-# bytes are handed over per write slice (8 MiB).
+# Small hand-overs start the disk sooner and leave the final fsync less to do (figures:
+# benchmarks/README.md). Inside a large tensor the bytes are handed over per write slice.
 WRITEBACK_EVERY = DEFAULT_EARLY_WRITEBACK_MB << 20
 _WRITE_SLICE = 8 << 20
 
@@ -188,9 +185,7 @@ class EarlyWriteback:
     disk works while later bytes are still being serialised, and the fsync finds little left.
     The call runs on a helper thread, never on the writer: sync_file_range blocks once the
     disk's request queue is full, and a writer blocked there stops filling the page cache,
-    so that the two take turns again. Measured side by side here (2 processes writing 1 GiB
-    each, 16 MiB hand-overs): the call on the writer took 1.35x a plain write and fsync, on
-    a helper 0.86x (benchmarks/results.md has the same on the real write path).
+    so that the two take turns again (benchmarks/README.md compares the two).
 
     Only a hint: the fsync at the end is still what makes the file durable and what reports
     an I/O error. The helper holds its own duplicate of the descriptor, so the writer closes
