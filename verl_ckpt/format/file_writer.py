@@ -1,6 +1,8 @@
 """Writing one rank's files: DCP write buckets and common.pt, fsynced and checksummed.
 
 Depends on torch only (not megatron-core), so that a spawned writer process starts fast.
+
+Protocol step 3 (write), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ execution and finalize call CUDA unconditionally and poll with collectives (see
 shared/notes/megatron-core.md). The functions used here are module-level helpers of
 megatron-core 0.16 (`strategies/torch.py`, `strategies/state_dict_saver.py`); a newer release
 that moves them needs changes in this file only.
+
+Protocol step 1 (plan): sharding validation and the DCP plan (verl_ckpt/protocol/__init__.py);
+and the loads of load().
 """
 
 from __future__ import annotations

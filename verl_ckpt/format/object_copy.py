@@ -9,6 +9,8 @@ tensors that own their whole storage, a clone per tensor and a rebuilt container
 same values, dtypes, shapes and strides. Anything that copy could not reproduce exactly (a
 shared or partly used storage, a view, a subclass, autograd state, attributes set on a
 tensor, any other type) makes the whole value go through `copy.deepcopy`.
+
+Protocol step 2 (stage), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ writes stale metadata). It is only ever compared with the description this proce
 at its last planning, so it is kept as it is, neither serialised nor hashed: equality of
 tuples of strings, integers, torch dtypes and None is exact, and costs a deferred save() a
 fraction of what pickling it for a hash did.
+
+Protocol step 1 (plan): the key of the plan cache, verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

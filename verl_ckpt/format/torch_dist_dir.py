@@ -6,6 +6,8 @@ by every job (and again after each restart), and megatron-core's import costs it
 of CPU for two files it does not need it to write. `megatron_compat` imports this module and
 checks at import that megatron-core still writes the same `metadata.json`, so a release that
 changes the format fails there, loudly, in the ranks.
+
+Protocol step 5 (commit record), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

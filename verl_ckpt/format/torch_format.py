@@ -25,6 +25,8 @@ geometry (torch.save itself under `torch.serialization.skip_data`, which writes 
 but the storage and seeks over it) and a blob is then three writes: head, the storage's own
 bytes, tail. Also probed at import against save_tensor_blob; tensors whose pickle could
 hold more (subclasses, Python attributes, other layouts) are always written by torch.save.
+
+Protocol step 3 (write), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ Layouts (megatron-core 0.16, read as global tensors, layers stacked on dimension
 - Hugging Face GPT-2 uses Conv1D, whose weight is [in, out]: the transpose of a Linear's.
 - The layer norms live under the fused names megatron-core uses for every layer spec:
   linear_qkv.layer_norm_* is the block's first norm (ln_1), linear_fc1.layer_norm_* its second.
+
+Protocol step E (export), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

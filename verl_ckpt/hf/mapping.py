@@ -15,6 +15,8 @@ theirs through the `verl_ckpt.hf_mappings` entry point group, e.g. in their pypr
 
 where `LlamaMapping()` builds an object with the methods of `HFMapping` (it may wrap an
 installed converter library's per-tensor functions in its rules).
+
+Protocol step E (export), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations

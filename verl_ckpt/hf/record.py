@@ -3,6 +3,8 @@ size and checksum. An export directory is published (renamed into place) only wi
 inside, so `<role>/huggingface/` is either absent or complete; `verl-ckpt verify` re-reads it.
 
 Torch-free: `verl-ckpt verify` imports it.
+
+Protocol step E (export), verl_ckpt/protocol/__init__.py.
 """
 
 from __future__ import annotations
