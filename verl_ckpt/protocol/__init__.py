@@ -85,10 +85,12 @@ Order, as the code runs it:
   uncommitted leftover of the step.
 - Plan not cached (first save, changed structure): agreement, validation and begin_step on
   the training thread, then the copy (2), then the DCP plan over the copies (a collective).
-- Plan cached: the training thread only copies (2); the save thread checks the agreement's
-  outcome, calls begin_step and plans beside the copy, and writes once the copy ended.
-  Deferred snapshot: save() returns before the copy; the save thread copies first, then
-  agreement, begin_step, plan. Either way the trainer never waits for an earlier commit.
+- Plan cached (and a background writer): the training thread only copies (2); the save
+  thread checks the agreement's outcome, calls begin_step and plans beside the copy, and
+  writes once the copy ended. Deferred snapshot: save() returns before the copy; the save
+  thread copies first, then agreement, begin_step, plan. Either way the trainer never
+  waits for an earlier commit.
+  With async_save=false (writer inline) save() runs steps 1-4 itself and returns after 4.
 - Steps 3-4 follow on the save thread; the finalizer learns completion from reports only,
   never from collectives (I6). A step still missing reports timeout_s + 2 x RPC_SLACK_S
   after its last begin_step fails, naming who is missing; a failed step's directory is
