@@ -13,7 +13,7 @@ always where its status says.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
@@ -62,10 +62,6 @@ class StepTable(Generic[E]):
 
     def __len__(self) -> int:
         return len(self._held) + len(self._finished)
-
-    def __iter__(self) -> Iterator[E]:
-        yield from self._held.values()
-        yield from self._finished.values()
 
     def add(self, entry: E) -> E:
         """Insert `entry`, replacing any entry of its step."""
