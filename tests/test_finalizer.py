@@ -262,7 +262,7 @@ def test_I5_a_step_whose_participant_never_reports_fails_at_its_deadline(tmp_pat
     step) kept the step collecting for ever: with max_in_flight=1 no later step could start.
     The step now fails once its deadline passed (the report slack is shortened here), naming
     who is missing, and the next step starts."""
-    monkeypatch.setattr("verl_ckpt.commit.finalizer.RPC_SLACK_S", 0.1)
+    monkeypatch.setattr("verl_ckpt.commit.admission.RPC_SLACK_S", 0.1)
 
     async def run() -> None:
         finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)

@@ -23,14 +23,14 @@ retention after its commit ran (`retire`), since until then the step it deletes 
 occupies a directory and back-pressure must count it. A retired step is forgotten (its
 commit record on disk is the truth from then on), and failed or lost steps are remembered
 by number and failures only, the oldest dropped beyond a bound, so that the ledger's size
-does not grow with the number of commits (protocol.py, steps 4-7).
+does not grow with the number of commits (protocol.py, steps 4-7). That bounded table of
+entries is the one the remote tier's ledger uses too (protocol.step_table.StepTable).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -38,11 +38,14 @@ from typing import Any
 
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.messages import Participant, RankReport, StepStatus
+from verl_ckpt.protocol.step_table import StepTable, unreported
 
 __all__ = ["Begun", "Recorded", "StepEntry", "StepLedger", "StepStatus"]
 
 
 IN_FLIGHT = (StepStatus.COLLECTING, StepStatus.COMMITTING)
+# Held in full (never forgotten): in flight, or committed and not yet retired.
+OPEN = (*IN_FLIGHT, StepStatus.COMMITTED)
 
 
 class Recorded(StrEnum):
@@ -101,14 +104,12 @@ class StepLedger:
         )
         self._expected_set = frozenset(self.expected)
         self.max_in_flight = max_in_flight
-        # Collecting, committing, or committed and not yet retired.
-        self._open: dict[int, StepEntry] = {}
-        # Failed and lost steps: kept so that waiters and late reporters get the real answer,
-        # bounded so that a long run's failures do not accumulate.
-        self._decided: OrderedDict[int, StepEntry] = OrderedDict()
-        self._remembered = remembered_outcomes
+        # Open steps in full; failed and lost steps are kept so that waiters and late
+        # reporters get the real answer, bounded so that a long run's failures do not
+        # accumulate.
+        self._steps: StepTable[StepEntry] = StepTable(OPEN, remembered_outcomes)
         for step in lost:
-            self._decided[step] = StepEntry(step, StepStatus.LOST)
+            self._steps.add(StepEntry(step, StepStatus.LOST))
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -119,29 +120,28 @@ class StepLedger:
         return entry.status if entry is not None else None
 
     def entry(self, step: int) -> StepEntry | None:
-        return self._open.get(step) or self._decided.get(step)
+        return self._steps.get(step)
 
     def in_flight(self) -> list[int]:
         """Steps collecting reports or committing: what retention must never delete."""
-        return sorted(step for step, e in self._open.items() if e.status in IN_FLIGHT)
+        return sorted(e.step for e in self._steps.held() if e.status in IN_FLIGHT)
 
     def has_room_for(self, step: int) -> bool:
         """Whether `step` may start: it already has, or fewer than max_in_flight steps are
         open (back-pressure: at most keep + max_in_flight step directories exist, counting
         a committed step whose retention has not yet deleted the step it replaces)."""
-        return step in self._open or len(self._open) < self.max_in_flight
+        return self._steps.is_held(step) or self._steps.held_count() < self.max_in_flight
 
     def missing(self, step: int) -> list[Participant]:
-        entry = self._open.get(step)
-        reported = entry.reports if entry is not None else {}
-        return [p for p in self.expected if p not in reported]
+        entry = self._steps.get(step) if self._steps.is_held(step) else None
+        return unreported(self.expected, entry.reports if entry is not None else {})
 
     def failures(self, step: int) -> list[Failure]:
         entry = self.entry(step)
         return list(entry.failures) if entry is not None else []
 
     def __len__(self) -> int:
-        return len(self._open) + len(self._decided)
+        return len(self._steps)
 
     # ---- transitions ---------------------------------------------------------------------
 
@@ -149,7 +149,7 @@ class StepLedger:
         """Start collecting `step` (idempotent)."""
         entry = self.entry(step)
         if entry is None:
-            entry = self._open[step] = StepEntry(step)
+            entry = self._steps.add(StepEntry(step))
         return entry
 
     def begin(
@@ -177,7 +177,7 @@ class StepLedger:
         """Fail every collecting step whose deadline passed, naming who did not report."""
         overdue = [
             e
-            for e in self._open.values()
+            for e in self._steps.held()
             if e.status is StepStatus.COLLECTING and e.expires_at < now
         ]
         for entry in overdue:
@@ -191,7 +191,7 @@ class StepLedger:
     def next_expiry(self) -> float:
         """The earliest deadline of a collecting step (inf when none)."""
         return min(
-            (e.expires_at for e in self._open.values() if e.status is StepStatus.COLLECTING),
+            (e.expires_at for e in self._steps.held() if e.status is StepStatus.COLLECTING),
             default=math.inf,
         )
 
@@ -229,19 +229,18 @@ class StepLedger:
         return Recorded.COUNTED
 
     def begin_commit(self, step: int) -> StepEntry:
-        entry = self._open[step]
+        entry = self._steps[step]
         if entry.status is not StepStatus.COLLECTING or len(entry.reports) != len(self.expected):
             raise ValueError(f"step {step} is {entry.status.value}, not ready to commit")
-        entry.status = StepStatus.COMMITTING
-        return entry
+        return self._steps.move(step, StepStatus.COLLECTING, StepStatus.COMMITTING)
 
     def finish_commit(self, step: int, failure: Failure | None = None, summary: Any = None) -> None:
         """The commit of `step` ended: committed (retire it once retention ran) or failed."""
-        entry = self._open[step]
+        entry = self._steps[step]
         if entry.status is not StepStatus.COMMITTING:
             raise ValueError(f"step {step} is {entry.status.value}, not committing")
         if failure is None:
-            entry.status = StepStatus.COMMITTED
+            self._steps.move(step, StepStatus.COMMITTING, StepStatus.COMMITTED)
             entry.summary = summary
             entry.reports.clear()  # DCP metadata can be large and is on disk now
         else:
@@ -253,7 +252,7 @@ class StepLedger:
         before it), each returned once: the caller deletes them."""
         settled = [
             entry
-            for entry in self._decided.values()
+            for entry in self._steps.finished()
             if entry.status is StepStatus.FAILED
             and not entry.discarded
             and (not entry.writing or entry.expires_at < now)
@@ -265,13 +264,12 @@ class StepLedger:
 
     def retire(self, step: int) -> None:
         """The retention after `step`'s commit ran: forget the step, free its slot."""
-        entry = self._open.get(step)
+        entry = self._steps.get(step)
         if entry is None or entry.status is not StepStatus.COMMITTED:
             raise ValueError(f"step {step} is not committed: nothing to retire")
-        del self._open[step]
+        self._steps.remove(step)
 
     def _decide(self, entry: StepEntry, status: StepStatus, failure: Failure) -> None:
-        entry.status = status
         entry.failures.append(failure)
         # A begun save that has not reported may still write; begin_step refuses any other
         # from now on (a step number is saved once), so no one is added to this.
@@ -280,8 +278,5 @@ class StepLedger:
         }
         entry.reports.clear()  # DCP metadata can be large; the failure is what is kept
         entry.attempts.clear()
-        self._open.pop(entry.step, None)
-        self._decided[entry.step] = entry
-        self._decided.move_to_end(entry.step)
-        while len(self._decided) > self._remembered:
-            self._decided.popitem(last=False)
+        # Last: the step becomes the newest decided one, and the oldest beyond the bound go.
+        self._steps.move(entry.step, entry.status, status)

@@ -3,8 +3,9 @@ committed steps are uploaded, collect the ranks' upload reports, then upload wha
 confirmed, the commit record, the tracker, and run remote retention.
 
 It lives inside the finalizer actor and runs on its event loop (no lock needed for the
-ledger); store calls run in threads, one remote commit at a time, and never while holding
-the local tier's lock: a local commit never waits for the remote tier.
+ledger), and its waits share the actor's one notifier (protocol.event_loop.Changes); store
+calls run in threads, one remote commit at a time, and never while holding the local
+tier's lock: a local commit never waits for the remote tier.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CommitTimeoutError
+from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.tier import (
@@ -40,7 +42,8 @@ class RemoteTier:
     `RemoteConfig` plus `timeout_s`; `local_status(step)` is the step's state in the local
     ledger (ledger.StepLedger.status); `on_upload_end()` is called when
     an upload ended, either way (the finalizer finishes a local retention that left the step
-    for its upload, if one did)."""
+    for its upload, if one did). `changes` is the finalizer's notifier: a change of either
+    tier wakes the waiters of both (a new one when the tier runs alone)."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class RemoteTier:
         participants: dict[str, int],
         local_status: Callable[[int], StepStatus | None],
         on_upload_end: Callable[[], None] = lambda: None,
+        changes: Changes | None = None,
     ) -> None:
         self.url: str = settings["url"]
         self._timeout_s = float(settings.get("timeout_s", 600.0))
@@ -73,10 +77,10 @@ class RemoteTier:
         # Local retention after a commit left the steps being uploaded: the finalizer finishes
         # it once one ended.
         self._on_upload_end = on_upload_end
-        self._changed = asyncio.Event()
+        self._changes = changes if changes is not None else Changes()
         # One remote commit at a time: two would race on the remote tracker and listing.
         self._work = asyncio.Lock()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self._tracker: int | None = None
         self._uploaders: dict[int, dict[str, str]] = {}
         # Steps being uploaded whose remote step holds no other save's record any more: only
@@ -96,16 +100,12 @@ class RemoteTier:
     def after_local_commit(self, step: int) -> None:
         """Step 8 starts: decide whether `step` (committed locally) goes to the remote tier."""
         if self._ledger.decide(step, self._ranks) is UploadStatus.UPLOADING:
-            self._spawn(self._commit(step))
-        self.notify()
+            self._tasks.spawn(self._commit(step))
+        self._changes.notify()
 
     def protected(self) -> list[int]:
         """Steps being uploaded: local retention must not delete them yet."""
         return self._ledger.in_flight()
-
-    def notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     # ---- actor methods -------------------------------------------------------------------
 
@@ -136,7 +136,7 @@ class RemoteTier:
                     else f"could not be checked in the remote tier within {timeout_s:g}s"
                 )
                 raise CommitTimeoutError(f"step {step} {what}: nothing to upload to {self.url}")
-            await self._changed_or_timeout(remaining)
+            await self._changes.wait(remaining)
         return decided is UploadStatus.UPLOADING
 
     async def report(self, report: UploadReport) -> None:
@@ -156,7 +156,7 @@ class RemoteTier:
             self._uploaders.setdefault(report.step, {})[f"{report.role} rank {report.rank}"] = (
                 report.node
             )
-            self.notify()
+            self._changes.notify()
 
     async def drain(self, timeout_s: float) -> dict[str, Any]:
         """Make sure the newest locally committed step reaches the remote tier (upload it
@@ -166,10 +166,10 @@ class RemoteTier:
         newest = steps[-1] if steps else None
         if newest is not None and await self._needs_whole_upload(newest):
             self._ledger.upload_whole(newest)
-            self._spawn(self._commit(newest))
+            self._tasks.spawn(self._commit(newest))
         # The tasks, not just the ledger: a task ends after its remote retention, which a
         # job that stops right after this must not cut short.
-        pending = [task for task in self._tasks if not task.done()]
+        pending = self._tasks.pending()
         if pending:
             _, unfinished = await asyncio.wait(pending, timeout=timeout_s)
             if unfinished:
@@ -227,10 +227,10 @@ class RemoteTier:
             )
             self._ledger.begin_commit(step)
             self._ledger.finish_commit(step, error)
-            self.notify()
+            self._changes.notify()
             return False
         self._cleared.add(step)
-        self.notify()
+        self._changes.notify()
         return True
 
     async def _commit_step(self, step: int) -> None:
@@ -238,7 +238,7 @@ class RemoteTier:
         # The ranks' reports, up to the deadline; what a missing rank did not confirm is
         # uploaded here, so a dead rank delays the remote tier but never blocks it.
         while not self._ledger.all_reported(step) and time.monotonic() < deadline:
-            await self._changed_or_timeout(deadline - time.monotonic())
+            await self._changes.wait(deadline - time.monotonic())
         missing = self._ledger.missing(step)
         if missing:
             logger.warning(
@@ -248,7 +248,7 @@ class RemoteTier:
             )
         async with self._work:
             self._ledger.begin_commit(step)
-            self.notify()
+            self._changes.notify()
             confirmed = self._ledger.confirmed_paths(step)
             try:
                 summary = await asyncio.to_thread(
@@ -270,7 +270,7 @@ class RemoteTier:
                     error,
                 )
                 self._ledger.finish_commit(step, error)
-                self.notify()
+                self._changes.notify()
                 return
             self._ledger.finish_commit(step)
             self._tracker = summary.tracker
@@ -284,7 +284,7 @@ class RemoteTier:
                 summary.uploaded_here,
                 summary.tracker,
             )
-            self.notify()
+            self._changes.notify()
             try:
                 outcome = await asyncio.to_thread(
                     apply_remote_retention, self._store, self._keep, self._ledger.in_flight()
@@ -315,15 +315,3 @@ class RemoteTier:
                 return True
             return remote != local
         return True
-
-    async def _changed_or_timeout(self, timeout_s: float) -> None:
-        changed = self._changed
-        try:
-            await asyncio.wait_for(changed.wait(), max(0.0, timeout_s))
-        except TimeoutError:
-            pass
-
-    def _spawn(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

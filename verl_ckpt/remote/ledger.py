@@ -10,16 +10,17 @@ A rank asks for the decision of its step (`turn`) before uploading its own files
 reports what it sent (`UploadReport`); the finalizer then uploads what no rank confirmed,
 the commit record, the tracker. Steps uploading or committing are protected from local
 retention (their files are being read) and from remote retention. Decided steps are kept
-for a bounded number, the oldest dropped.
+for a bounded number, the oldest dropped (protocol.step_table.StepTable, the table of
+entries the local ledger uses too).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from verl_ckpt.protocol.messages import Participant
+from verl_ckpt.protocol.step_table import StepTable, unreported
 
 __all__ = ["UploadEntry", "UploadLedger", "UploadReport", "UploadStatus"]
 
@@ -33,6 +34,7 @@ class UploadStatus(StrEnum):
 
 
 IN_FLIGHT = (UploadStatus.UPLOADING, UploadStatus.COMMITTING)
+_WHAT = "upload of step"
 
 
 @dataclass
@@ -69,8 +71,7 @@ class UploadLedger:
     def __init__(self, every: int, remembered: int = 256) -> None:
         self.every = every
         self._commits = 0
-        self._entries: OrderedDict[int, UploadEntry] = OrderedDict()
-        self._remembered = remembered
+        self._entries: StepTable[UploadEntry] = StepTable(IN_FLIGHT, remembered)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -82,7 +83,7 @@ class UploadLedger:
         return self._entries.get(step)
 
     def in_flight(self) -> list[int]:
-        return sorted(s for s, e in self._entries.items() if e.status in IN_FLIGHT)
+        return sorted(e.step for e in self._entries.held())
 
     def all_reported(self, step: int) -> bool:
         entry = self._entries[step]
@@ -90,7 +91,7 @@ class UploadLedger:
 
     def missing(self, step: int) -> list[Participant]:
         entry = self._entries[step]
-        return sorted(entry.expected - set(entry.reports))
+        return unreported(entry.expected, entry.reports)
 
     def confirmed_paths(self, step: int) -> set[str]:
         entry = self._entries[step]
@@ -103,12 +104,12 @@ class UploadLedger:
         upload = self._commits % self.every == 0
         self._commits += 1
         status = UploadStatus.UPLOADING if upload else UploadStatus.SKIPPED
-        self._put(UploadEntry(step, status, frozenset(expected) if upload else frozenset()))
+        self._entries.add(UploadEntry(step, status, frozenset(expected) if upload else frozenset()))
         return status
 
     def upload_whole(self, step: int) -> None:
         """Upload `step` with no rank's help (the last step of a run, or a catch-up)."""
-        self._put(UploadEntry(step, UploadStatus.UPLOADING))
+        self._entries.add(UploadEntry(step, UploadStatus.UPLOADING))
 
     def record(self, report: UploadReport) -> bool:
         """Take a rank's report; True when it is counted (an expected, first report)."""
@@ -124,27 +125,9 @@ class UploadLedger:
         return True
 
     def begin_commit(self, step: int) -> None:
-        self._move(step, UploadStatus.UPLOADING, UploadStatus.COMMITTING)
+        self._entries.move(step, UploadStatus.UPLOADING, UploadStatus.COMMITTING, _WHAT)
 
     def finish_commit(self, step: int, error: str | None = None) -> None:
-        entry = self._move(
-            step,
-            UploadStatus.COMMITTING,
-            UploadStatus.COMMITTED if error is None else UploadStatus.FAILED,
-        )
+        after = UploadStatus.COMMITTED if error is None else UploadStatus.FAILED
+        entry = self._entries.move(step, UploadStatus.COMMITTING, after, _WHAT)
         entry.error = error
-
-    def _move(self, step: int, before: UploadStatus, after: UploadStatus) -> UploadEntry:
-        entry = self._entries[step]
-        if entry.status is not before:
-            raise ValueError(f"upload of step {step} is {entry.status.value}, not {before.value}")
-        entry.status = after
-        return entry
-
-    def _put(self, entry: UploadEntry) -> None:
-        self._entries[entry.step] = entry
-        self._entries.move_to_end(entry.step)
-        # Forget the oldest decided steps beyond the bound; a step in flight stays.
-        excess = len(self._entries) - self._remembered
-        for step in [s for s, e in self._entries.items() if e.status not in IN_FLIGHT][:excess]:
-            del self._entries[step]

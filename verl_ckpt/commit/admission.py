@@ -1,0 +1,239 @@
+"""The finalizer's admission of steps (protocol.py, step 1: begin_step): back-pressure,
+removal of an uncommitted leftover before a step is saved again, refusals (a step number
+is saved once), and the run markers that tell, after a restart of the finalizer, the steps
+this job had in flight from the leftovers of earlier jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from verl_ckpt.commit.committer import Committer
+from verl_ckpt.commit.ledger import Begun, StepLedger, StepStatus
+from verl_ckpt.commit.metadata_forecast import MetadataForecast
+from verl_ckpt.commit.waiters import Waiters, describe_participants
+from verl_ckpt.protocol import RPC_SLACK_S, describe_failures
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
+from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
+from verl_ckpt.protocol.event_loop import TaskSet
+from verl_ckpt.store.commit_record import is_committed
+from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
+from verl_ckpt.store.retention import delete_step_dir
+
+__all__ = ["Admission", "check_participant", "steps_lost_in_a_restart"]
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """begin_step for the steps of one checkpoint root."""
+
+    def __init__(
+        self,
+        root: Path,
+        participants: dict[str, int],
+        run_id: str | None,
+        ledger: StepLedger,
+        waiters: Waiters,
+        committer: Committer,
+        tasks: TaskSet,
+        forecast: MetadataForecast,
+    ) -> None:
+        self._root = root
+        self._participants = participants
+        self._run_id = run_id
+        self._ledger = ledger
+        self._waiters = waiters
+        self._committer = committer
+        self._tasks = tasks
+        self._forecast = forecast
+        # Leftover step directories being removed for a begin_step, by step.
+        self._leftover_removals: dict[int, asyncio.Task] = {}
+
+    async def begin_step(
+        self,
+        step: int,
+        role: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        save_id: str | None,
+    ) -> str:
+        """CheckpointFinalizer.begin_step: the participant's directory, or a refusal."""
+        self.check_participant(role, rank, world_size)
+        # A failed step whose last writer died settles only at its deadline, which nothing
+        # else may notice: a new step is when its space is wanted.
+        self._committer.discard_settled_failures()
+        path = step_dir(self._root, step)
+        # One deadline for the whole call, removal of a leftover included: the caller's own
+        # wait ends at timeout_s plus the call's slack, and it must hear why before that.
+        deadline = deadline_in(timeout_s)
+        while True:
+            await self._waiters.wait_until(
+                lambda: self._ledger.has_room_for(step),
+                time_left(deadline),
+                lambda: self._no_room_message(step, timeout_s),
+            )
+            status = self._ledger.status(step)
+            # Retired steps are forgotten by the ledger: then the record on disk says so.
+            if status is StepStatus.COMMITTED or (status is None and is_committed(path)):
+                raise CheckpointError(
+                    f"step {step} is already committed at {path}; refusing to overwrite it"
+                )
+            if status is None and path.exists():
+                # A leftover of an earlier run that never committed: its files must not mix
+                # with the new save's, so it goes before anyone writes. Its removal let other
+                # calls run: everything above is checked again (room included) before the
+                # step begins in the same turn of the event loop as the last check.
+                await self._remove_leftover(step, path, deadline, timeout_s)
+                continue
+            break
+        # A participant reports at its own deadline (timeout_s after its save) plus the
+        # report call's slack: after that, a missing report will not come.
+        expires_at = deadline_in(timeout_s + 2 * RPC_SLACK_S)
+        begun = self._ledger.begin(step, (role, rank), save_id, expires_at)
+        if begun is Begun.FAILED:
+            # Its own type: another participant's failure decided the step, and a rank
+            # refused so has no failure of its own to raise (manager._in_background).
+            raise StepNotCommittedError(self._refusal(step, role, rank, begun))
+        if begun is not Begun.JOINED:
+            raise CheckpointError(self._refusal(step, role, rank, begun))
+        if status is None and self._run_id is not None:
+            path.mkdir(parents=True, exist_ok=True)
+            _mark_run(path, self._run_id)
+        target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
+        target.mkdir(parents=True, exist_ok=True)
+        if role != DRIVER_ROLE:
+            # The role's `.metadata` is made now, while its ranks write, if it can be
+            # foreseen; the commit checks it against what the ranks then report.
+            self._forecast.begin(step, role, target)
+        return str(target)
+
+    async def _remove_leftover(
+        self, step: int, path: Path, deadline: float, timeout_s: float
+    ) -> None:
+        """Delete the uncommitted leftover `path` of `step`, once for every participant that
+        finds it: the first starts the removal, the others wait for the same one, each until
+        its begin_step's `deadline`."""
+        removal = self._leftover_removals.get(step)
+        if removal is None:
+            logger.warning("removing uncommitted leftover %s before re-saving it", path)
+            removal = self._tasks.spawn(self._delete_leftover(step, path))
+            self._leftover_removals[step] = removal
+        try:
+            # Shielded: a participant's call that ends (cancelled, or at its deadline) leaves
+            # the removal running for the others and for the next save of the step.
+            await asyncio.wait_for(asyncio.shield(removal), time_left(deadline))
+        except TimeoutError:
+            raise CommitTimeoutError(
+                f"step {step} cannot start under {self._root}: the uncommitted leftover {path} "
+                f"was not removed within {timeout_s:.0f}s (a commit or retention holding the "
+                "root's file work, or a slow delete)"
+            ) from None
+
+    async def _delete_leftover(self, step: int, path: Path) -> None:
+        try:
+            # Off the event loop (a large leftover takes long to delete, and every other call
+            # would wait), and under the lock of commits and retention: retention purges
+            # `.deleting_*` directories, and both would delete this one's at once.
+            async with self._committer.file_work:
+                await asyncio.to_thread(delete_step_dir, path)
+        except OSError as exc:
+            if not path.exists():
+                # It left the step's name (the atomic rename) and only its files stayed: the
+                # step can start; retention purges the `.deleting_*` directory later.
+                logger.warning(
+                    "leftover %s left the step namespace but not the disk: %s", path, exc
+                )
+                return
+            raise CheckpointError(
+                f"step {step} cannot start: its uncommitted leftover {exc.filename or path} "
+                f"could not be removed: {exc.strerror or exc}"
+            ) from None
+        finally:
+            self._leftover_removals.pop(step, None)
+
+    def check_participant(self, role: str, rank: int, world_size: int) -> None:
+        """Refuse a call from anyone but an expected participant of the root."""
+        check_participant(self._root, self._participants, role, rank, world_size)
+
+    def _no_room_message(self, step: int, timeout_s: float) -> str:
+        pending = "; ".join(
+            f"step {s}: " + describe_participants(self._ledger.missing(s))
+            for s in self._ledger.in_flight()
+        )
+        return (
+            f"step {step} cannot start under {self._root}: steps {self._ledger.in_flight()} still "
+            f"uncommitted after {timeout_s:.0f}s "
+            f"(max_in_flight={self._ledger.max_in_flight}); missing reports: {pending}"
+        )
+
+    def _refusal(self, step: int, role: str, rank: int, begun: Begun) -> str:
+        """Why `role rank` may not save `step` (ledger.Begun), in one line."""
+        where = f"step {step} under {self._root}"
+        if begun is Begun.ALREADY_REPORTED:
+            return (
+                f"{role} rank {rank} already reported {where} from another save: a second save "
+                "would overwrite the files it reported; refused"
+            )
+        if begun is Begun.FAILED:
+            failures = describe_failures(self._ledger.failures(step))
+            return f"{where} failed and a step number is saved once: {failures}"
+        if begun is Begun.LOST:
+            return f"{where} was in flight when the finalizer restarted and will not commit"
+        return f"{where} is committing (every participant reported it); refusing another save"
+
+
+def check_participant(
+    root: Path, participants: dict[str, int], role: str, rank: int, world_size: int
+) -> None:
+    """Refuse a call from anyone but an expected participant of the root."""
+    expected = participants.get(role)
+    if expected is None:
+        raise CheckpointError(
+            f"role {role!r} is not a participant of {root} (expected roles: {sorted(participants)})"
+        )
+    if world_size != expected or not 0 <= rank < expected:
+        raise CheckpointError(
+            f"{role} rank {rank} of world size {world_size} does not match the finalizer "
+            f"of {root}, which expects {expected} ranks of role {role!r}"
+        )
+
+
+def steps_lost_in_a_restart(root: Path, uncommitted: list[int], run_id: str | None) -> list[int]:
+    """After a restart of this actor, the steps this job had in flight (marked with its run
+    id) lost their reports with the old instance: they are lost, never committed, and not
+    cleaned by begin_step (a rank may still write). Leftovers of earlier jobs stay plain
+    leftovers, re-saved over when their turn comes. Without a run id, a restart takes every
+    uncommitted step for one of this job's."""
+    if not _was_restarted():
+        return []
+    return [s for s in uncommitted if run_id is None or _run_of(step_dir(root, s)) == run_id]
+
+
+def _mark_run(path: Path, run_id: str) -> None:
+    """Mark a step directory as opened by this job (a hint for a restart, not fsynced: a
+    crash that loses it takes the whole job with it)."""
+    (path / RUN_MARKER_FILENAME).write_text(run_id)
+
+
+def _run_of(path: Path) -> str | None:
+    try:
+        return (path / RUN_MARKER_FILENAME).read_text()
+    except OSError:
+        return None
+
+
+def _was_restarted() -> bool:
+    """Whether Ray restarted this actor after a crash (False outside an actor)."""
+    import ray
+
+    # get_runtime_context() would start a whole local Ray in a process without one.
+    if not ray.is_initialized():
+        return False
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - a driver or task, not an actor: tests and benchmarks
+        return False

@@ -1,0 +1,271 @@
+"""The finalizer's committer (protocol.py, steps 4-7): it counts the reports of each step,
+commits a step when its last report arrives (commit record, tracker), runs retention
+after the commit, keeps from retention every step someone still reads, and deletes the
+directories of failed steps once nobody writes into them.
+
+It runs on the finalizer actor's one event loop (the ledger needs no lock); file work runs
+in a thread, one commit, retention or removal at a time (`file_work`, shared with
+admission's removal of leftovers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from verl_ckpt.commit.ledger import Recorded, StepLedger
+from verl_ckpt.commit.metadata_forecast import MetadataForecast, role_inputs
+from verl_ckpt.commit.steps import (
+    CommitPhaseError,
+    CommitSummary,
+    apply_retention,
+    commit_step,
+    discard_failed_steps,
+    reported_files_problem,
+)
+from verl_ckpt.hf.scheduler import ExportQueue
+from verl_ckpt.protocol import Failure, Phase, describe_failures
+from verl_ckpt.protocol.errors import StepNotCommittedError
+from verl_ckpt.protocol.event_loop import Changes, TaskSet
+from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.store.commit_record import is_committed
+from verl_ckpt.store.layout import DRIVER_ROLE, role_dir, step_dir
+
+__all__ = ["Committer"]
+
+logger = logging.getLogger(__name__)
+
+_RECENT_SUMMARIES = 16
+
+
+class Committer:
+    """Steps 4-7 of one checkpoint root. `uploading()` names the steps the remote tier reads
+    now; `after_commit(step)` starts step 8 for a step just committed (both no-ops without a
+    remote tier)."""
+
+    def __init__(
+        self,
+        root: Path,
+        participants: dict[str, int],
+        keep: int | None,
+        ledger: StepLedger,
+        changes: Changes,
+        tasks: TaskSet,
+        forecast: MetadataForecast,
+        exports: ExportQueue,
+        uploading: Callable[[], set[int]],
+        after_commit: Callable[[int], None],
+    ) -> None:
+        self._root = root
+        self._participants = participants
+        self._keep = keep
+        self._ledger = ledger
+        self._changes = changes
+        self._tasks = tasks
+        self._forecast = forecast
+        self._exports = exports
+        self._uploading = uploading
+        self._after_commit = after_commit
+        # One commit or retention at a time: two would race on the tracker and the listing.
+        self.file_work = asyncio.Lock()
+        # The summaries of the last commits (with their timings), for waiters that ask after
+        # the step was retired; bounded, like everything the finalizer keeps.
+        self._recent: OrderedDict[int, CommitSummary] = OrderedDict()
+        # The steps the last retention after a commit of this finalizer left only because
+        # they were being uploaded: the end of their upload finishes that retention. Empty
+        # until this finalizer commits, so an upload alone (the end of a run that committed
+        # nothing uploads its newest step) never deletes a step (I3: only after a commit).
+        self._spared_for_uploads: set[int] = set()
+
+    def recent(self, step: int) -> CommitSummary | None:
+        """The summary of a recent commit of `step`, if this finalizer made it."""
+        return self._recent.get(step)
+
+    # ---- protocol step 4: report ---------------------------------------------------------
+
+    def take(self, report: RankReport) -> None:
+        """Record one participant's outcome (already checked to be a participant); start the
+        commit when the last one arrives."""
+        step = report.step
+        path = step_dir(self._root, step)
+        if self._ledger.status(step) is None and is_committed(path):
+            return  # late: committed (and forgotten) already
+        # Each report's files are checked as it arrives, not all of them at the commit: with
+        # thousands of ranks their stats were most of the commit's time after the last
+        # report. A reported file is final (the rank wrote and closed it before reporting,
+        # and a second save of a reported step is refused at begin_step); a problem found
+        # here fails the commit, as one found at the commit does.
+        report.files_on_arrival = reported_files_problem(path, report)
+        outcome = self._ledger.record(report)
+        if outcome is Recorded.REFUSED_LOST:
+            raise StepNotCommittedError(
+                f"step {step}: report of {report.role} rank {report.rank} refused, the "
+                "finalizer restarted while the step was in flight and lost the other reports"
+            )
+        if outcome is Recorded.STALE:
+            logger.warning(
+                "step %d: ignored a report of %s rank %d from a save it replaced (%s)",
+                step,
+                report.role,
+                report.rank,
+                report.save_id,
+            )
+        elif outcome is Recorded.FAILED:
+            logger.error("step %d will not commit: %s", step, report.failure.describe())
+        elif outcome is Recorded.READY:
+            # Committing from here on: a duplicate report can no longer start a second commit.
+            entry = self._ledger.begin_commit(step)
+            # The commit runs on its own: the last reporter (often the driver, in its training
+            # loop) is not kept waiting for fsyncs it does not need to see.
+            self._tasks.spawn(self._commit(step, list(entry.reports.values()), time.time()))
+        if outcome in (Recorded.FAILED, Recorded.IGNORED):
+            # This report failed its step, or may be the last one of a failed step. Only
+            # then: every rank's report of every step passes here.
+            self.discard_settled_failures()
+        self._changes.notify()
+
+    # ---- failed steps --------------------------------------------------------------------
+
+    def expire_overdue(self) -> None:
+        """Fail every step whose reports are overdue (a change: its waiters and
+        back-pressure see it)."""
+        expired = self._ledger.expire(time.monotonic())
+        for entry in expired:
+            logger.error(
+                "step %d will not commit: %s", entry.step, describe_failures(entry.failures)
+            )
+        if expired:
+            self.discard_settled_failures()
+            self._changes.notify()
+
+    def discard_settled_failures(self) -> None:
+        """Delete, in the background, the directories of failed steps that nobody writes
+        into any more (ledger.discardable). Called wherever a step may have settled: a
+        failure, a late report of a failed step, an expiry, a begin_step."""
+        steps = self._ledger.discardable(time.monotonic())
+        if steps:
+            self._tasks.spawn(self._discard(steps))
+
+    async def _discard(self, steps: list[int]) -> None:
+        # Under the lock of commits and retention: one of them lists the step directories.
+        async with self.file_work:
+            errors = await asyncio.to_thread(discard_failed_steps, self._root, steps)
+        if errors:
+            logger.error(
+                "could not delete failed steps %s (removed before the step is saved again): %s",
+                steps,
+                "; ".join(errors),
+            )
+
+    # ---- protocol steps 5-7: commit record, tracker, retention ----------------------------
+
+    async def _commit(self, step: int, reports: list[RankReport], ready_at: float) -> None:
+        async with self.file_work:
+            roles = [role for role in self._participants if role != DRIVER_ROLE]
+            inputs = {role: role_inputs([r for r in reports if r.role == role]) for role in roles}
+            # A role's `.metadata` made while its ranks wrote, where exactly these reports
+            # make it (otherwise commit_step makes it).
+            made = {
+                role: self._forecast.take(
+                    step, role, role_dir(self._root, step, role), inputs[role]
+                )
+                for role in roles
+            }
+            try:
+                summary = await asyncio.to_thread(
+                    commit_step, self._root, step, self._participants, reports, made
+                )
+            except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
+                self._commit_failed(step, exc)
+                return
+            for role in roles:
+                self._forecast.committed(role, inputs[role])
+            errors = await self._committed(step, replace(summary, ready_at=ready_at))
+        if errors:
+            logger.error(
+                "retention after step %d failed (retried after the next commit; step %d stays "
+                "committed): %s",
+                step,
+                step,
+                "; ".join(errors),
+            )
+
+    def _commit_failed(self, step: int, exc: Exception) -> None:
+        logger.error("commit of step %d failed: %s", step, exc)
+        phase = exc.phase if isinstance(exc, CommitPhaseError) else Phase.COMMIT
+        code = exc.errno if isinstance(exc, (CommitPhaseError, OSError)) else None
+        failure = Failure("finalizer", None, phase, str(exc), code)
+        self._ledger.finish_commit(step, failure)
+        self._changes.notify()
+        # Queued behind this commit's lock: it runs once the commit has let go.
+        self.discard_settled_failures()
+
+    async def _committed(self, step: int, summary: CommitSummary) -> list[str]:
+        """Step 7 after a commit, under the commit's lock: tell waiters, start the export and
+        the upload, run retention, retire the step; the errors of retention."""
+        self._ledger.finish_commit(step, summary=summary)
+        self._recent[step] = summary
+        while len(self._recent) > _RECENT_SUMMARIES:
+            self._recent.popitem(last=False)
+        # Queued in the same turn of the event loop as the commit is recorded: a waiter
+        # that saw the commit also sees its export pending, and retention below keeps it.
+        self._exports.submit(step)
+        # Waiters learn of the commit before retention runs: deleting old steps need not
+        # delay wait_for_commit.
+        self._changes.notify()
+        # Step 8 starts (in the background): the remote tier never delays a local commit.
+        self._after_commit(step)
+        # Taken in the same turn of the event loop as the steps retention keeps: an upload
+        # that ends while retention runs still finds its step in the spared ones below.
+        uploading = self._uploading()
+        try:
+            outcome = await asyncio.to_thread(
+                apply_retention, self._root, self._keep, self.retention_keeps()
+            )
+            errors = outcome.errors
+            self._spared_for_uploads = uploading.intersection(outcome.spared)
+        except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
+            errors = [f"{type(exc).__name__}: {exc}"]
+            # What it left is unknown: the end of any of these uploads runs it again.
+            self._spared_for_uploads = uploading
+        # Only now may another step start (back-pressure counts the deleted step's
+        # directory until it is gone), whether or not retention succeeded.
+        self._ledger.retire(step)
+        self._changes.notify()
+        return errors
+
+    def retention_keeps(self) -> list[int]:
+        """Steps that retention must not delete whatever their age: steps in flight, steps
+        queued for or under a Hugging Face export, and steps being uploaded (each is read
+        by whoever works on it). One list for every retention run, so that none forgets one."""
+        return sorted({*self._ledger.in_flight(), *self._exports.protected(), *self._uploading()})
+
+    # ---- retention that waited for an upload ---------------------------------------------
+
+    def retain_after_upload(self) -> None:
+        """An upload ended: finish the retention of a commit that left its step, if any."""
+        if self._keep is not None:
+            self._tasks.spawn(self._retain_again())
+
+    async def _retain_again(self) -> None:
+        # The spared steps are read under the lock: a commit's retention running when the
+        # upload ended sets them once it is done, and this runs after it.
+        async with self.file_work:
+            uploading = self._uploading()
+            if not self._spared_for_uploads - uploading:
+                return  # no retention of this finalizer waits for an upload that ended
+            try:
+                outcome = await asyncio.to_thread(
+                    apply_retention, self._root, self._keep, self.retention_keeps()
+                )
+            except Exception as exc:  # noqa: BLE001 - a background task: logged, retried later
+                logger.error("retention after an upload failed: %s: %s", type(exc).__name__, exc)
+                return
+            self._spared_for_uploads = uploading.intersection(outcome.spared)
+        if outcome.errors:
+            logger.error("retention after an upload failed: %s", "; ".join(outcome.errors))
