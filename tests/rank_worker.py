@@ -258,7 +258,7 @@ class RankWorker:
         Released (`hold=False`): whether a conversion was held until save() returned."""
         from torch.distributed._shard.sharded_tensor import Shard
 
-        from verl_ckpt.rank import manager
+        from verl_ckpt.rank import snapshotter as manager
 
         if not hold:
             state, self._conversion_hold = self._conversion_hold, None

@@ -16,7 +16,7 @@ import pytest
 
 from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.protocol.threads import DaemonPool
-from verl_ckpt.rank.inflight import InFlightSaves
+from verl_ckpt.rank.pending_writes import PendingWrites
 
 
 def interrupt_soon(delay_s: float = 0.3) -> threading.Timer:
@@ -40,7 +40,7 @@ def ctrl_c_raises():
 def test_I5_ctrl_c_while_waiting_for_a_save_is_never_swallowed(wait, ctrl_c_raises):
     """The rank's wait loops caught BaseException around each wait and carried on, so
     Ctrl-C during save() back-pressure, wait() or close() was lost until the deadline."""
-    saves = InFlightSaves(limit=1, owner="actor rank 0", timeout_s=60)
+    saves = PendingWrites(limit=1, owner="actor rank 0", timeout_s=60)
     saves.add(1, time.monotonic() + 60, Future(), stats=None)  # a write that never ends
     timer = interrupt_soon()
     try:
@@ -54,14 +54,14 @@ def test_I5_ctrl_c_while_waiting_for_a_save_is_never_swallowed(wait, ctrl_c_rais
 
 
 def test_I5_back_pressure_names_the_step_still_writing_at_its_deadline():
-    saves = InFlightSaves(limit=1, owner="critic rank 0", timeout_s=0.2)
+    saves = PendingWrites(limit=1, owner="critic rank 0", timeout_s=0.2)
     saves.add(7, time.monotonic() + 0.2, Future(), stats=None)
     with pytest.raises(CommitTimeoutError, match="critic rank 0: the write of step 7 is still"):
         saves.wait_for_room()
 
 
 def test_I5_a_failed_save_is_raised_once_and_finished_saves_are_collected():
-    saves = InFlightSaves(limit=2, owner="actor rank 1", timeout_s=5)
+    saves = PendingWrites(limit=2, owner="actor rank 1", timeout_s=5)
     done, failed = Future(), Future()
     done.set_result(None)
     failed.set_exception(RuntimeError("disk on fire"))

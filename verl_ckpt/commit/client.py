@@ -2,7 +2,9 @@
 
 One finalizer per checkpoint root, named after the root, so that every rank finds the one
 the driver started. `actor_options()` is the single definition of how it runs (tests that
-start it with a fault hook reuse it rather than copying it).
+start it with a fault hook reuse it rather than copying it). `FinalizerClient` is how ranks
+and the driver call it: one typed method per public method of the actor (commit/finalizer.py),
+each bounded by a deadline and naming its caller when the finalizer does not answer.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from verl_ckpt.protocol.deadlines import deadline_in, time_left
+from verl_ckpt.protocol.deadlines import call_deadline, deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
 
 if TYPE_CHECKING:
     from verl_ckpt.hf.scheduler import ExportPlan
+    from verl_ckpt.protocol.messages import RankReport
+    from verl_ckpt.remote.ledger import UploadReport
 
 __all__ = [
     "FINALIZER_NAMESPACE",
+    "FinalizerClient",
     "actor_options",
-    "call_finalizer",
     "check_shared_root",
     "finalizer_name",
     "get_finalizer",
@@ -140,7 +144,7 @@ def check_shared_root(
     Ranks, driver and finalizer may run on different nodes; a root that is not one shared
     filesystem would scatter a step's files over several disks and never commit correctly.
     """
-    token = call_finalizer(finalizer, "marker_token", deadline=deadline_in(timeout_s), who=who)
+    token = FinalizerClient(finalizer, who, timeout_s).marker_token(deadline=deadline_in(timeout_s))
     marker = Path(root_dir) / ROOT_MARKER_FILENAME
     try:
         seen = marker.read_text()
@@ -155,15 +159,105 @@ def check_shared_root(
         )
 
 
+class FinalizerClient:
+    """The finalizer's public methods, as ranks and the driver call them (protocol steps 1,
+    4, 5 and 8 from the caller's side).
+
+    Every call waits for the answer until a deadline (monotonic): `deadline` when given,
+    else the call's own `timeout_s` (for the calls where the finalizer itself waits) or the
+    client's, plus RPC_SLACK_S (`call_deadline`). Where the finalizer waits (begin_step,
+    wait_for_commit, drain...) it applies the caller's timeout and names what is missing;
+    the deadline only bounds the call. `who` names the caller when the finalizer does not
+    answer ("actor rank 0 of /ckpt"). The finalizer's own errors (CheckpointError) are
+    raised as themselves.
+    """
+
+    def __init__(self, handle: ray.actor.ActorHandle, who: str, timeout_s: float) -> None:
+        self.handle = handle
+        self.who = who
+        self._timeout_s = timeout_s
+
+    # ---- start-up and state -------------------------------------------------------------
+
+    def describe(self, *, deadline: float | None = None) -> dict[str, Any]:
+        return self._call("describe", deadline=deadline)
+
+    def marker_token(self, *, deadline: float | None = None) -> str:
+        return self._call("marker_token", deadline=deadline)
+
+    def status(self, *, deadline: float | None = None) -> dict[str, Any]:
+        return self._call("status", deadline=deadline)
+
+    # ---- a participant's step (steps 1 and 4) --------------------------------------------
+
+    def begin_step(
+        self,
+        step: int,
+        role: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        save_id: str,
+        *,
+        deadline: float | None = None,
+    ) -> str:
+        """The participant's directory of `step`; waits (up to `timeout_s`) for room."""
+        deadline = deadline or call_deadline(timeout_s)
+        return self._call(
+            "begin_step", step, role, rank, world_size, timeout_s, save_id, deadline=deadline
+        )
+
+    def report(self, report: RankReport, *, deadline: float | None = None) -> None:
+        self._call("report", report, deadline=deadline)
+
+    # ---- commits and exports (the driver) -----------------------------------------------
+
+    def wait_for_commit(
+        self, step: int, timeout_s: float, *, deadline: float | None = None
+    ) -> dict[str, Any]:
+        deadline = deadline or call_deadline(timeout_s)
+        return self._call("wait_for_commit", step, timeout_s, deadline=deadline)
+
+    def drain(self, timeout_s: float, *, deadline: float | None = None) -> list[int]:
+        return self._call("drain", timeout_s, deadline=deadline or call_deadline(timeout_s))
+
+    def wait_for_exports(
+        self, timeout_s: float, *, deadline: float | None = None
+    ) -> list[dict[str, Any]]:
+        deadline = deadline or call_deadline(timeout_s)
+        return self._call("wait_for_exports", timeout_s, deadline=deadline)
+
+    def cancel_exports(self, *, deadline: float | None = None) -> None:
+        self._call("cancel_exports", deadline=deadline)
+
+    # ---- the remote tier (step 8) --------------------------------------------------------
+
+    def upload_turn(self, step: int, timeout_s: float, *, deadline: float | None = None) -> bool:
+        deadline = deadline or call_deadline(timeout_s)
+        return self._call("upload_turn", step, timeout_s, deadline=deadline)
+
+    def report_upload(self, report: UploadReport, *, deadline: float | None = None) -> None:
+        self._call("report_upload", report, deadline=deadline)
+
+    def drain_uploads(self, timeout_s: float, *, deadline: float | None = None) -> dict[str, Any]:
+        deadline = deadline or call_deadline(timeout_s)
+        return self._call("drain_uploads", timeout_s, deadline=deadline)
+
+    def remote_status(
+        self, step: int | None = None, *, deadline: float | None = None
+    ) -> dict[str, Any]:
+        return self._call("remote_status", step, deadline=deadline)
+
+    def _call(self, method: str, *args: Any, deadline: float | None) -> Any:
+        deadline = deadline or call_deadline(self._timeout_s)
+        return call_finalizer(self.handle, method, *args, deadline=deadline, who=self.who)
+
+
 def call_finalizer(
     finalizer: ray.actor.ActorHandle, method: str, *args: Any, deadline: float, who: str
 ) -> Any:
-    """Call `method` on the finalizer and wait for the answer until `deadline` (monotonic).
-
-    Where the finalizer itself waits (begin_step, wait_for_commit, drain) it applies the
-    caller's timeout and names what is missing; this deadline only bounds the call, so
-    callers give it some slack beyond their own timeout.
-    """
+    """Call `method` on the finalizer and wait for the answer until `deadline` (monotonic):
+    the mechanism under FinalizerClient, which callers use instead."""
     ref = getattr(finalizer, method).remote(*args)
     try:
         return ray.get(ref, timeout=time_left(deadline, 0.1))

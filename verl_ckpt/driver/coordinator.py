@@ -8,25 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import uuid
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from verl_ckpt.commit.client import call_finalizer, check_shared_root, start_finalizer
+from verl_ckpt.commit.client import FinalizerClient, check_shared_root, start_finalizer
+from verl_ckpt.commit.participant import ParticipantLink, new_save_id
 from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.hf.scheduler import plan_exports
-from verl_ckpt.protocol import Failure, Phase
+from verl_ckpt.protocol import Phase
 from verl_ckpt.protocol.config import CheckpointConfig, to_checkpoint_config
-from verl_ckpt.protocol.deadlines import call_deadline, deadline_in, time_left
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import (
     CheckpointConfigError,
     CheckpointError,
     CommitRecordError,
 )
-from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.startup.prepare import StartPlan, prepare_start
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME, role_name_problem
@@ -82,6 +81,11 @@ class CheckpointCoordinator:
                 self._remote_settings(),
             )
             check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
+            self._client = FinalizerClient(
+                self.finalizer, f"the driver of {self.root}", self.config.timeout_s
+            )
+            # The driver's own state is one more participant of every step (role "driver").
+            self._link = ParticipantLink(self._client, DRIVER_ROLE, 0, 1, self.config.timeout_s)
         except BaseException:
             self.start.release()
             raise
@@ -103,43 +107,25 @@ class CheckpointCoordinator:
         (max_in_flight); a preemption save passes what is left of its grace period."""
         if DRIVER_ROLE not in self.participants:
             raise CheckpointError("this coordinator was built with save_driver_state=False")
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        report = RankReport(step, DRIVER_ROLE, 0, 1, uuid.uuid4().hex)
+        save_id = new_save_id()
         try:
-            directory = Path(
-                self._call(
-                    "begin_step",
-                    step,
-                    DRIVER_ROLE,
-                    0,
-                    1,
-                    timeout,
-                    report.save_id,
-                    deadline=call_deadline(timeout),
-                )
-            )
+            directory = self._link.begin(step, save_id, timeout_s)
         except Exception as exc:
             # The ranks save this step: fail it now rather than at its deadline.
-            report.failure = Failure.from_exception(DRIVER_ROLE, 0, Phase.PLAN, exc)
-            self._report_quietly(report)
+            self._link.report_failure(step, save_id, Phase.PLAN, exc)
             raise
+        report = self._link.new_report(step, save_id)
         path = directory / DRIVER_STATE_FILENAME
         try:
             written = write_checksummed(path, lambda stream: torch.save(state, stream))
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
         except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
-            report.failure = Failure.from_exception(DRIVER_ROLE, 0, Phase.WRITE, exc)
-        self._call("report", report)
+            report.failure = self._link.failure(Phase.WRITE, exc)
+        self._link.report(report)
         if report.failure is not None:
             raise CheckpointError(
                 f"driver state of step {step} not saved ({path}): {report.failure.message}"
             )
-
-    def _report_quietly(self, report: RankReport) -> None:
-        try:
-            self._call("report", report)
-        except Exception as error:  # noqa: BLE001 - the original failure is what matters
-            logger.warning("could not report the failure of step %d: %s", report.step, error)
 
     def load_driver_state(self, step_path: str | Path) -> dict[str, Any]:
         path = Path(step_path)
@@ -153,17 +139,17 @@ class CheckpointCoordinator:
     def wait_for_commit(self, step: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Block until `step` committed; raise naming missing participants or failures."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        return self._call("wait_for_commit", step, timeout, deadline=call_deadline(timeout))
+        return self._client.wait_for_commit(step, timeout)
 
     def drain(self, timeout_s: float | None = None) -> list[int]:
         """Wait until the commits and retention already under way finished (wait_for_commit
         returns before retention deletes old steps); return the steps still waiting for
         reports."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        return self._call("drain", timeout, deadline=call_deadline(timeout))
+        return self._client.drain(timeout)
 
     def status(self) -> dict[str, Any]:
-        return self._call("status")
+        return self._client.status()
 
     def wait_for_exports(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """Wait (within `timeout_s`, default checkpoint.timeout_s) until the Hugging Face
@@ -171,7 +157,7 @@ class CheckpointCoordinator:
         done, failed or skipped, message, path). A failed export leaves its step committed.
         Raises CommitTimeoutError naming the steps still exporting at the deadline."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        outcomes = self._call("wait_for_exports", timeout, deadline=call_deadline(timeout))
+        outcomes = self._client.wait_for_exports(timeout)
         self._exports_seen.update((o["step"], o["role"]) for o in outcomes)
         return outcomes
 
@@ -180,11 +166,11 @@ class CheckpointCoordinator:
         ranks skipped it or failed), wait up to `timeout_s` for every upload under way, and
         return where the remote tier stands ("tracker", "step", "status", "error")."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
-        return self._call("drain_uploads", timeout, deadline=call_deadline(timeout))
+        return self._client.drain_uploads(timeout)
 
     def remote_status(self, step: int | None = None) -> dict[str, Any]:
         """The remote tier's state as the finalizer knows it (for `step`, when given)."""
-        return self._call("remote_status", step)
+        return self._client.remote_status(step)
 
     def _remote_settings(self) -> dict[str, Any] | None:
         remote = self.config.remote
@@ -226,7 +212,7 @@ class CheckpointCoordinator:
             # Not beyond the deadline, and nothing left running: the rest is for
             # `verl-ckpt export`.
             logger.error("%s; stopping them", exc)
-            self._call("cancel_exports")
+            self._client.cancel_exports()
             return
         for outcome in outcomes:
             if outcome["state"] == "failed" and (outcome["step"], outcome["role"]) not in seen:
@@ -236,9 +222,3 @@ class CheckpointCoordinator:
                     outcome["role"],
                     outcome["message"],
                 )
-
-    def _call(self, method: str, *args: Any, deadline: float | None = None) -> Any:
-        deadline = deadline or call_deadline(self.config.timeout_s)
-        return call_finalizer(
-            self.finalizer, method, *args, deadline=deadline, who=f"the driver of {self.root}"
-        )

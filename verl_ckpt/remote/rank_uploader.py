@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from verl_ckpt.protocol import RPC_SLACK_S, faults
 from verl_ckpt.protocol.config import RemoteConfig
@@ -33,7 +33,7 @@ from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM
 from verl_ckpt.store.fsspec_store import RemoteStore, describe_store_error
 from verl_ckpt.store.layout import step_dir
 
-__all__ = ["RankUploader"]
+__all__ = ["RankUploader", "UploadFinalizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,19 @@ class _PendingUpload:
     began: float | None = None
 
 
+class UploadFinalizer(Protocol):
+    """The finalizer calls an upload makes: commit.client.FinalizerClient's (the remote
+    tier sits below the commit part, so it names only what it needs)."""
+
+    def upload_turn(
+        self, step: int, timeout_s: float, *, deadline: float | None = None
+    ) -> bool: ...
+
+    def report_upload(self, report: UploadReport, *, deadline: float | None = None) -> None: ...
+
+
 class RankUploader:
-    """The uploads of one rank. `call(method, *args, deadline=...)` calls the finalizer."""
+    """The uploads of one rank; `finalizer` is its client of the finalizer."""
 
     def __init__(
         self,
@@ -57,14 +68,14 @@ class RankUploader:
         role: str,
         rank: int,
         timeout_s: float,
-        call: Any,
+        finalizer: UploadFinalizer,
     ) -> None:
         self._config = config
         self._store = RemoteStore(config.url, config.storage_options)
         self._root = root
         self._role, self._rank = role, rank
         self._timeout_s = timeout_s
-        self._call = call
+        self._finalizer = finalizer
         self._who = f"{role} rank {rank}"
         self._pool = DaemonPool(1, f"verl_ckpt_{role}{rank}_upload")
         self._pending: deque[_PendingUpload] = deque()
@@ -125,7 +136,9 @@ class RankUploader:
         upload.began = time.monotonic()
         deadline = upload.began + self._timeout_s
         try:
-            turn = self._call("upload_turn", step, self._timeout_s, deadline=deadline + RPC_SLACK_S)
+            turn = self._finalizer.upload_turn(
+                step, self._timeout_s, deadline=deadline + RPC_SLACK_S
+            )
         except Exception as exc:  # noqa: BLE001 - no word from the finalizer: nothing to do
             logger.warning("%s: no upload of step %d: %s", self._who, step, exc)
             return
@@ -149,7 +162,7 @@ class RankUploader:
         except Exception as exc:  # noqa: BLE001 - reported: the finalizer uploads the files
             report.errors = [describe_store_error(exc)]
         try:
-            self._call("report_upload", report, deadline=deadline + RPC_SLACK_S)
+            self._finalizer.report_upload(report, deadline=deadline + RPC_SLACK_S)
         except Exception as exc:  # noqa: BLE001 - the finalizer's deadline covers a lost report
             logger.warning("%s: could not report the upload of step %d: %s", self._who, step, exc)
 

@@ -14,7 +14,7 @@ from typing import Any
 from verl_ckpt.protocol.deadlines import time_left
 from verl_ckpt.protocol.errors import CommitTimeoutError
 
-__all__ = ["InFlightSaves"]
+__all__ = ["PendingWrites"]
 
 
 @dataclass
@@ -28,7 +28,7 @@ class _Save:
     raised: bool = False
 
 
-class InFlightSaves:
+class PendingWrites:
     """At most `limit` saves in flight; the oldest is waited for (with its own deadline)
     before another starts. `owner` names the rank in errors ("actor rank 0 of /ckpt")."""
 

@@ -1,0 +1,118 @@
+"""One participant's side of a step (protocol steps 1 and 4), for ranks and the driver alike.
+
+A participant (one rank of a role, or the driver with its own state) begins a step with a
+save id, writes its files into the directory begin_step returned, and reports once: its
+files, or a typed failure of the phase that failed. A participant that will not save a
+step it was expected to save reports a failure at once, so that the step fails now and
+not at its deadline. Who writes the files, and when, is the caller's; the order is this:
+
+ 1. begin(step, save_id)      the finalizer waits for room (max_in_flight), makes the
+                              directory; a refusal (a failed or committed step) is raised.
+ 2. (the caller writes its files into the directory)
+ 3. deliver(report) / report(report)
+                              the outcome, once. A failure before 1 or during 2 is reported
+                              too (report_failure, withdraw): the finalizer learns
+                              completion from reports only (I6).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+
+from verl_ckpt.commit.client import FinalizerClient
+from verl_ckpt.protocol import Failure, Phase, faults
+from verl_ckpt.protocol.deadlines import call_deadline
+from verl_ckpt.protocol.messages import RankReport
+
+__all__ = ["ParticipantLink", "new_save_id"]
+
+logger = logging.getLogger(__name__)
+
+
+def new_save_id() -> str:
+    """A save's id: a report of a save that a newer save of the participant replaced is
+    ignored by the finalizer."""
+    return uuid.uuid4().hex
+
+
+class ParticipantLink:
+    """`role` rank `rank` of `world_size` as a participant of the finalizer's steps.
+
+    `inject_faults`: the report runs the `report` fault phase first (VERL_CKPT_FAULT, as
+    ranks do); the driver's report has no fault phase of its own.
+    """
+
+    def __init__(
+        self,
+        client: FinalizerClient,
+        role: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        inject_faults: bool = False,
+    ) -> None:
+        self.client = client
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self._timeout_s = timeout_s
+        self._inject_faults = inject_faults
+
+    def begin(self, step: int, save_id: str, timeout_s: float | None = None) -> Path:
+        """Step 1's begin_step: this participant's directory of `step`. `timeout_s`
+        (default the link's) bounds the finalizer's wait for room to start the step."""
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        return Path(
+            self.client.begin_step(
+                step,
+                self.role,
+                self.rank,
+                self.world_size,
+                timeout,
+                save_id,
+                deadline=call_deadline(timeout),
+            )
+        )
+
+    def new_report(self, step: int, save_id: str) -> RankReport:
+        return RankReport(step, self.role, self.rank, self.world_size, save_id)
+
+    def failure(self, phase: Phase, exc: BaseException) -> Failure:
+        """This participant's failure in `phase`, as a report carries it."""
+        return Failure.from_exception(self.role, self.rank, phase, exc)
+
+    def report(self, report: RankReport, deadline: float | None = None) -> None:
+        """Step 4: send `report` (its write results packed); raise if it was not delivered."""
+        if self._inject_faults:
+            faults.inject(Phase.REPORT, self.role, self.rank)
+        self.client.report(report.pack(), deadline=deadline)
+
+    def deliver(self, report: RankReport, deadline: float | None = None) -> Failure | None:
+        """Step 4, never raising: send `report` and return this participant's failure of the
+        step: the report's own, or the failure to deliver it (phase report), since the step
+        cannot commit without this report."""
+        try:
+            self.report(report, deadline)
+        except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
+            if report.failure is None:
+                report.failure = self.failure(Phase.REPORT, exc)
+        return report.failure
+
+    def report_failure(self, step: int, save_id: str, phase: Phase, exc: BaseException) -> None:
+        """Report that this participant's save of `step` failed in `phase` (even before
+        begin): the step then fails for every participant now, instead of at its deadline.
+        A report that cannot be delivered is logged: the original failure is what the
+        caller raises."""
+        report = self.new_report(step, save_id)
+        report.failure = self.failure(phase, exc)
+        try:
+            self.client.report(report)
+        except Exception as error:  # noqa: BLE001 - the original failure is what matters
+            logger.warning(
+                "%s: could not report the failure of step %d: %s", self.client.who, step, error
+            )
+
+    def withdraw(self, step: int, exc: BaseException) -> None:
+        """This participant will not save `step` (its save failed before it began one):
+        the other participants save it, so the step fails now (phase plan)."""
+        self.report_failure(step, new_save_id(), Phase.PLAN, exc)

@@ -1,0 +1,167 @@
+"""Step 2 (stage) on one rank (protocol/__init__.py): the staging pool, the copy of the live
+tensors into it (now, in save(), or deferred, on the save thread), and the fence a deferred
+copy opens for the trainer (I4: a save writes the state as it was at save()).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from verl_ckpt.commit.participant import new_save_id
+from verl_ckpt.format.object_copy import snapshot_copy
+from verl_ckpt.protocol import Phase, faults
+from verl_ckpt.protocol.config import CheckpointConfig
+from verl_ckpt.protocol.deadlines import deadline_in
+from verl_ckpt.protocol.errors import CommitTimeoutError
+from verl_ckpt.rank.save_job import Layout, SaveJob, SavePath, SaveStats
+from verl_ckpt.rank.snapshot_plan import (
+    SaveTimeMarks,
+    SnapshotPlan,
+    bind_buffers,
+    check_copied_unchanged,
+    live_bytes,
+    split_live,
+)
+from verl_ckpt.rank.staging import StagingPool, StagingSlot, copy_into
+from verl_ckpt.rank.writers import Writer
+
+__all__ = ["Snapshotter"]
+
+
+class Snapshotter:
+    """The staging pool of one rank (up to max_in_flight slots of reused host buffers) and
+    the copies into it. `writer` is told of slots dropped from the pool."""
+
+    def __init__(
+        self, config: CheckpointConfig, writer: Writer, role: str, rank: int, root: Path
+    ) -> None:
+        self._config = config
+        self._writer = writer
+        self._role, self._rank = role, rank
+        self._root = root
+        self._timeout_s = float(config.timeout_s)
+        self.pool = StagingPool(
+            config.max_in_flight, config.staging.pin_memory, shared_memory=writer.shares_memory
+        )
+        # The last deferred save, until its snapshot is taken (fence()).
+        self._unfenced: SaveJob | None = None
+
+    def new_job(self, layout: Layout, path: SavePath) -> SaveJob:
+        """What save() must read now: the buffers to copy into (a deferred save records
+        only the version counters: which tensors to copy, and into which buffers, is chosen
+        on the save thread before the copy) and rank 0's non-sharded state."""
+        marks = SaveTimeMarks.record(layout.tensors) if path.deferred else None
+        copy = None if path.deferred else self.acquire(layout)
+        try:
+            # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
+            # requires common.pt even when it holds nothing): copied now, the snapshot, and
+            # serialised by the write (torch.save of a small dict costs a deferred save()'s
+            # training thread more than the copy).
+            common = snapshot_copy(layout.common) if self._rank == 0 else None
+        except BaseException:
+            if copy is not None:
+                self.pool.release(copy.slot)
+            raise
+        stats = SaveStats(
+            step=layout.step,
+            blocking_s=0.0,
+            plan_s=layout.seconds,
+            stage_s=0.0,
+            plan_reused=layout.reuse_plan,
+            bytes_staged=0,
+            bytes_zero_copy=live_bytes(copy) if copy is not None else 0,
+            snapshot="deferred" if path.deferred else "now",
+        )
+        deadline = deadline_in(self._timeout_s)
+        return SaveJob(layout, path, copy, new_save_id(), common, stats, deadline, marks)
+
+    def acquire(self, layout: Layout, marks: SaveTimeMarks | None = None) -> SnapshotPlan:
+        """Which tensors to copy (and into which reused buffers), which to write live.
+        `marks` are those a deferred save() recorded; without them, this is save() now."""
+        # A writer process reads only shared memory: it cannot write live host tensors.
+        offload_aware = self._config.staging.offload_aware and not self._writer.shares_memory
+        versions = marks.versions if marks is not None else None
+        live, staged = split_live(
+            layout.tensors, layout.sharded.get("optimizer"), offload_aware, versions
+        )
+        sources = [item.data for item in staged]
+        slot, dropped = self.pool.acquire([item.key for item in staged], sources)
+        for old in dropped:
+            self._writer.forget_slot(old)
+        if marks is None:
+            return SnapshotPlan(slot, staged, [t._version for t in sources], live)
+        staged_versions = [marks.versions[id(item)] for item in staged]
+        return SnapshotPlan(slot, staged, staged_versions, live, marks.ready)
+
+    def release(self, slot: StagingSlot) -> None:
+        self.pool.release(slot)
+
+    def copy(self, job: SaveJob, sources: list[torch.Tensor] | None = None) -> None:
+        """Step 2: copy `sources` (the live tensors; by default those the items still hold)
+        into the staging slot; from then on the save references the copies, never the live
+        tensors. A deferred copy checks that nothing changed them first."""
+        started = time.perf_counter()
+        copy = job.copy
+        if sources is None:
+            sources = [item.data for item in copy.items]
+        job.stats.bytes_staged = copy_into(copy.slot, sources, copy.ready or None, job.copied)
+        if job.path.deferred:
+            check_copied_unchanged(copy, sources)
+        if job.started is None:
+            bind_buffers(copy)
+        # else the save thread owns the items: they were pointed at the buffers before it
+        # took the job, and its plan is rebinding them meanwhile (megatron-core's conversion
+        # views each staged tensor with its prepended axes, then reads the view back): a
+        # second binding from this thread could undo a view under way and fail the plan.
+        job.stats.stage_s = time.perf_counter() - started
+
+    def take_deferred(self, job: SaveJob) -> None:
+        """Step 2 of a deferred save, on the save thread: choose and acquire the buffers,
+        then copy, judged against the version counters save() recorded (job.marks); then
+        fence() returns (a failure is the caller's to raise)."""
+        try:
+            faults.inject(Phase.STAGE, self._role, self._rank)
+            job.copy = self.acquire(job.layout, job.marks)
+            # Set before the fence opens: quiet() then waits for the live writes (I4).
+            job.stats.bytes_zero_copy = live_bytes(job.copy)
+            self.copy(job)
+        finally:
+            job.snapshot_taken.set()
+
+    def give_back(self, job: SaveJob, buffers_free: bool) -> None:
+        """Return the job's staging slot to the pool, or drop it for good where a writer or
+        a copy that did not stop in time may still use its buffers."""
+        slot = job.copy.slot
+        if job.copied is not None and not job.copied.wait_settled(job.deadline):
+            buffers_free = False
+        if buffers_free:
+            self.pool.release(slot)
+        else:
+            self.pool.forget(slot)
+            self._writer.forget_slot(slot)
+
+    # ---- the fence of a deferred snapshot --------------------------------------------------
+
+    def deferred(self, job: SaveJob) -> None:
+        """`job`'s snapshot is taken on the save thread: fence() waits for it."""
+        self._unfenced = job
+
+    def fence(self, timeout_s: float | None = None) -> None:
+        """Return once the last deferred snapshot is taken (CheckpointManager.fence)."""
+        job = self._unfenced
+        if job is None:
+            return
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        if not job.snapshot_taken.wait(timeout):
+            raise CommitTimeoutError(
+                f"{self._role} rank {self._rank}: the deferred snapshot of step {job.step} under "
+                f"{self._root} was not taken within {timeout:g}s"
+            )
+        self._unfenced = None
+
+    def forget_unfenced(self) -> None:
+        """The writes are drained: every snapshot was taken or failed."""
+        self._unfenced = None
