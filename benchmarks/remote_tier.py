@@ -31,7 +31,7 @@ import torch
 from verl_ckpt.remote.transfer import upload_files
 from verl_ckpt.store.commit_record import FileEntry
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, file_checksum
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
 
 OUT = Path(__file__).resolve().parent / "results_remote.md"
 

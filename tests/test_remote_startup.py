@@ -15,9 +15,10 @@ from tests.test_remote_units import committed_step
 from verl_ckpt import CheckpointError, prepare_start, read_tracker, step_dir
 from verl_ckpt.cli.main import main
 from verl_ckpt.protocol.errors import CommitRecordError, ResumeConflictError
-from verl_ckpt.remote.tier import commit_remote_step, read_remote_tracker
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.remote.tier import commit_remote_step
+from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
 from verl_ckpt.store.tracker import write_tracker
 
 STEPS = (10, 20, 30)

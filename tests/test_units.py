@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from verl_ckpt.commit.steps import apply_retention
 from verl_ckpt.protocol.config import CheckpointConfig, WriterConfig, to_checkpoint_config
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitRecordError, TrackerError
 from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
@@ -25,7 +24,8 @@ from verl_ckpt.store.commit_record import (
 )
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
-from verl_ckpt.store.retention import delete_step_dir, steps_to_delete
+from verl_ckpt.store.retention import apply_retention, steps_to_delete
+from verl_ckpt.store.retention import delete_step as delete_step_dir
 from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
 from verl_ckpt.store.verification import verify_files
 

@@ -21,9 +21,7 @@ from typing import Any
 from verl_ckpt.commit.ledger import Begun, Recorded, StepLedger, StepStatus
 from verl_ckpt.commit.metadata_forecast import MetadataForecast, role_inputs
 from verl_ckpt.commit.steps import (
-    CommitPhaseError,
     CommitSummary,
-    apply_retention,
     commit_step,
     discard_failed_steps,
     reported_files_problem,
@@ -44,8 +42,8 @@ from verl_ckpt.store.layout import (
     step_dir,
 )
 from verl_ckpt.store.recovery import recover_root
-from verl_ckpt.store.retention import delete_step_dir
-from verl_ckpt.store.tracker import read_tracker
+from verl_ckpt.store.retention import apply_retention, delete_step
+from verl_ckpt.store.tracker import CommitPhaseError, read_tracker
 
 __all__ = ["CheckpointFinalizer", "describe_participants"]
 
@@ -270,7 +268,7 @@ class CheckpointFinalizer:
             # would wait), and under the lock of commits and retention: retention purges
             # `.deleting_*` directories, and both would delete this one's at once.
             async with self._file_work:
-                await asyncio.to_thread(delete_step_dir, path)
+                await asyncio.to_thread(delete_step, path)
         except OSError as exc:
             if not path.exists():
                 # It left the step's name (the atomic rename) and only its files stayed: the

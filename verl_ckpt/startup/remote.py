@@ -32,25 +32,25 @@ from verl_ckpt.protocol.errors import (
     CommitRecordError,
     CommitTimeoutError,
     ResumeConflictError,
+    TrackerError,
 )
 from verl_ckpt.remote.pull import PullSummary, install_staged, pull_step, stage_step
-from verl_ckpt.remote.tier import RemoteHead, read_remote_head
-from verl_ckpt.store.fsspec_store import (
-    RemoteStore,
-    call_with_deadline,
-    check_store,
-    describe_store_error,
-)
-from verl_ckpt.store.layout import TRACKER_FILENAME, step_of_dir
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.commit_record import find_commit_record, newest_committed, read_step_states
+from verl_ckpt.store.fsspec_store import call_with_deadline, check_store, describe_store_error
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.recovery import RootState
 from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, find_rolled_back
+from verl_ckpt.store.tracker import read_tracker
 
 __all__ = [
     "RemoteCopiesForResume",
+    "RemoteHead",
     "RemoteStart",
     "check_remote_against_root",
     "check_remote_start",
     "fetch_newer_remote_step",
+    "read_remote_head",
     "refuse_rolled_back_remote_step",
     "refuse_unusable_remote_tracker",
 ]
@@ -62,8 +62,60 @@ _CHECK_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
+class RemoteHead:
+    """Where the remote tier stands for a start: what a resume from it would load."""
+
+    # The newest step with a readable commit record (None: none), and that record's bytes.
+    step: int | None
+    record: bytes | None
+    # Every step with a commit record object, readable or not, oldest first.
+    committed: tuple[int, ...]
+    # The remote tracker's step (None: none, or unreadable: the finalizer replaces it), and
+    # why it cannot be resumed from when it is newer than `step` (its record is missing or
+    # does not read); None when it can.
+    tracker: int | None = None
+    tracker_problem: str | None = None
+
+
+def read_remote_head(store: Store) -> RemoteHead:
+    """The newest step a resume would load from `store`, and whether its tracker names a
+    newer step that cannot be loaded (start-up refuses to skip it silently)."""
+    states = read_step_states(store)
+    newest = newest_committed(store)
+    step, record = newest if newest is not None else (None, None)
+    try:
+        tracker = read_tracker(store)
+    except TrackerError as exc:
+        # The finalizer replaces it at its first remote commit; the records say what is
+        # committed.
+        logger.warning("unreadable remote tracker (replaced by the next run): %s", exc)
+        tracker = None
+    problem = None
+    if tracker is not None and (step is None or tracker > step):
+        problem = _record_problem(store, tracker)
+    committed = tuple(sorted(states.committed + states.unreadable))
+    return RemoteHead(step, record, committed, tracker, problem)
+
+
+def _record_problem(store: Store, step: int) -> str | None:
+    """Why step `step` of `store` cannot be resumed from (its record is missing or does not
+    read), in words naming the object; None when its record reads."""
+    where = store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME))
+    try:
+        if find_commit_record(store, step) is not None:
+            return None  # committed since the listing: the next start sees it
+    except CommitRecordError as exc:
+        return str(exc)
+    return (
+        f"its commit record {where} is missing (an interrupted `verl-ckpt rollback "
+        f"{store.url} --to N --delete`, or an upload of another save of step {step} under "
+        "way or interrupted)"
+    )
+
+
+@dataclass(frozen=True)
 class RemoteStart:
-    store: RemoteStore
+    store: Store
     # Where the remote tier stands: its newest readable committed step and that record.
     head: RemoteHead
 
