@@ -280,7 +280,7 @@ def test_I5_start_up_store_calls_end_at_the_config_deadline_when_the_store_stall
     one line naming the object; nothing is left in the root."""
     import time
 
-    import verl_ckpt.startup.remote as remote_startup
+    import verl_ckpt.startup.prepare as remote_startup
     from verl_ckpt.protocol.errors import CheckpointError
 
     url, options = stalled_s3_tier(own_s3_server, tmp_path)

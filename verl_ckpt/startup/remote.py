@@ -32,16 +32,19 @@ from verl_ckpt.protocol.errors import (
     CommitRecordError,
     CommitTimeoutError,
     ResumeConflictError,
-    TrackerError,
 )
 from verl_ckpt.remote.pull import PullSummary, install_staged, pull_step, stage_step
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import find_commit_record, newest_committed, read_step_states
+from verl_ckpt.store.commit_record import (
+    find_commit_record,
+    read_record_bytes,
+    read_step_states,
+)
 from verl_ckpt.store.fsspec_store import call_with_deadline, check_store, describe_store_error
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.recovery import RootState
 from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, find_rolled_back
-from verl_ckpt.store.tracker import read_tracker
+from verl_ckpt.store.tracker import tracker_or_none
 
 __all__ = [
     "RemoteCopiesForResume",
@@ -79,17 +82,16 @@ class RemoteHead:
 
 def read_remote_head(store: Store) -> RemoteHead:
     """The newest step a resume would load from `store`, and whether its tracker names a
-    newer step that cannot be loaded (start-up refuses to skip it silently)."""
+    newer step that cannot be loaded (start-up refuses to skip it silently): the root's
+    functions (read_step_states, read_record_bytes, tracker_or_none) on the remote tier."""
     states = read_step_states(store)
-    newest = newest_committed(store)
-    step, record = newest if newest is not None else (None, None)
-    try:
-        tracker = read_tracker(store)
-    except TrackerError as exc:
-        # The finalizer replaces it at its first remote commit; the records say what is
-        # committed.
-        logger.warning("unreadable remote tracker (replaced by the next run): %s", exc)
-        tracker = None
+    step = states.committed[-1] if states.committed else None
+    record = None if step is None else read_record_bytes(store, step)
+    if record is None:
+        step = None  # deleted since the listing
+    # An unreadable remote tracker is replaced at the next remote commit (logged); the
+    # records say what is committed.
+    tracker = tracker_or_none(store)
     problem = None
     if tracker is not None and (step is None or tracker > step):
         problem = _record_problem(store, tracker)
