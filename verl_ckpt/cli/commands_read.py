@@ -37,11 +37,12 @@ from verl_ckpt.store.layout import (
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.rollback import ARCHIVE_PREFIX, intent_path, read_rollback_intent
 from verl_ckpt.store.tracker import read_tracker
-from verl_ckpt.store.verification import verify_step
+from verl_ckpt.store.verification import check_step_files
 
 __all__ = ["StepRow", "cmd_inspect", "cmd_ls", "cmd_verify", "step_rows"]
 
-# Deadline of the downloads of `inspect` on a URL, and the files moved in parallel.
+# Deadline of `verify`'s reads and `inspect`'s downloads, and the files `inspect` moves in
+# parallel.
 _TIMEOUT_S = 3600.0
 _THREADS = 8
 
@@ -165,7 +166,9 @@ def _print_leftovers(root: Path) -> None:
 def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     step = pick_step(store, args.step)
     record = read_commit_record(store, step)  # CommitRecordError: not committed, corrupt
-    result = verify_step(store, record, threads=args.threads, step=step)
+    result = check_step_files(
+        store, step, record.files, record.checksum_algorithm, args.threads, _TIMEOUT_S
+    )
     problems = [problem.describe() for problem in result.problems]
     if record.step != step:
         where = store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME))
