@@ -25,16 +25,13 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
-from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
-from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.store.base import PartPool, Publisher, Store
 from verl_ckpt.store.fsio import atomic_write_bytes
+from verl_ckpt.store.fsspec_publish import MultipartUpload, OnePut, S3PartPool, StreamedObject
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_name, step_of_dir
 
 __all__ = [
@@ -189,15 +186,15 @@ class FsspecStore(Store):
             return LocalStore(self.path).open_publish(rel, size, part_size)
         if size <= part_size:
             # One PUT: a multipart upload would cost three requests for one part.
-            return _OnePut(self, rel)
-        if isinstance(parts, _S3PartPool):
-            return _MultipartUpload(parts, self.key(rel))
-        return _StreamedObject(self.fs.open(self.key(rel), "wb", block_size=part_size))
+            return OnePut(self.fs, self.key(rel))
+        if isinstance(parts, S3PartPool):
+            return MultipartUpload(parts, self.key(rel))
+        return StreamedObject(self.fs.open(self.key(rel), "wb", block_size=part_size))
 
     def part_pool(self, threads: int, timeout_s: float) -> PartPool | None:
         if not hasattr(self.fs, "call_s3"):
             return None
-        return _S3PartPool(self.fs, threads, timeout_s)
+        return S3PartPool(self.fs, threads, timeout_s)
 
     def listing(self) -> RemoteListing:
         """Every step's objects and sizes, in one recursive listing of the prefix."""
@@ -313,119 +310,3 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 # Reads of a transfer go in blocks of this size (s3fs's default is 5 MiB).
 _READ_BLOCK = 50 << 20
-
-
-class _OnePut(Publisher):
-    """A small object: buffered, sent in one PUT on publish."""
-
-    def __init__(self, store: FsspecStore, rel: str) -> None:
-        self._store, self._rel, self._chunks = store, rel, []
-
-    def write(self, data: bytes) -> None:
-        self._chunks.append(data)
-
-    def publish(self) -> None:
-        self._store.fs.pipe_file(self._store.key(self._rel), b"".join(self._chunks))
-
-    def discard(self) -> None:
-        self._chunks = []
-
-
-class _StreamedObject(Publisher):
-    """An fsspec file opened for writing: closed to publish, discarded (its multipart upload
-    aborted, or its buffer dropped) otherwise."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def write(self, data: bytes) -> None:
-        self._target.write(data)
-
-    def publish(self) -> None:
-        self._target.close()
-
-    def discard(self) -> None:
-        try:
-            self._target.discard()
-        except Exception:  # noqa: BLE001 - best effort: the store may be what failed
-            pass
-
-
-class _S3PartPool(PartPool):
-    """Parallel multipart uploads to S3 (s3fs): each file is read and hashed in order by its
-    own thread, its parts sent by this pool, at most `threads` parts in flight (and so in
-    memory) across every file of the transfer."""
-
-    def __init__(self, fs: Any, threads: int, timeout_s: float) -> None:
-        self.fs = fs
-        self.pool = DaemonPool(threads, "verl_ckpt_parts")
-        self.room = threading.BoundedSemaphore(threads)
-        self.deadline = deadline_in(timeout_s)
-
-    def close(self) -> None:
-        self.pool.close(0.0)
-
-    def remaining(self) -> float:
-        return time_left(self.deadline)
-
-
-class _MultipartUpload(Publisher):
-    """One file's multipart upload on an _S3PartPool: completed on publish, else aborted."""
-
-    def __init__(self, parts: _S3PartPool, path: str) -> None:
-        self._parts = parts
-        self._bucket, self._key, _ = parts.fs.split_path(path)
-        answer = parts.fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
-        self._upload_id = answer["UploadId"]
-        self._futures: list[Future] = []
-
-    def write(self, data: bytes) -> None:
-        if not self._parts.room.acquire(timeout=self._parts.remaining()):
-            raise CommitTimeoutError(f"{self._key}: no part of it sent in time")
-        number = len(self._futures) + 1
-        self._futures.append(self._parts.pool.submit(self._send, number, data))
-
-    def publish(self) -> None:
-        try:
-            _, pending = wait_for_futures(self._futures, timeout=self._parts.remaining())
-            if pending:
-                raise CommitTimeoutError(f"{self._key}: {len(pending)} parts not sent in time")
-            etags = [{"PartNumber": i + 1, "ETag": f.result()} for i, f in enumerate(self._futures)]
-            self._parts.fs.call_s3(
-                "complete_multipart_upload",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": etags},
-            )
-        except BaseException:
-            self.discard()
-            raise
-
-    def discard(self) -> None:
-        for future in self._futures:
-            if future.cancel():  # never ran: its slot is given back here
-                self._parts.room.release()
-        try:
-            self._parts.fs.call_s3(
-                "abort_multipart_upload",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-            )
-        except Exception:  # noqa: BLE001 - best effort: the store may be what failed
-            pass
-
-    def _send(self, number: int, data: bytes) -> str:
-        try:
-            answer = self._parts.fs.call_s3(
-                "upload_part",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=data,
-            )
-            return answer["ETag"]
-        finally:
-            self._parts.room.release()
