@@ -239,7 +239,8 @@ def _profile_in_process(world: int, root: Path) -> str:
     commit and retention functions (verl_ckpt.commit.steps) are called directly on the reports.
     """
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
-    from verl_ckpt.commit.steps import apply_retention, commit_step
+    from verl_ckpt.commit.steps import commit_step
+    from verl_ckpt.store.retention import apply_retention
 
     finalizer = CheckpointFinalizer(str(root), {ROLE: world}, 2)
     profiler = cProfile.Profile()

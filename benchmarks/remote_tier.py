@@ -31,7 +31,7 @@ import torch
 from verl_ckpt.remote.transfer import upload_files
 from verl_ckpt.store.commit_record import FileEntry
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, file_checksum
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore
 
 OUT = Path(__file__).resolve().parent / "results_remote.md"
 
@@ -68,7 +68,7 @@ def make_step(directory: Path, files: int, mib: int) -> list[FileEntry]:
     return entries
 
 
-def plain_put(store: RemoteStore, step_path: Path, entries: list[FileEntry], prefix: str) -> None:
+def plain_put(store: FsspecStore, step_path: Path, entries: list[FileEntry], prefix: str) -> None:
     """What a user would write without verl_ckpt: s3fs's own parallel, multipart put."""
     store.fs.put(
         [str(step_path / e.path) for e in entries],
@@ -77,7 +77,7 @@ def plain_put(store: RemoteStore, step_path: Path, entries: list[FileEntry], pre
 
 
 def verl_upload(
-    store: RemoteStore, step_path: Path, entries: list[FileEntry], prefix: str, threads: int
+    store: FsspecStore, step_path: Path, entries: list[FileEntry], prefix: str, threads: int
 ) -> None:
     # upload_files names objects after the local step directory: a fresh one per run.
     target = step_path.parent / prefix
@@ -98,7 +98,7 @@ def train_burst(steps: int = 20) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def measure(args: argparse.Namespace, store: RemoteStore, workdir: Path) -> dict[str, Any]:
+def measure(args: argparse.Namespace, store: FsspecStore, workdir: Path) -> dict[str, Any]:
     step_path = workdir / "global_step_0"
     entries = make_step(step_path, args.files, args.mib)
     nbytes = sum(e.size for e in entries)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             options = server.storage_options()
             bucket = server.new_bucket()
         try:
-            store = RemoteStore(f"s3://{bucket}/bench_{uuid.uuid4().hex[:8]}", options)
+            store = FsspecStore(f"s3://{bucket}/bench_{uuid.uuid4().hex[:8]}", options)
             found = measure(args, store, workdir)
             if args.recipe:
                 if server is not None:

@@ -10,19 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from verl_ckpt.commit import steps as commit_module
-from verl_ckpt.commit.steps import (
-    CommitPhaseError,
-    advance_tracker,
-    apply_retention,
-    commit_step,
-    discard_failed_steps,
-)
+from verl_ckpt.commit.steps import commit_step, discard_failed_steps
 from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol import Phase
 from verl_ckpt.protocol.faults import ENV_VAR
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store import fsio
+from verl_ckpt.store import local as commit_module
 from verl_ckpt.store.commit_record import CommitRecord, FileEntry, is_committed, write_commit_record
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
@@ -30,7 +24,14 @@ from verl_ckpt.store.layout import (
     list_step_dirs,
     step_dir,
 )
-from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.store.retention import apply_retention
+from verl_ckpt.store.tracker import (
+    CommitPhaseError,
+    advance_tracker,
+    read_tracker,
+    tracker_path,
+    write_tracker,
+)
 
 DRIVER_ONLY = {"driver": 1}
 

@@ -117,9 +117,9 @@ def test_I1_commit_across_two_nodes_whose_ranks_upload_their_own_files(two_nodes
     on (a real S3 endpoint on loopback), each rank uploads its own files from its own node
     (the finalizer records who reported what from where): step 1 commits in the remote tier
     with every file verified. (One job for both: a two-node cluster takes half a minute.)"""
-    from verl_ckpt.remote.tier import read_remote_record
-    from verl_ckpt.remote.transfer import verify_remote_files
-    from verl_ckpt.store.fsspec_store import RemoteStore
+    from verl_ckpt.store.commit_record import find_commit_record as read_remote_record
+    from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
+    from verl_ckpt.store.verification import check_step_files as verify_remote_files
 
     address, root, env = two_nodes
     remote = {

@@ -18,8 +18,8 @@ from tests.test_recipe import (
     start_recipe,
 )
 from verl_ckpt import read_tracker, step_dir
-from verl_ckpt.remote.tier import read_remote_tracker
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
+from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
 
 
 @pytest.mark.slow

@@ -15,9 +15,10 @@ from tests.test_remote_units import committed_step
 from verl_ckpt import CheckpointError, prepare_start, read_tracker, step_dir
 from verl_ckpt.cli.main import main
 from verl_ckpt.protocol.errors import CommitRecordError, ResumeConflictError
-from verl_ckpt.remote.tier import commit_remote_step, read_remote_tracker
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.remote.tier import commit_remote_step
+from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
 from verl_ckpt.store.tracker import write_tracker
 
 STEPS = (10, 20, 30)
@@ -279,7 +280,7 @@ def test_I5_start_up_store_calls_end_at_the_config_deadline_when_the_store_stall
     one line naming the object; nothing is left in the root."""
     import time
 
-    import verl_ckpt.startup.remote as remote_startup
+    import verl_ckpt.startup.prepare as remote_startup
     from verl_ckpt.protocol.errors import CheckpointError
 
     url, options = stalled_s3_tier(own_s3_server, tmp_path)

@@ -22,11 +22,12 @@ from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, s
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
 from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.remote.finalizer_tier import RemoteTier
-from verl_ckpt.remote.tier import read_remote_record, read_remote_tracker
-from verl_ckpt.remote.transfer import verify_remote_files
+from verl_ckpt.store.commit_record import find_commit_record as read_remote_record
 from verl_ckpt.store.commit_record import read_commit_record
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
+from verl_ckpt.store.verification import check_step_files as verify_remote_files
 
 
 def remote_config(tmp_path, server, bucket, **overrides):

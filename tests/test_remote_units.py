@@ -15,14 +15,7 @@ from verl_ckpt.protocol.config import to_checkpoint_config
 from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.pull import pull_step
-from verl_ckpt.remote.tier import (
-    advance_remote_tracker,
-    apply_remote_retention,
-    commit_remote_step,
-    read_remote_record,
-    read_remote_tracker,
-    recover_remote,
-)
+from verl_ckpt.remote.tier import commit_remote_step
 from verl_ckpt.remote.transfer import upload_file
 from verl_ckpt.store.commit_record import (
     CommitRecord,
@@ -31,9 +24,14 @@ from verl_ckpt.store.commit_record import (
     read_commit_record,
     write_commit_record,
 )
+from verl_ckpt.store.commit_record import find_commit_record as read_remote_record
 from verl_ckpt.store.fsio import file_checksum
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
+from verl_ckpt.store.recovery import roll_tracker_forward as recover_remote
+from verl_ckpt.store.retention import apply_retention as apply_remote_retention
+from verl_ckpt.store.tracker import advance_tracker as advance_remote_tracker
+from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
 
 RANKS = {("actor", 0), ("actor", 1)}
 

@@ -23,7 +23,6 @@ from verl_ckpt import (
     verify_step,
 )
 from verl_ckpt.cli.main import main as verl_ckpt_cli
-from verl_ckpt.commit.steps import apply_retention
 from verl_ckpt.startup.resume_check import QUARANTINE_DIRNAME, quarantine_step
 from verl_ckpt.store.commit_record import (
     CommitRecord,
@@ -35,6 +34,7 @@ from verl_ckpt.store.commit_record import (
 from verl_ckpt.store.fsio import file_checksum
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
 from verl_ckpt.store.recovery import recover_root
+from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.tracker import write_tracker
 from verl_ckpt.store.verification import available_cores
 

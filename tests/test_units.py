@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from verl_ckpt.commit.steps import apply_retention
 from verl_ckpt.protocol.config import CheckpointConfig, WriterConfig, to_checkpoint_config
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitRecordError, TrackerError
 from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
@@ -25,7 +24,8 @@ from verl_ckpt.store.commit_record import (
 )
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
-from verl_ckpt.store.retention import delete_step_dir, steps_to_delete
+from verl_ckpt.store.retention import apply_retention, steps_to_delete
+from verl_ckpt.store.retention import delete_step as delete_step_dir
 from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
 from verl_ckpt.store.verification import verify_files
 
@@ -454,3 +454,53 @@ def test_a_role_that_is_no_plain_directory_name_is_refused_at_once_naming_it(tmp
     with pytest.raises(CheckpointConfigError, match=rf"role name {re.escape(repr(role))}"):
         CheckpointCoordinator(config, {"actor": 1, role: 1})
     assert list(tmp_path.iterdir()) == []  # not even the root was made
+
+
+def test_I5_a_fifo_in_place_of_a_commit_record_is_refused_not_waited_on(tmp_path):
+    """Found while putting the record's reads behind the Store seam: the tracker was read
+    without blocking and only as a regular file, but the commit record was read with a plain
+    open(), which waits forever for a writer when a FIFO sits in its place (a root is data
+    others may write). Now both go through LocalStore.read_bytes: refused, one line."""
+    import os
+    import threading
+
+    path = step_dir(tmp_path, 1)
+    path.mkdir()
+    os.mkfifo(path / COMMIT_RECORD_FILENAME)
+    answer = {}
+    reader = threading.Thread(
+        target=lambda: answer.setdefault("committed", is_committed(path)), daemon=True
+    )
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "reading the commit record waited on a FIFO"
+    assert answer["committed"] is False
+    with pytest.raises(CommitRecordError, match="not a regular file"):
+        read_commit_record(path)
+
+
+@pytest.mark.parametrize("kind", ["local", "file_url"])
+def test_I1_I3_one_commit_record_tracker_and_retention_on_every_store(tmp_path, kind):
+    """The same functions on a local root and on an fsspec URL (store/base.py): records
+    written over the seam read back, the tracker only moves forward, retention keeps the
+    newest committed step and the tracker's target, and leaves a step without a record."""
+    from verl_ckpt.store.open_store import open_store
+    from verl_ckpt.store.recovery import read_root_state
+    from verl_ckpt.store.tracker import advance_tracker
+
+    where = tmp_path / "tier"
+    where.mkdir()
+    store = open_store(str(where) if kind == "local" else f"file://{where}")
+    for step in (1, 2, 3, 4):
+        step_dir(where, step).mkdir()  # made by begin_step (locally), by the files (a URL)
+    for step in (1, 2, 3):
+        write_commit_record(store, CommitRecord(step, {"driver": 1}, []))
+        assert advance_tracker(store, step) == step
+    assert advance_tracker(store, 1) == 3 and read_tracker(store) == 3
+    store.put_bytes("global_step_4/d.pt", b"partial")  # no record: uncommitted
+    write_tracker(store, 2)  # a tracker behind: its target is kept
+    outcome = apply_retention(store, keep=1)
+    assert outcome.deleted == [1] and outcome.errors == []
+    state = read_root_state(store)
+    assert state.committed == (2, 3) and state.uncommitted == (4,) and state.tracker == 2
+    assert read_commit_record(store, 3).step == 3

@@ -20,7 +20,7 @@ from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepN
 from verl_ckpt.protocol.event_loop import TaskSet
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
-from verl_ckpt.store.retention import delete_step_dir
+from verl_ckpt.store.retention import delete_step
 
 __all__ = ["Admission", "check_participant", "steps_lost_in_a_restart"]
 
@@ -139,7 +139,7 @@ class Admission:
             # would wait), and under the lock of commits and retention: retention purges
             # `.deleting_*` directories, and both would delete this one's at once.
             async with self._committer.file_work:
-                await asyncio.to_thread(delete_step_dir, path)
+                await asyncio.to_thread(delete_step, path)
         except OSError as exc:
             if not path.exists():
                 # It left the step's name (the atomic rename) and only its files stayed: the

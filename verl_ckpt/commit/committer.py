@@ -21,9 +21,7 @@ from pathlib import Path
 from verl_ckpt.commit.ledger import Recorded, StepLedger
 from verl_ckpt.commit.metadata_forecast import MetadataForecast, role_inputs
 from verl_ckpt.commit.steps import (
-    CommitPhaseError,
     CommitSummary,
-    apply_retention,
     commit_step,
     discard_failed_steps,
     reported_files_problem,
@@ -35,6 +33,8 @@ from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.layout import DRIVER_ROLE, role_dir, step_dir
+from verl_ckpt.store.retention import apply_retention
+from verl_ckpt.store.tracker import CommitPhaseError
 
 __all__ = ["Committer"]
 

@@ -22,15 +22,13 @@ from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
-from verl_ckpt.remote.tier import (
-    apply_remote_retention,
-    commit_remote_step,
-    recover_remote,
-    withdraw_other_remote_record,
-)
+from verl_ckpt.remote.tier import commit_remote_step, withdraw_other_remote_record
 from verl_ckpt.store.commit_record import committed_steps, is_committed
-from verl_ckpt.store.fsspec_store import RemoteStore, call_with_deadline, describe_store_error
+from verl_ckpt.store.fsspec_store import call_with_deadline, describe_store_error
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
+from verl_ckpt.store.open_store import open_store
+from verl_ckpt.store.recovery import roll_tracker_forward
+from verl_ckpt.store.retention import apply_retention
 
 __all__ = ["RemoteTier"]
 
@@ -60,7 +58,7 @@ class RemoteTier:
         # the storage options alone do not bound them (s3fs retries on top of botocore's
         # timeouts), and a remote commit or retention hung here would hold every later
         # upload and keep their steps from local retention.
-        self._store = RemoteStore(
+        self._store = open_store(
             self.url, settings.get("storage_options"), call_timeout_s=self._timeout_s
         )
         self._root = root
@@ -90,7 +88,7 @@ class RemoteTier:
         # that does not answer now does not stop the local tier (start-up checked it).
         try:
             self._tracker = call_with_deadline(
-                lambda: recover_remote(self._store), min(60.0, self._timeout_s), self.url
+                lambda: roll_tracker_forward(self._store), min(60.0, self._timeout_s), self.url
             )
         except Exception as exc:  # noqa: BLE001 - logged; the next remote commit retries
             logger.error("remote tier %s: recovery failed: %s", self.url, describe_store_error(exc))
@@ -287,7 +285,7 @@ class RemoteTier:
             self._changes.notify()
             try:
                 outcome = await asyncio.to_thread(
-                    apply_remote_retention, self._store, self._keep, self._ledger.in_flight()
+                    apply_retention, self._store, self._keep, self._ledger.in_flight()
                 )
                 errors = outcome.errors
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step

@@ -1,5 +1,6 @@
-"""Fetch a committed step from the remote tier into a local root (resume from the remote tier,
-`verl-ckpt pull`), with the local tier's guarantees.
+"""Fetch a committed step from a store (the remote tier) into a local root (resume from the
+remote tier, `verl-ckpt pull`), with the local tier's guarantees: a store-to-store copy
+(transfer.py) into a staging directory, then one rename.
 
 Order: every file is downloaded in parallel into `.pulling_global_step_<N>/`, verified against
 the remote commit record and fsynced; then the record is written there, last; then the
@@ -18,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
-from verl_ckpt.remote.transfer import download_files
-from verl_ckpt.store.commit_record import is_committed, parse_commit_record
-from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir
-from verl_ckpt.store.fsspec_store import RemoteStore
+from verl_ckpt.remote.transfer import copy_files
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.commit_record import is_committed, parse_commit_record, read_record_bytes
+from verl_ckpt.store.fsio import fsync_dir
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
-from verl_ckpt.store.retention import delete_step_dir
+from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.retention import delete_step
 
 __all__ = [
     "PULLING_PREFIX",
@@ -60,9 +62,7 @@ class StagedStep:
     summary: PullSummary
 
 
-def pull_step(
-    store: RemoteStore, step: int, root: Path, threads: int, timeout_s: float
-) -> PullSummary:
+def pull_step(store: Store, step: int, root: Path, threads: int, timeout_s: float) -> PullSummary:
     """Download the remote committed `step` into `root` (see the module docstring)."""
     target = step_dir(root, step)
     if is_committed(target):
@@ -70,14 +70,12 @@ def pull_step(
     return install_staged(stage_step(store, step, root, threads, timeout_s))
 
 
-def stage_step(
-    store: RemoteStore, step: int, root: Path, threads: int, timeout_s: float
-) -> StagedStep:
+def stage_step(store: Store, step: int, root: Path, threads: int, timeout_s: float) -> StagedStep:
     """Download and verify the remote committed `step` into `.pulling_global_step_<N>/`,
     record last; nothing in the step namespace changes. On failure nothing is left."""
     target = step_dir(root, step)
-    record_rel = f"{target.name}/{COMMIT_RECORD_FILENAME}"
-    data = store.read_bytes(record_rel)
+    record_rel = store.step_rel(step, COMMIT_RECORD_FILENAME)
+    data = read_record_bytes(store, step)
     if data is None:
         raise CommitRecordError(
             f"{store.uri(target.name)} is not a committed step of the remote tier: its commit "
@@ -90,8 +88,15 @@ def stage_step(
     if staging.exists():
         shutil.rmtree(staging)  # an earlier pull interrupted: never mixed with this one
     staging.mkdir(parents=True)
-    outcome = download_files(
-        store, step, record.files, record.checksum_algorithm, staging, threads, timeout_s
+    outcome = copy_files(
+        staging,
+        store,
+        step,
+        record.files,
+        record.checksum_algorithm,
+        threads,
+        timeout_s,
+        what="download",
     )
     if outcome.errors:
         shutil.rmtree(staging, ignore_errors=True)
@@ -102,7 +107,7 @@ def stage_step(
     for directory in {staging / Path(e.path).parent for e in record.files} | {staging}:
         fsync_dir(directory)
     # The record last: a staging directory without it is never mistaken for a step.
-    atomic_write_bytes(staging / COMMIT_RECORD_FILENAME, data)
+    LocalStore(staging).put_bytes(COMMIT_RECORD_FILENAME, data)
     summary = PullSummary(step, target, len(record.files), outcome.nbytes, outcome.seconds)
     return StagedStep(staging, target, summary)
 
@@ -113,7 +118,7 @@ def install_staged(staged: StagedStep) -> PullSummary:
     if target.exists():
         # An uncommitted leftover of the same step (a save that never finished).
         logger.warning("replacing uncommitted leftover %s by the remote tier's step", target)
-        delete_step_dir(target)
+        delete_step(target)
     os.replace(staged.staging, target)
     fsync_dir(target.parent)
     return staged.summary

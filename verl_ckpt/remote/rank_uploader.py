@@ -30,8 +30,9 @@ from verl_ckpt.remote.ledger import UploadReport
 from verl_ckpt.remote.transfer import upload_files
 from verl_ckpt.store.commit_record import FileEntry
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM
-from verl_ckpt.store.fsspec_store import RemoteStore, describe_store_error
+from verl_ckpt.store.fsspec_store import describe_store_error
 from verl_ckpt.store.layout import step_dir
+from verl_ckpt.store.open_store import open_store
 
 __all__ = ["RankUploader", "UploadFinalizer"]
 
@@ -71,7 +72,7 @@ class RankUploader:
         finalizer: UploadFinalizer,
     ) -> None:
         self._config = config
-        self._store = RemoteStore(config.url, config.storage_options)
+        self._store = open_store(config.url, config.storage_options)
         self._root = root
         self._role, self._rank = role, rank
         self._timeout_s = timeout_s

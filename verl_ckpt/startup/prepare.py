@@ -36,6 +36,13 @@ from verl_ckpt.protocol.errors import (
     ResumeConflictError,
     TrackerError,
 )
+from verl_ckpt.startup.remote import (
+    RemoteCopiesForResume,
+    RemoteStart,
+    check_remote_against_root,
+    check_remote_start,
+    fetch_newer_remote_step,
+)
 from verl_ckpt.startup.resume_check import check_resume_before_lock, settle_resume_step
 from verl_ckpt.startup.resume_fit import check_resume_fits
 from verl_ckpt.startup.root_lock import RootLock
@@ -107,19 +114,21 @@ def _prepare_start(
     check_root_dir(root)
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     check_deadline_env(config.preemption)
-    remote = _check_remote(config)
+    # The remote tier (store/fsspec_store.py: fsspec is imported only where a URL is used)
+    # is read by the same store functions as the root; its own checks in startup/remote.py.
+    remote = check_remote_start(config) if config.remote.url is not None else None
     before = read_root_state(root)
     # Read-only, before the lock: a step the roles cannot load is refused with nothing
     # written. Checked again below on the step settled under the lock.
     check_resume_before_lock(config, before, _loadable_resume_dir(roles))
     if remote is not None:
-        _check_remote_against_root(config, remote, before)
+        check_remote_against_root(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
         state = recover_root(root)
-        if remote is not None and _fetch_newer_remote_step(config, remote, state):
+        if remote is not None and _fetched(config, remote, state):
             state = recover_root(root)  # rolls the tracker forward to the downloaded step
-        copies = _remote_copies(config, remote, root) if remote is not None else None
+        copies = RemoteCopiesForResume(config, remote, root) if remote is not None else None
         resume = settle_resume_step(config, state, choose_resume_dir, copies)
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root)  # the fallback moved steps and the tracker
@@ -214,31 +223,8 @@ def _loadable_resume_dir(roles: Mapping[str, int] | None):
     return choose
 
 
-def _check_remote(config: CheckpointConfig) -> Any:
-    """The remote tier's start-up check (verl_ckpt/startup/remote.py); None without one, and
-    then nothing of fsspec is imported."""
-    if config.remote.url is None:
-        return None
-    from verl_ckpt.startup.remote import check_remote_start
-
-    return check_remote_start(config)
-
-
-def _check_remote_against_root(config: CheckpointConfig, remote: Any, state: RootState) -> None:
-    from verl_ckpt.startup.remote import check_remote_against_root
-
-    check_remote_against_root(config, remote, state)
-
-
-def _remote_copies(config: CheckpointConfig, remote: Any, root: Path) -> Any:
-    from verl_ckpt.startup.remote import RemoteCopiesForResume
-
-    return RemoteCopiesForResume(config, remote, root)
-
-
-def _fetch_newer_remote_step(config: CheckpointConfig, remote: Any, state: RootState) -> bool:
-    from verl_ckpt.startup.remote import fetch_newer_remote_step
-
+def _fetched(config: CheckpointConfig, remote: RemoteStart, state: RootState) -> bool:
+    """Whether a newer step of the remote tier was downloaded into the root."""
     return fetch_newer_remote_step(config, remote, state) is not None
 
 

@@ -34,23 +34,26 @@ from verl_ckpt.protocol.errors import (
     ResumeConflictError,
 )
 from verl_ckpt.remote.pull import PullSummary, install_staged, pull_step, stage_step
-from verl_ckpt.remote.tier import RemoteHead, read_remote_head
-from verl_ckpt.store.fsspec_store import (
-    RemoteStore,
-    call_with_deadline,
-    check_store,
-    describe_store_error,
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.commit_record import (
+    find_commit_record,
+    read_record_bytes,
+    read_step_states,
 )
-from verl_ckpt.store.layout import TRACKER_FILENAME, step_of_dir
+from verl_ckpt.store.fsspec_store import call_with_deadline, check_store, describe_store_error
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.recovery import RootState
 from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, find_rolled_back
+from verl_ckpt.store.tracker import tracker_or_none
 
 __all__ = [
     "RemoteCopiesForResume",
+    "RemoteHead",
     "RemoteStart",
     "check_remote_against_root",
     "check_remote_start",
     "fetch_newer_remote_step",
+    "read_remote_head",
     "refuse_rolled_back_remote_step",
     "refuse_unusable_remote_tracker",
 ]
@@ -62,8 +65,59 @@ _CHECK_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
+class RemoteHead:
+    """Where the remote tier stands for a start: what a resume from it would load."""
+
+    # The newest step with a readable commit record (None: none), and that record's bytes.
+    step: int | None
+    record: bytes | None
+    # Every step with a commit record object, readable or not, oldest first.
+    committed: tuple[int, ...]
+    # The remote tracker's step (None: none, or unreadable: the finalizer replaces it), and
+    # why it cannot be resumed from when it is newer than `step` (its record is missing or
+    # does not read); None when it can.
+    tracker: int | None = None
+    tracker_problem: str | None = None
+
+
+def read_remote_head(store: Store) -> RemoteHead:
+    """The newest step a resume would load from `store`, and whether its tracker names a
+    newer step that cannot be loaded (start-up refuses to skip it silently): the root's
+    functions (read_step_states, read_record_bytes, tracker_or_none) on the remote tier."""
+    states = read_step_states(store)
+    step = states.committed[-1] if states.committed else None
+    record = None if step is None else read_record_bytes(store, step)
+    if record is None:
+        step = None  # deleted since the listing
+    # An unreadable remote tracker is replaced at the next remote commit (logged); the
+    # records say what is committed.
+    tracker = tracker_or_none(store)
+    problem = None
+    if tracker is not None and (step is None or tracker > step):
+        problem = _record_problem(store, tracker)
+    committed = tuple(sorted(states.committed + states.unreadable))
+    return RemoteHead(step, record, committed, tracker, problem)
+
+
+def _record_problem(store: Store, step: int) -> str | None:
+    """Why step `step` of `store` cannot be resumed from (its record is missing or does not
+    read), in words naming the object; None when its record reads."""
+    where = store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME))
+    try:
+        if find_commit_record(store, step) is not None:
+            return None  # committed since the listing: the next start sees it
+    except CommitRecordError as exc:
+        return str(exc)
+    return (
+        f"its commit record {where} is missing (an interrupted `verl-ckpt rollback "
+        f"{store.url} --to N --delete`, or an upload of another save of step {step} under "
+        "way or interrupted)"
+    )
+
+
+@dataclass(frozen=True)
 class RemoteStart:
-    store: RemoteStore
+    store: Store
     # Where the remote tier stands: its newest readable committed step and that record.
     head: RemoteHead
 

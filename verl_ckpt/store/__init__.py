@@ -1,5 +1,9 @@
 """Where steps live, and what is written once over every place they live (floor 7).
 
-The layout of a root, durable file primitives, the commit record, the tracker, retention,
-recovery, rollback and verification. Imports only `verl_ckpt.protocol`.
+One seam, `Store` (base.py), with two implementations: a local directory (local.py) and an
+fsspec URL (fsspec_store.py); `open_store` (open_store.py) picks one. Over it, once for every
+tier: the commit record (commit_record.py), the tracker (tracker.py), retention
+(retention.py), recovery (recovery.py), rollback (rollback.py) and verification
+(verification.py). Also the layout of a root and durable file primitives (fsio.py).
+Imports only `verl_ckpt.protocol`.
 """

@@ -2,36 +2,50 @@
 
 It is written by the finalizer after every participant's files and each role's metadata are
 durable, and removed first when a step is deleted, so a step without it is never loadable.
+The same functions read and write it on every store (store/base.py): protocol steps 5 and 9.
+
+Where a step is: a Store and a step number, or a local step directory's path alone (the
+record of `<path>/verl_ckpt_commit.json`, whatever the directory's name), or a local root's
+path and a step number.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from pathlib import Path, PurePosixPath
 
-from verl_ckpt.protocol.errors import CommitRecordError
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
-from verl_ckpt.store.fsio import (
-    CHECKSUM_ALGORITHM,
-    SUPPORTED_CHECKSUMS,
-    atomic_write_bytes,
-)
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_name
+from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.open_store import Where, as_store
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
     "CommitRecord",
     "FileEntry",
+    "StepStates",
     "committed_steps",
+    "encode_commit_record",
+    "find_commit_record",
     "is_committed",
+    "locate_step",
+    "newest_committed",
     "parse_commit_record",
     "read_commit_record",
+    "read_record_bytes",
+    "read_step_states",
     "write_commit_record",
 ]
+
+logger = logging.getLogger(__name__)
 
 COMMIT_FORMAT_VERSION = 1
 
@@ -51,15 +65,28 @@ class CommitRecord:
         return self.participants.get(role)
 
 
-def write_commit_record(step_path: Path, record: CommitRecord) -> None:
-    """Durably write the record: once this returns, the step is committed."""
-    atomic_write_bytes(step_path / COMMIT_RECORD_FILENAME, _encode(record))
+def locate_step(where: Where, step: int | None = None) -> tuple[Store, str]:
+    """The store and the step directory's relative path (module docstring)."""
+    if step is not None:
+        return as_store(where), step_name(step)
+    if isinstance(where, Store):
+        raise TypeError("a step number is needed with a Store")
+    path = Path(where)
+    return LocalStore(path.parent), path.name
+
+
+def write_commit_record(where: Where, record: CommitRecord) -> None:
+    """Durably write the record (store.put_bytes: atomic): once this returns, the step is
+    committed. `where`: a local step directory, or a Store (the record's own step)."""
+    store, rel = locate_step(where, record.step if isinstance(where, Store) else None)
+    store.put_bytes(f"{rel}/{COMMIT_RECORD_FILENAME}", encode_commit_record(record))
 
 
 _ENTRY = '{"path": %s, "size": %d, "checksum": %s}'
 
 
-def _encode(record: CommitRecord) -> bytes:
+def encode_commit_record(record: CommitRecord) -> bytes:
+    """The record's bytes, as written."""
     # Built by hand, not with dataclasses.asdict (a recursive deep copy) nor one json.dumps
     # per entry (4x slower): with thousands of ranks the record is on the commit's critical
     # path. Each entry's text is what json.dumps gives for {"path", "size", "checksum"}
@@ -79,25 +106,54 @@ def _encode(record: CommitRecord) -> bytes:
     return f'{body},\n "files": [\n {files}\n ]\n}}\n'.encode()
 
 
-def read_commit_record(step_path: str | Path) -> CommitRecord:
-    """Read and validate the record of the step directory `step_path`.
+def read_record_bytes(where: Where, step: int | None = None) -> bytes | None:
+    """The bytes of the step's commit record, None when it has none. CommitRecordError
+    naming it when it cannot be read (a directory in its place, EIO, a permission)."""
+    store, rel = locate_step(where, step)
+    return _read_bytes(store, rel)
+
+
+def _read_bytes(store: Store, rel: str) -> bytes | None:
+    name = f"{rel}/{COMMIT_RECORD_FILENAME}"
+    try:
+        return store.read_bytes(name)
+    except CheckpointError:
+        raise  # a store call past its deadline (CommitTimeoutError): it says so itself
+    except OSError as exc:
+        raise CommitRecordError(
+            f"{store.uri(name)} cannot be read: {exc.strerror or exc}"
+        ) from None
+
+
+def find_commit_record(where: Where, step: int | None = None) -> CommitRecord | None:
+    """The step's validated commit record, or None when it has none (not committed).
+    CommitRecordError naming it when it is there but does not read."""
+    store, rel = locate_step(where, step)
+    data = _read_bytes(store, rel)
+    return None if data is None else parse_commit_record(data, _record_uri(store, rel))
+
+
+def read_commit_record(where: Where, step: int | None = None) -> CommitRecord:
+    """Read and validate the step's commit record.
 
     Raises CommitRecordError naming the path when the record is missing, unparsable, or of
     a format version this code does not know.
     """
-    path = Path(step_path) / COMMIT_RECORD_FILENAME
-    if not Path(step_path).is_dir():
-        raise CommitRecordError(f"step directory {step_path} does not exist")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    store, rel = locate_step(where, step)
+    data = _read_bytes(store, rel)
+    if data is None:
+        if not store.exists(rel):
+            raise CommitRecordError(f"step directory {store.uri(rel)} does not exist")
         raise CommitRecordError(
-            f"{step_path} is not a committed step: its commit record {path.name} is missing "
-            "(the save did not finish on every rank, or the step is being deleted)"
-        ) from None
-    except OSError as exc:  # a directory in its place, EIO, a permission
-        raise CommitRecordError(f"{path} cannot be read: {exc.strerror or exc}") from None
-    return parse_commit_record(data, path)
+            f"{store.uri(rel)} is not a committed step: its commit record "
+            f"{COMMIT_RECORD_FILENAME} is missing (the save did not finish on every rank, or "
+            "the step is being deleted)"
+        )
+    return parse_commit_record(data, _record_uri(store, rel))
+
+
+def _record_uri(store: Store, rel: str) -> str:
+    return store.uri(rel, COMMIT_RECORD_FILENAME)
 
 
 def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
@@ -157,16 +213,56 @@ def _inside_the_step(path: str) -> bool:
     )
 
 
-def is_committed(step_path: str | Path) -> bool:
-    """Whether `step_path` holds a readable commit record of a known version."""
+def is_committed(where: Where, step: int | None = None) -> bool:
+    """Whether the step holds a readable commit record of a known version."""
     try:
-        read_commit_record(step_path)
+        return find_commit_record(where, step) is not None
     except CommitRecordError:
         return False
-    return True
 
 
-def committed_steps(root: str | Path) -> list[int]:
-    """Steps under `root` whose commit record is readable, oldest first. A corrupt record
-    does not count: such a step is never resumed from, nor counted toward "keep N"."""
-    return sorted(step for step, path in list_step_dirs(root).items() if is_committed(path))
+def committed_steps(where: Where) -> list[int]:
+    """Steps of the store (or local root) whose commit record is readable, oldest first. A
+    corrupt record does not count: such a step is never resumed from, nor counted toward
+    "keep N"."""
+    return list(read_step_states(where).committed)
+
+
+@dataclass(frozen=True)
+class StepStates:
+    """Every step of a store by the state of its commit record, oldest first."""
+
+    committed: tuple[int, ...]  # a readable record
+    uncommitted: tuple[int, ...]  # no record
+    unreadable: tuple[int, ...]  # a record that does not read: neither counted nor deleted
+
+
+def read_step_states(where: Where) -> StepStates:
+    """Read every step's commit record (a record that does not read is logged)."""
+    store = as_store(where)
+    found: dict[str, list[int]] = {"committed": [], "uncommitted": [], "unreadable": []}
+    for step in store.list_steps():
+        try:
+            state = "committed" if find_commit_record(store, step) else "uncommitted"
+        except CommitRecordError as exc:
+            logger.warning("step %d of %s is not counted as committed: %s", step, store.url, exc)
+            state = "unreadable"
+        found[state].append(step)
+    return StepStates(**{state: tuple(steps) for state, steps in found.items()})
+
+
+def newest_committed(where: Where) -> tuple[int, bytes] | None:
+    """The newest step whose commit record reads (what a resume would load), with the
+    record's bytes; None when there is none. Reads records newest first, and stops there."""
+    store = as_store(where)
+    for step in reversed(store.list_steps()):
+        try:
+            data = read_record_bytes(store, step)
+            if data is None:
+                continue
+            parse_commit_record(data, store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME)))
+        except CommitRecordError as exc:
+            logger.warning("skipping step %d of %s: %s", step, store.url, exc)
+            continue
+        return step, data
+    return None

@@ -10,7 +10,13 @@ prefix), and every call runs under the deadlines given in storage_options (botoc
 connect and read timeouts for s3). Those alone do not bound a call: s3fs retries a timed
 out request on top of botocore's attempts (a 2 s read timeout took 25 s with one attempt;
 the defaults, minutes). A store opened with `call_timeout_s` (start-up, the CLI) runs each
-of its calls through `call_with_deadline`, which ends it at that deadline naming the object.
+of its calls through `call_with_deadline`, which ends it at that deadline naming the object
+(not the streams of a transfer, which have the transfer's own deadline).
+
+An object store cannot rename: a step is deleted record first, then its objects
+(`retire_step` returns the step's own name), and rollback deletes instead of archiving. A
+file is published whole: one PUT, or a multipart upload completed only once its bytes were
+checked, else aborted (an incomplete multipart upload is no object).
 """
 
 from __future__ import annotations
@@ -20,19 +26,20 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
+from verl_ckpt.store.base import PartPool, Publisher, Store
 from verl_ckpt.store.fsio import atomic_write_bytes
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
+from verl_ckpt.store.fsspec_publish import MultipartUpload, OnePut, S3PartPool, StreamedObject
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_name, step_of_dir
 
 __all__ = [
+    "FsspecStore",
     "RemoteListing",
-    "RemoteStore",
     "call_with_deadline",
     "check_store",
     "describe_store_error",
-    "is_remote_url",
 ]
 
 _T = TypeVar("_T")
@@ -41,11 +48,6 @@ _T = TypeVar("_T")
 # a connection after 10 s (botocore: 60 s), a stopped one a request after 60 s, with 3
 # attempts (s3fs retries timeouts a few more times on top).
 _S3_CONFIG_DEFAULTS = {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}
-
-
-def is_remote_url(text: str) -> bool:
-    """Whether a ROOT argument is a URL for the remote tier rather than a local directory."""
-    return "://" in text
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,10 @@ class RemoteListing:
         return sum(self.steps.get(step, {}).values())
 
 
-class RemoteStore:
-    """An fsspec filesystem and the prefix of one remote tier URL. With `call_timeout_s`,
-    each call of the methods below (not the transfers, which have their own deadline) ends
-    within it, or raises CommitTimeoutError naming the object."""
+class FsspecStore(Store):
+    """An fsspec filesystem and the prefix of one URL (store/base.py). With `call_timeout_s`,
+    each call of the methods below (not the streams, which have their transfer's deadline)
+    ends within it, or raises CommitTimeoutError naming the object."""
 
     def __init__(
         self,
@@ -103,15 +105,9 @@ class RemoteStore:
         """The fsspec path of `parts` under the prefix."""
         return "/".join([self.path, *parts])
 
-    def uri(self, *parts: str) -> str:
-        """The URL of `parts`, for messages."""
-        return "/".join([self.url, *parts])
-
     # ---- objects -------------------------------------------------------------------------
 
     def read_bytes(self, rel: str) -> bytes | None:
-        """The whole object `rel`, or None when it does not exist."""
-
         def read() -> bytes | None:
             try:
                 return self.fs.cat_file(self.key(rel))
@@ -120,16 +116,23 @@ class RemoteStore:
 
         return self._bounded(read, rel)
 
-    def put_bytes(self, rel: str, data: bytes) -> None:
-        """Replace object `rel` whole: one PUT on object stores, which readers see entirely
-        or not at all; on a local filesystem, tmp file + fsync + rename (fsio)."""
+    def exists(self, rel: str) -> bool:
+        return self._bounded(lambda: self.fs.exists(self.key(rel)), rel)
+
+    def put_bytes(
+        self, rel: str, data: bytes, before_replace: Callable[[], None] | None = None
+    ) -> None:
+        """One PUT on object stores, which readers see entirely or not at all; on a local
+        filesystem (file://), tmp file + fsync + rename (fsio)."""
 
         def put() -> None:
             if self.is_local:
                 os.makedirs(os.path.dirname(self.key(rel)), exist_ok=True)
-                atomic_write_bytes(self.key(rel), data)
-            else:
-                self.fs.pipe_file(self.key(rel), data)
+                atomic_write_bytes(self.key(rel), data, before_replace=before_replace)
+                return
+            if before_replace is not None:
+                before_replace()
+            self.fs.pipe_file(self.key(rel), data)
 
         self._bounded(put, rel)
 
@@ -150,6 +153,48 @@ class RemoteStore:
                 pass
 
         self._bounded(remove_tree, rel)
+
+    def list_steps(self) -> list[int]:
+        return sorted(self.listing().steps)
+
+    def list_files(self, rel: str) -> dict[str, int]:
+        def find() -> dict[str, Any]:
+            try:
+                return self.fs.find(self.key(rel), detail=True)
+            except FileNotFoundError:
+                return {}
+
+        prefix = self.key(rel) + "/"
+        return {
+            name[len(prefix) :]: int(info.get("size") or 0)
+            for name, info in self._bounded(find, rel).items()
+            if info.get("type") != "directory" and name.startswith(prefix)
+        }
+
+    def retire_step(self, step: int) -> str | None:
+        return step_name(step)  # no cheap rename: the record goes first (retention.py)
+
+    def open_read(self, rel: str) -> BinaryIO:
+        return self.fs.open(self.key(rel), "rb", block_size=_READ_BLOCK)
+
+    def open_publish(
+        self, rel: str, size: int, part_size: int, parts: PartPool | None = None
+    ) -> Publisher:
+        if self.is_local:
+            from verl_ckpt.store.local import LocalStore  # file://: tmp + fsync + rename
+
+            return LocalStore(self.path).open_publish(rel, size, part_size)
+        if size <= part_size:
+            # One PUT: a multipart upload would cost three requests for one part.
+            return OnePut(self.fs, self.key(rel))
+        if isinstance(parts, S3PartPool):
+            return MultipartUpload(parts, self.key(rel))
+        return StreamedObject(self.fs.open(self.key(rel), "wb", block_size=part_size))
+
+    def part_pool(self, threads: int, timeout_s: float) -> PartPool | None:
+        if not hasattr(self.fs, "call_s3"):
+            return None
+        return S3PartPool(self.fs, threads, timeout_s)
 
     def listing(self) -> RemoteListing:
         """Every step's objects and sizes, in one recursive listing of the prefix."""
@@ -175,9 +220,6 @@ class RemoteStore:
             steps.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
         return RemoteListing(steps)
 
-    def tracker_bytes(self) -> bytes | None:
-        return self.read_bytes(TRACKER_FILENAME)
-
     def _bounded(self, call: Callable[[], _T], rel: str) -> _T:
         """`call()`, ended at `call_timeout_s` (if set) with an error naming `rel`'s URL."""
         if self.call_timeout_s is None:
@@ -186,14 +228,14 @@ class RemoteStore:
         return call_with_deadline(call, self.call_timeout_s, f"the remote tier {where}")
 
 
-def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> RemoteStore:
+def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> FsspecStore:
     """Open the store and prove that it takes a write: one small object put and removed.
 
     A wrong scheme, a missing bucket, wrong credentials or an unreachable endpoint is one
     CheckpointConfigError naming the URL, within `timeout_s`.
     """
     # Every later call of the returned store ends within `timeout_s` too (start-up's reads).
-    store = RemoteStore(url, storage_options, call_timeout_s=timeout_s)
+    store = FsspecStore(url, storage_options, call_timeout_s=timeout_s)
     probe = f".verl_ckpt_probe_{uuid.uuid4().hex}"
 
     def write_and_remove() -> None:
@@ -264,3 +306,7 @@ def _with_defaults(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = fs.protocol
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+# Reads of a transfer go in blocks of this size (s3fs's default is 5 MiB).
+_READ_BLOCK = 50 << 20

@@ -13,6 +13,7 @@ from pathlib import Path
 
 __all__ = [
     "COMMIT_RECORD_FILENAME",
+    "DELETING_PREFIX",
     "DRIVER_ROLE",
     "DRIVER_STATE_FILENAME",
     "ROOT_MARKER_FILENAME",
@@ -22,6 +23,7 @@ __all__ = [
     "role_dir",
     "role_name_problem",
     "step_dir",
+    "step_name",
     "step_of_dir",
 ]
 
@@ -33,6 +35,8 @@ DRIVER_STATE_FILENAME = "driver_state.pt"
 ROOT_MARKER_FILENAME = ".verl_ckpt_root_marker"
 # In a step directory: the run id of the job whose finalizer opened it (finalizer.py).
 RUN_MARKER_FILENAME = ".verl_ckpt_run"
+# A step being deleted is renamed to this prefix first: out of the step namespace at once.
+DELETING_PREFIX = ".deleting_"
 # The driver reports as one more participant under this role name.
 DRIVER_ROLE = "driver"
 # Only the name step_dir() makes: ASCII digits, no leading zero. `global_step_05` (or other
@@ -43,8 +47,13 @@ _STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$", re.ASCII)
 _ROLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
+def step_name(step: int) -> str:
+    """The name of step `step`'s directory (or object prefix) under a root."""
+    return f"global_step_{step}"
+
+
 def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"global_step_{step}"
+    return Path(root) / step_name(step)
 
 
 def role_dir(root: str | Path, step: int, role: str) -> Path:

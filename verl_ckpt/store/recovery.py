@@ -1,41 +1,50 @@
-"""Reading a checkpoint root as it is, and recovering it at start-up (protocol.py, step 0).
+"""Reading a store as it is, and recovering it at start-up (protocol.py, steps 0 and 0').
 
 Recovery never deletes a step: it finishes an interrupted `verl-ckpt rollback` (which the
 user asked for), removes the tracker's temporary files of a crashed write, and rolls the
 tracker forward to the newest committed step. The commit record is the commit point, so a
 committed step newer than the tracker can only be a commit interrupted before the tracker
 moved (the finalizer killed, or the whole job); rolling forward completes it. Both the
-driver (before Ray starts) and the finalizer (at every start, restarts included) run it.
+driver (before Ray starts) and the finalizer (at every start, restarts included) run it, on
+the root and on a remote tier alike.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from verl_ckpt.store.commit_record import committed_steps
-from verl_ckpt.store.fsio import remove_stale_temporaries
-from verl_ckpt.store.layout import TRACKER_FILENAME, list_step_dirs
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.commit_record import newest_committed, read_step_states
+from verl_ckpt.store.layout import TRACKER_FILENAME
+from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.rollback import complete_interrupted_rollback, read_rollback_intent
-from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
+from verl_ckpt.store.tracker import read_tracker, write_tracker
 
-__all__ = ["RootState", "read_root_state", "recover_root"]
+__all__ = ["RootState", "read_root_state", "recover_root", "roll_tracker_forward"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RootState:
-    """What a root holds, read without writing anything."""
+    """What a store holds, read without writing anything."""
 
-    root: Path
-    # As written on disk (TrackerError when unreadable: never taken as "nothing").
+    url: str
+    # As written (TrackerError when unreadable: never taken as "nothing").
     tracker: int | None
     committed: tuple[int, ...]
+    # Steps without a readable commit record.
     uncommitted: tuple[int, ...]
     # The target of a rollback that was interrupted; recovery completes it.
     rollback_to: int | None = None
+    store: Store | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def root(self) -> Path:
+        """The root directory (of a local store)."""
+        return Path(self.url)
 
     @property
     def effective_tracker(self) -> int | None:
@@ -55,37 +64,48 @@ class RootState:
         return tuple(step for step in self.committed if step <= self.rollback_to)
 
 
-def read_root_state(root: Path) -> RootState:
+def read_root_state(where: Where) -> RootState:
     """The tracker, committed and uncommitted steps, and any interrupted rollback."""
-    intent = read_rollback_intent(root)
-    committed = committed_steps(root)
-    uncommitted = sorted(set(list_step_dirs(root)) - set(committed))
+    store = as_store(where)
+    intent = read_rollback_intent(store)
+    states = read_step_states(store)
     return RootState(
-        root,
-        read_tracker(root),
-        tuple(committed),
-        tuple(uncommitted),
+        store.url,
+        read_tracker(store),
+        states.committed,
+        tuple(sorted(states.uncommitted + states.unreadable)),
         intent.to if intent is not None else None,
+        store,
     )
 
 
-def recover_root(root: Path) -> RootState:
-    """Bring the root to a consistent state (see the module docstring); return it."""
-    if complete_interrupted_rollback(root) is not None:
-        logger.warning("completed an interrupted rollback of %s", root)
+def roll_tracker_forward(where: Where) -> int | None:
+    """Point the tracker at the newest committed step when it names an older one (or none):
+    a commit interrupted between its record and the tracker. Deletes nothing. Returns what
+    the tracker names. An unreadable tracker raises TrackerError (never taken as none)."""
+    store = as_store(where)
+    tracker = read_tracker(store)
+    newest = newest_committed(store)
+    if newest is None or (tracker is not None and tracker >= newest[0]):
+        return tracker
+    logger.warning(
+        "%s: step %d is committed but the tracker names %s; moving the tracker forward to "
+        "it (its commit was interrupted before the tracker moved)",
+        store.uri(TRACKER_FILENAME),
+        newest[0],
+        tracker,
+    )
+    write_tracker(store, newest[0])
+    return newest[0]
+
+
+def recover_root(where: Where) -> RootState:
+    """Bring the store to a consistent state (see the module docstring); return it."""
+    store = as_store(where)
+    if complete_interrupted_rollback(store) is not None:
+        logger.warning("completed an interrupted rollback of %s", store.url)
     # A crash inside the tracker's atomic write leaves only a temporary file; the tracker
     # itself holds the old or the new step (the rename is atomic).
-    remove_stale_temporaries(root, TRACKER_FILENAME)
-    state = read_root_state(root)
-    target = state.effective_tracker
-    if target is not None and target != state.tracker:
-        logger.warning(
-            "%s: step %d is committed but the tracker names %s; moving the tracker forward to "
-            "it (its commit was interrupted before the tracker moved)",
-            tracker_path(root),
-            target,
-            state.tracker,
-        )
-        write_tracker(root, target)
-        state = read_root_state(root)
-    return state
+    store.clear_temporaries(TRACKER_FILENAME)
+    roll_tracker_forward(store)
+    return read_root_state(store)

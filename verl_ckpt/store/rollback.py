@@ -29,6 +29,14 @@ step, so it is journaled. One run, by the holder of the root lock (`RootLock`):
 `complete_interrupted_rollback` finishes 2-6 from the intent, skipping what is done. Start-up
 recovery calls it FIRST, before rolling the tracker forward; a check that must not write
 uses `read_rollback_intent` and takes `intent.to` as the tracker's value.
+
+A store that cannot rename (an object store, store/base.py) has no cheap archive (a move is
+a copy): there a rollback needs `delete`, and deletes every newer step, newest first, each
+record first then its objects (as retention does: a half-deleted step never looks
+committed), then points the tracker at N (one PUT), with no journal. The tracker last:
+moved first, it would be rolled forward again (at every finalizer start) to a newer step
+still there. A crash half-way leaves the tracker naming a step without a record; start-up
+then refuses, naming it, and the same command run again completes the rollback.
 """
 
 from __future__ import annotations
@@ -48,9 +56,13 @@ from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, TrackerError
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
+from verl_ckpt.store.base import Store
 from verl_ckpt.store.commit_record import is_committed, read_commit_record
-from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir, remove_stale_temporaries
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.store.fsio import fsync_dir
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
+from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.open_store import Where, as_store
+from verl_ckpt.store.retention import delete_step
 from verl_ckpt.store.tracker import read_tracker, write_tracker
 
 __all__ = [
@@ -93,7 +105,8 @@ class RollbackIntent:
     """What a rollback does, as journaled in the intent file before it starts."""
 
     to: int  # the committed step the tracker will name
-    archive: str  # directory under the root receiving the moved steps
+    # Directory under the root receiving the moved steps ("" on a store that cannot rename)
+    archive: str
     steps: tuple[int, ...]  # every step moved out, ascending
     delete: bool  # remove the archive once the tracker moved
 
@@ -113,13 +126,13 @@ def record_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_rolled_back(root: str | os.PathLike) -> tuple[RolledBackStep, ...]:
-    """Every committed step a rollback moved out of `root`, oldest rollback first; empty when
-    none did. A damaged record is a RollbackError naming it (never taken as "none")."""
-    path = Path(root) / ROLLED_BACK_FILENAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+def read_rolled_back(where: Where) -> tuple[RolledBackStep, ...]:
+    """Every committed step a rollback moved out of the root, oldest rollback first; empty
+    when none did. A damaged record is a RollbackError naming it (never taken as "none")."""
+    store = as_store(where)
+    path = store.uri(ROLLED_BACK_FILENAME)
+    data = store.read_bytes(ROLLED_BACK_FILENAME)
+    if data is None:
         return ()
     raw = parse_versioned_json(
         data, f"record of rolled-back steps {path}", ROLLBACK_FORMAT_VERSION, RollbackError
@@ -145,12 +158,12 @@ def intent_path(root: str | os.PathLike) -> Path:
     return Path(root) / INTENT_FILENAME
 
 
-def read_rollback_intent(root: str | os.PathLike) -> RollbackIntent | None:
-    """The pending rollback of `root`, None when there is none. Reads only."""
-    path = intent_path(root)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+def read_rollback_intent(where: Where) -> RollbackIntent | None:
+    """The pending rollback of the root, None when there is none. Reads only."""
+    store = as_store(where)
+    path = store.uri(INTENT_FILENAME)
+    data = store.read_bytes(INTENT_FILENAME) if store.can_rename else None
+    if data is None:
         return None
     raw = parse_versioned_json(
         data, f"rollback intent {path}", ROLLBACK_FORMAT_VERSION, RollbackError
@@ -167,69 +180,85 @@ def read_rollback_intent(root: str | os.PathLike) -> RollbackIntent | None:
     return intent
 
 
-def _is_valid(intent: RollbackIntent) -> bool:
+def _is_valid(intent: RollbackIntent, can_rename: bool = True) -> bool:
     # `type(x) is int`: JSON's true and false are ints to isinstance.
+    archive_ok = (
+        isinstance(intent.archive, str) and _ARCHIVE_NAME.match(intent.archive) is not None
+        if can_rename
+        else intent.archive == "" and intent.delete is True
+    )
     return (
         type(intent.to) is int
         and intent.to >= 0
-        and isinstance(intent.archive, str)
-        and _ARCHIVE_NAME.match(intent.archive) is not None
+        and archive_ok
         and all(type(s) is int and s > intent.to for s in intent.steps)
         and list(intent.steps) == sorted(set(intent.steps))
         and isinstance(intent.delete, bool)
     )
 
 
-def refuse_while_rollback_pending(root: str | os.PathLike) -> None:
+def refuse_while_rollback_pending(root: Where) -> None:
     """Raise RollbackError, naming the intent and the way out, while a rollback of `root` is
     pending: the tracker does not yet name the step it goes to, so a command that acts on the
     tracker's target (prune, another rollback) could delete that step."""
     pending = read_rollback_intent(root)
     if pending is not None:
+        url = as_store(root).url
         raise RollbackError(
-            f"a rollback of {root} to step {pending.to} was interrupted ({intent_path(root)}); "
-            f"complete it first: verl-ckpt rollback {root} --to {pending.to}"
+            f"a rollback of {url} to step {pending.to} was interrupted ({intent_path(url)}); "
+            f"complete it first: verl-ckpt rollback {url} --to {pending.to}"
         )
 
 
-def plan_rollback(root: str | os.PathLike, to_step: int, delete: bool = False) -> RollbackIntent:
-    """What rolling `root` back to `to_step` would do; changes nothing.
+def plan_rollback(where: Where, to_step: int, delete: bool = False) -> RollbackIntent:
+    """What rolling the root back to `to_step` would do; changes nothing.
 
     Refused (naming the path) when `to_step` is not a committed step, when the tracker is
-    unreadable, or when a rollback to another step is pending. A pending rollback to the
-    same step is returned as it was journaled (with its own `delete`): executing it
-    completes it.
+    unreadable, when a rollback to another step is pending, or without `delete` on a store
+    that cannot rename. A pending rollback to the same step is returned as it was journaled
+    (with its own `delete`): executing it completes it.
     """
-    root = Path(root)
-    pending = read_rollback_intent(root)
+    store = as_store(where)
+    pending = read_rollback_intent(store)
     if pending is not None:
         if pending.to != to_step:
-            refuse_while_rollback_pending(root)
+            refuse_while_rollback_pending(store)
         return pending
-    path = step_dir(root, to_step)
+    if not store.can_rename and not delete:
+        raise RollbackError(
+            f"rollback of {store.url} needs --delete: this store has no cheap archive (a move "
+            "is a copy), so the steps newer than --to are deleted (--dry-run lists them)"
+        )
+    where_text = store.uri(store.step_rel(to_step))
     try:
-        record = read_commit_record(path)
+        record = read_commit_record(store, to_step)
     except CommitRecordError as exc:
         raise CommitRecordError(f"cannot roll back to step {to_step}: {exc}") from None
     if record.step != to_step:
         raise CommitRecordError(
-            f"cannot roll back to step {to_step}: the commit record of {path} names step "
+            f"cannot roll back to step {to_step}: the commit record of {where_text} names step "
             f"{record.step}"
         )
     try:
-        read_tracker(root)
+        read_tracker(store)
     except TrackerError as exc:
         # Without the tracker we cannot tell what a resume would load now.
         raise TrackerError(f"{exc}; refusing to roll back") from None
-    newer = tuple(sorted(step for step in list_step_dirs(root) if step > to_step))
-    return RollbackIntent(to_step, _new_archive_name(root), newer, delete)
+    newer = tuple(step for step in store.list_steps() if step > to_step)
+    if not isinstance(store, LocalStore):
+        return RollbackIntent(to_step, "", newer, True)
+    return RollbackIntent(to_step, _new_archive_name(store.root), newer, delete)
 
 
-def execute_rollback(root: str | os.PathLike, intent: RollbackIntent) -> None:
-    """Run `intent` (from `plan_rollback`) on `root`; the caller holds the root's lock."""
-    root = Path(root)
-    if not _is_valid(intent):
+def execute_rollback(where: Where, intent: RollbackIntent) -> None:
+    """Run `intent` (from `plan_rollback`); the caller holds the root's lock."""
+    store = as_store(where)
+    if not _is_valid(intent, isinstance(store, LocalStore)):
         raise ValueError(f"not a rollback plan: {intent!r}")
+    if not isinstance(store, LocalStore):
+        _delete_newer(store, intent)
+        return
+    root = store.root
     pending = read_rollback_intent(root)
     if pending is not None and pending != intent:
         raise RollbackError(
@@ -246,19 +275,30 @@ def execute_rollback(root: str | os.PathLike, intent: RollbackIntent) -> None:
             "delete": intent.delete,
             "started_at": datetime.now().astimezone().isoformat(timespec="seconds"),
         }
-        atomic_write_bytes(intent_path(root), json.dumps(payload, indent=1).encode())
+        store.put_bytes(INTENT_FILENAME, json.dumps(payload, indent=1).encode())
     _finish(root, intent)
 
 
-def complete_interrupted_rollback(root: str | os.PathLike) -> RollbackIntent | None:
+def _delete_newer(store: Store, intent: RollbackIntent) -> None:
+    """A store that cannot rename (module docstring): newest first, record first; the
+    tracker last, the one time it moves back, because a user asked."""
+    for step in sorted(intent.steps, reverse=True):
+        delete_step(store, step)
+    write_tracker(store, intent.to)
+
+
+def complete_interrupted_rollback(where: Where) -> RollbackIntent | None:
     """Finish a rollback that a crash interrupted; return it, or None when none was pending.
 
     For start-up recovery, before it rolls the tracker forward; the caller holds the lock.
     """
-    root = Path(root)
+    store = as_store(where)
+    if not isinstance(store, LocalStore):
+        return None  # no journal where nothing is renamed (module docstring)
+    root = store.root
     # A crash while writing the intent leaves only its temporary: nothing had moved yet.
-    remove_stale_temporaries(root, INTENT_FILENAME)
-    intent = read_rollback_intent(root)
+    store.clear_temporaries(INTENT_FILENAME)
+    intent = read_rollback_intent(store)
     if intent is None:
         return None
     logger.warning(
@@ -347,4 +387,4 @@ def _record_rolled_back(root: Path, intent: RollbackIntent) -> None:
         "format_version": ROLLBACK_FORMAT_VERSION,
         "steps": [asdict(entry) for entry in known + added],
     }
-    atomic_write_bytes(root / ROLLED_BACK_FILENAME, json.dumps(payload, indent=1).encode())
+    LocalStore(root).put_bytes(ROLLED_BACK_FILENAME, json.dumps(payload, indent=1).encode())

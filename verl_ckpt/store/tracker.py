@@ -1,4 +1,5 @@
-"""`latest_checkpointed_iteration.txt`: read strictly, write atomically (invariant I2).
+"""`latest_checkpointed_iteration.txt`: read strictly, written atomically, never moved
+backwards (invariant I2; protocol.py steps 6 and 10), on every store (store/base.py).
 
 The tracker stays a bare integer so that Megatron-LM and verl read it unchanged; the commit
 record beside each step carries the format version.
@@ -6,61 +7,73 @@ record beside each step carries the format version.
 
 from __future__ import annotations
 
-import os
-import stat
+import logging
 from pathlib import Path
 
 from verl_ckpt.protocol import faults
-from verl_ckpt.protocol.errors import TrackerError
+from verl_ckpt.protocol.errors import CheckpointError, TrackerError
 from verl_ckpt.protocol.phases import Phase
-from verl_ckpt.store.fsio import atomic_write_bytes
-from verl_ckpt.store.layout import TRACKER_FILENAME
+from verl_ckpt.store.base import NotARegularFile
+from verl_ckpt.store.commit_record import locate_step
+from verl_ckpt.store.fsio import RenameNotDurable
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME
+from verl_ckpt.store.open_store import Where, as_store
 
-__all__ = ["parse_tracker", "read_tracker", "tracker_path", "write_tracker"]
+__all__ = [
+    "CommitPhaseError",
+    "advance_tracker",
+    "parse_tracker",
+    "read_tracker",
+    "tracker_or_none",
+    "tracker_path",
+    "withdraw_record",
+    "write_tracker",
+]
 
+logger = logging.getLogger(__name__)
 
 _ASCII_WHITESPACE = " \t\n\r\v\f"
+
+
+class CommitPhaseError(CheckpointError):
+    """The commit of a step failed in `phase` (commit record or tracker); not committed."""
+
+    def __init__(self, phase: Phase, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.phase = phase
+        self.errno = cause.errno if isinstance(cause, OSError) else None
 
 
 def tracker_path(root: str | Path) -> Path:
     return Path(root) / TRACKER_FILENAME
 
 
-def read_tracker(root: str | Path) -> int | None:
+def read_tracker(where: Where) -> int | None:
     """The step the tracker names, or None when there is no tracker file.
 
     One non-negative integer, with surrounding ASCII whitespace allowed (Megatron-LM and
     verl strip it: a tracker written by hand or by them reads the same). Anything else is an
     error naming the file: a tracker we cannot read is never taken as "start from scratch".
     """
-    path = tracker_path(root)
+    store = as_store(where)
+    where_text = store.uri(TRACKER_FILENAME)
     try:
-        # Opened without blocking, and read only if it is a regular file: a FIFO in its
-        # place would wait for a writer forever, a link to a device never end.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError
-            if not stat.S_ISREG(mode):
-                raise TrackerError(f"tracker {path} is not a regular file holding a step")
-            raw = b""
-            while chunk := os.read(fd, 1 << 16):
-                raw += chunk
-        finally:
-            os.close(fd)
-    except FileNotFoundError:
-        return None
+        raw = store.read_bytes(TRACKER_FILENAME)
     except IsADirectoryError:
-        raise TrackerError(f"tracker {path} is a directory, not a file holding a step") from None
+        raise TrackerError(
+            f"tracker {where_text} is a directory, not a file holding a step"
+        ) from None
+    except NotARegularFile:
+        raise TrackerError(f"tracker {where_text} is not a regular file holding a step") from None
+    except CheckpointError:
+        raise  # a store call past its deadline: it names the object itself
     except OSError as exc:
-        raise TrackerError(f"tracker {path} cannot be read: {exc.strerror or exc}") from None
-    return parse_tracker(raw, str(path))
+        raise TrackerError(f"tracker {where_text} cannot be read: {exc.strerror or exc}") from None
+    return None if raw is None else parse_tracker(raw, where_text)
 
 
 def parse_tracker(raw: bytes, where: str) -> int:
-    """The step in a tracker's bytes (read from `where`, named in errors): the rules of
-    read_tracker, shared by the remote tier's tracker object."""
+    """The step in a tracker's bytes (read from `where`, named in errors)."""
     try:
         text = raw.decode("ascii")
     except UnicodeDecodeError:
@@ -76,12 +89,74 @@ def parse_tracker(raw: bytes, where: str) -> int:
     return int(body)
 
 
-def write_tracker(root: str | Path, step: int) -> None:
-    """Atomically point the tracker at `step` (tmp file, fsync, rename, directory fsync)."""
+def write_tracker(where: Where, step: int) -> None:
+    """Atomically point the tracker at `step` (store.put_bytes: locally tmp file, fsync,
+    rename, directory fsync; one PUT on an object store)."""
     if step < 0:
         raise ValueError(f"tracker step must be >= 0, got {step}")
-    atomic_write_bytes(
-        tracker_path(root),
+    as_store(where).put_bytes(
+        TRACKER_FILENAME,
         f"{step}\n".encode("ascii"),
         before_replace=lambda: faults.inject(Phase.TRACKER),
     )
+
+
+def tracker_or_none(where: Where) -> int | None:
+    """The tracker's step; None (logged) when there is none or it does not read."""
+    try:
+        return read_tracker(where)
+    except TrackerError as exc:
+        # Start-up refuses an unreadable tracker; one damaged while a job runs is replaced by
+        # the next commit rather than blocking every commit after it.
+        logger.warning("unreadable tracker (the next commit replaces it): %s", exc)
+        return None
+
+
+def advance_tracker(where: Where, step: int) -> int | None:
+    """Step 6 (10 on a remote tier): point the tracker at the committed `step` unless it
+    names a newer one (it never moves backwards: a late commit of an older step leaves it).
+    Returns what the tracker names afterwards.
+
+    A failure before the tracker's rename withdraws the commit record, so that the store and
+    the reported failure agree (unlinking needs no free space). After the rename nothing
+    un-commits the step: a failed directory fsync there is only logged.
+    """
+    store = as_store(where)
+    current = tracker_or_none(store)
+    if current is not None and current >= step:
+        return current
+    try:
+        write_tracker(store, step)
+    except RenameNotDurable as exc:
+        logger.warning(
+            "tracker of %s moved to step %d, but not made durable: %s", store.url, step, exc
+        )
+    except Exception as exc:
+        if withdraw_record(store, step):
+            raise CommitPhaseError(Phase.TRACKER, exc) from exc
+        logger.error(
+            "the tracker of %s could not move to step %d (%s), and its commit record could not "
+            "be withdrawn: the step stays committed and the tracker is rolled forward to it at "
+            "the next start",
+            store.url,
+            step,
+            exc,
+        )
+        return current
+    return step
+
+
+def withdraw_record(where: Where, step: int | None = None) -> bool:
+    """Remove a step's commit record again; True once readers no longer see it, so that the
+    step is no commit. Then only a failed directory fsync can be left, logged: a power loss
+    might bring the record back, and the next start would roll the tracker forward to it."""
+    store, rel = locate_step(where, step)
+    try:
+        store.remove(f"{rel}/{COMMIT_RECORD_FILENAME}")
+    except RenameNotDurable as exc:
+        logger.warning(
+            "commit record of %s withdrawn, but not made durable: %s", store.uri(rel), exc
+        )
+    except Exception:  # noqa: BLE001 - the store may be what failed
+        return False
+    return True

@@ -3,7 +3,8 @@
 Two depths: `checksums=False` only stats each file (present, with its recorded size: catches
 a missing or truncated shard at no read cost); `checksums=True` re-reads and re-hashes every
 byte (catches bit flips too). Used by start-up (`checkpoint.resume_verify`, resume_check.py)
-and by `verl-ckpt verify`.
+and by `verl-ckpt verify`, on any store (store/base.py): a local step directory or a step of
+a remote tier.
 
 Files are hashed in parallel threads: file reads and xxh3_64 (and zlib's crc32) release the
 GIL, so one thread per core keeps every core busy. One streaming checksum cannot be split
@@ -17,14 +18,26 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from verl_ckpt.store.commit_record import CommitRecord, FileEntry
+from verl_ckpt.protocol.threads import DaemonPool
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.commit_record import CommitRecord, FileEntry, locate_step
 from verl_ckpt.store.fsio import new_hasher
+from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.open_store import Where
 
-__all__ = ["FileProblem", "StepVerification", "available_cores", "verify_files", "verify_step"]
+__all__ = [
+    "FileProblem",
+    "StepVerification",
+    "available_cores",
+    "check_step_files",
+    "verify_files",
+    "verify_step",
+]
 
 _READ_CHUNK = 8 << 20
 
@@ -33,7 +46,7 @@ _READ_CHUNK = 8 << 20
 class FileProblem:
     """One file of a step that does not match its commit record."""
 
-    path: Path
+    path: Path | str  # a local path, or a URL
     # "missing", "size 10, expected 20", "checksum ab12, expected cd34", "unreadable: ..."
     reason: str
 
@@ -45,17 +58,24 @@ class FileProblem:
 class StepVerification:
     """What `verify_step` found, and how fast it read."""
 
-    step_path: Path
+    step_path: Path | str  # a local path, or a URL
     files: int
     # Bytes read and hashed (0 when only sizes were checked).
     bytes_read: int
     seconds: float
     threads: int
     problems: list[FileProblem] = field(default_factory=list)
+    # The entries that passed, by path.
+    done: list[FileEntry] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def errors(self) -> list[str]:
+        """One line per problem (the shape of a transfer's outcome)."""
+        return [problem.describe() for problem in self.problems]
 
     @property
     def gb_per_s(self) -> float:
@@ -78,44 +98,98 @@ def available_cores() -> int:
 
 
 def verify_step(
-    step_path: str | os.PathLike,
+    where: Where,
     record: CommitRecord,
     checksums: bool = True,
     threads: int | None = None,
+    step: int | None = None,
 ) -> StepVerification:
-    """Check every file of `record` under `step_path`; with `checksums`, re-hash them all
-    with `threads` threads (default: one per available core). Never raises for a bad file:
-    each one is a FileProblem, sorted by path."""
-    step_path = Path(step_path)
-    entries = sorted(record.files, key=lambda e: e.size, reverse=True)
+    """Check every file of `record` under the step (a local step directory, or a store and
+    `step`): check_step_files on the record's files."""
+    return check_step_files(
+        where, step, record.files, record.checksum_algorithm, threads, None, checksums
+    )
+
+
+def check_step_files(
+    where: Where,
+    step: int | None,
+    entries: Iterable[FileEntry],
+    algorithm: str,
+    threads: int | None = None,
+    timeout_s: float | None = None,
+    checksums: bool = True,
+) -> StepVerification:
+    """Check `entries` under the step (a local step directory with `step` None, or a store
+    and `step`); with `checksums`, re-hash them all with `threads` threads (default: one per
+    available core), ending at `timeout_s` (a file not checked by then is a problem). Never
+    raises for a bad file: each one is a FileProblem, sorted by path."""
+    store, rel = locate_step(where, step)
+    step_path = _name(store, rel)
+    entries = sorted(entries, key=lambda e: e.size, reverse=True)
     started = time.perf_counter()
     if not checksums:
-        problems = [p for p in (_check_size(step_path, e) for e in entries) if p is not None]
-        return StepVerification(
-            step_path, len(entries), 0, time.perf_counter() - started, 1, _sorted(problems)
-        )
+        problems = _check_sizes(store, rel, entries)
+        return _outcome(step_path, entries, 0, started, 1, problems)
     workers = max(1, min(threads or available_cores(), len(entries) or 1))
     buffers = threading.local()
 
     def check(entry: FileEntry) -> tuple[int, FileProblem | None]:
         if not hasattr(buffers, "chunk"):
             buffers.chunk = bytearray(_READ_CHUNK)
-        return _check_checksum(step_path, entry, record.checksum_algorithm, buffers.chunk)
+        return _check_checksum(store, rel, entry, algorithm, buffers.chunk)
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="verl_ckpt_verify") as pool:
-        results = list(pool.map(check, entries))
-    problems = [problem for _, problem in results if problem is not None]
-    read = sum(size for size, _ in results)
+    # Daemon threads: a read hung on a store past `timeout_s` is left behind, never waited.
+    pool = DaemonPool(workers, "verl_ckpt_verify")
+    try:
+        futures = {pool.submit(check, entry, label=entry.path): entry for entry in entries}
+        done, _ = wait_for_futures(futures, timeout=timeout_s)
+    finally:
+        pool.close(0.0)
+    read, problems = 0, []
+    for future, entry in futures.items():
+        path = _name(store, f"{rel}/{entry.path}")
+        if future not in done:
+            problems.append(FileProblem(path, f"not checked within {timeout_s:g}s"))
+            continue
+        error = future.exception()
+        if error is not None:  # a store's own error (an endpoint, credentials)
+            problems.append(FileProblem(path, f"unreadable: {type(error).__name__}: {error}"))
+            continue
+        size, problem = future.result()
+        read += size
+        if problem is not None:
+            problems.append(problem)
+    return _outcome(step_path, entries, read, started, workers, problems)
+
+
+def _outcome(
+    step_path: Path | str,
+    entries: list[FileEntry],
+    read: int,
+    started: float,
+    workers: int,
+    problems: list[FileProblem],
+) -> StepVerification:
+    bad = {str(p.path) for p in problems}
+    passed = sorted(
+        (e for e in entries if str(_join(step_path, e.path)) not in bad), key=lambda e: e.path
+    )
+    seconds = time.perf_counter() - started
     return StepVerification(
-        step_path, len(entries), read, time.perf_counter() - started, workers, _sorted(problems)
+        step_path, len(entries), read, seconds, workers, _sorted(problems), passed
     )
 
 
-def verify_files(step_path: str | os.PathLike, record: CommitRecord, prefix: str = "") -> list[str]:
+def _join(step_path: Path | str, rel: str) -> Path | str:
+    return step_path / rel if isinstance(step_path, Path) else f"{step_path}/{rel}"
+
+
+def verify_files(where: Where, record: CommitRecord, prefix: str = "") -> list[str]:
     """Re-hash (in parallel) the files of `record` whose path starts with `prefix`; one line
     per problem found, naming the file."""
     subset = replace(record, files=[f for f in record.files if f.path.startswith(prefix)])
-    return [problem.describe() for problem in verify_step(step_path, subset).problems]
+    return [problem.describe() for problem in verify_step(where, subset).problems]
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -125,29 +199,46 @@ def _sorted(problems: list[FileProblem]) -> list[FileProblem]:
     return sorted(problems, key=lambda p: str(p.path))
 
 
-def _check_size(step_path: Path, entry: FileEntry) -> FileProblem | None:
-    path = step_path / entry.path
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return FileProblem(path, "missing")
-    except OSError as exc:
-        return FileProblem(path, f"unreadable: {exc.strerror or exc}")
-    if size != entry.size:
-        return FileProblem(path, f"size {size}, expected {entry.size}")
-    return None
+def _name(store: Store, rel: str) -> Path | str:
+    """How a problem names a file: its local path, or its URL."""
+    return store.path(rel) if isinstance(store, LocalStore) else store.uri(rel)
+
+
+def _check_sizes(store: Store, rel: str, entries: list[FileEntry]) -> list[FileProblem]:
+    if isinstance(store, LocalStore):
+        sizes: dict[str, int | str] = {}
+        for entry in entries:  # one stat per file: cheaper than a walk of the whole step
+            try:
+                sizes[entry.path] = os.stat(store.path(f"{rel}/{entry.path}")).st_size
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                sizes[entry.path] = f"unreadable: {exc.strerror or exc}"
+    else:
+        sizes = dict(store.list_files(rel))
+    problems = []
+    for entry in entries:
+        size = sizes.get(entry.path)
+        path = _name(store, f"{rel}/{entry.path}")
+        if size is None:
+            problems.append(FileProblem(path, "missing"))
+        elif isinstance(size, str):
+            problems.append(FileProblem(path, size))
+        elif size != entry.size:
+            problems.append(FileProblem(path, f"size {size}, expected {entry.size}"))
+    return problems
 
 
 def _check_checksum(
-    step_path: Path, entry: FileEntry, algorithm: str, chunk: bytearray
+    store: Store, rel: str, entry: FileEntry, algorithm: str, chunk: bytearray
 ) -> tuple[int, FileProblem | None]:
     """(bytes read, problem) for one file, read through the thread's reused buffer."""
-    path = step_path / entry.path
+    path = _name(store, f"{rel}/{entry.path}")
     hasher = new_hasher(algorithm)
     size = 0
     view = memoryview(chunk)
     try:
-        with open(path, "rb", buffering=0) as f:
+        with store.open_read(f"{rel}/{entry.path}") as f:
             while n := f.readinto(view):
                 hasher.update(view[:n])
                 size += n

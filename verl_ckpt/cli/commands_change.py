@@ -1,0 +1,174 @@
+"""`verl-ckpt prune | rollback | export | pull`: change a root or a remote tier. On a local
+root each holds the root's lock throughout (`RootLock`), so it never runs beside a job or
+beside another command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from verl_ckpt.cli.commands_read import step_rows
+from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, EXIT_USAGE, CliError, locked, pick_step
+from verl_ckpt.cli.output import human_bytes
+from verl_ckpt.protocol.errors import CheckpointConfigError, TrackerError
+from verl_ckpt.remote.pull import pull_step
+from verl_ckpt.store.base import Store
+from verl_ckpt.store.commit_record import is_committed, newest_committed
+from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.retention import apply_retention
+from verl_ckpt.store.rollback import (
+    execute_rollback,
+    intent_path,
+    plan_rollback,
+    read_rollback_intent,
+    refuse_while_rollback_pending,
+)
+from verl_ckpt.store.tracker import read_tracker
+
+__all__ = ["cmd_export", "cmd_prune", "cmd_pull", "cmd_rollback"]
+
+logger = logging.getLogger(__name__)
+
+# Deadline of `pull`'s download, and the files moved in parallel.
+_TIMEOUT_S = 3600.0
+_THREADS = 8
+
+
+def cmd_prune(store: Store, args: argparse.Namespace) -> int:
+    with locked(store, "verl-ckpt prune"):
+        return _prune(store, args)
+
+
+def _prune(store: Store, args: argparse.Namespace) -> int:
+    refuse_while_rollback_pending(store)
+    try:
+        target = read_tracker(store)
+    except TrackerError as exc:
+        # Without the tracker we cannot know which step a resume would load (I3).
+        raise CliError(f"{exc}; refusing to prune", EXIT_BAD_CHECKPOINT) from None
+    rows = step_rows(store)
+    # Retention itself (store/retention.py), as a job's finalizer runs it after a commit.
+    outcome = apply_retention(store, args.keep, dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    for row in rows:
+        where = store.uri(store.step_rel(row.step))
+        if row.step in outcome.deleted:
+            print(f"{verb} step {row.step}: {where} ({human_bytes(row.size)})")
+        elif row.step in outcome.purged:
+            print(f"{verb} leftover {where} (an unfinished upload or deletion)")
+        elif not row.committed:
+            print(f"left alone step {row.step}: {row.status} (prune deletes committed steps)")
+    for name in outcome.purged:
+        if isinstance(name, str):
+            print(f"{verb} leftover {store.uri(name)} (an interrupted deletion)")
+    for error in outcome.errors:
+        print(f"FAILED {error}")
+    committed = [row.step for row in rows if row.committed]
+    kept = sorted(set(committed) - set(outcome.deleted))
+    print(f"kept committed steps: {kept or 'none'}; tracker's target: {target}")
+    return EXIT_BAD_CHECKPOINT if outcome.errors else 0
+
+
+def cmd_rollback(store: Store, args: argparse.Namespace) -> int:
+    if not store.can_rename and not args.delete:
+        raise CliError(
+            f"rollback of a remote tier URL ({store.url}) needs --delete: object storage has no "
+            "cheap archive (a move is a copy), so the steps newer than --to are deleted "
+            "(--dry-run lists them)",
+            EXIT_USAGE,
+        )
+    with locked(store, "verl-ckpt rollback"):
+        pick_step(store, args.to)  # a step the user typed and that is not there: exit 2
+        pending = read_rollback_intent(store)
+        intent = plan_rollback(store, args.to, delete=args.delete)
+        if pending is not None:
+            logger.warning(
+                "completing the interrupted rollback to step %d (%s)",
+                intent.to,
+                intent_path(store.url),
+            )
+        try:
+            tracker = read_tracker(store)
+            before = "none" if tracker is None else str(tracker)
+        except TrackerError:  # only when completing a pending rollback, which rewrites it
+            before = "unreadable"
+        committed = {step for step in intent.steps if is_committed(store, step)}
+        if not args.dry_run:
+            execute_rollback(store, intent)
+    for step in intent.steps:
+        where = store.uri(store.step_rel(step))
+        if not intent.delete:
+            verb = "would move" if args.dry_run else "moved"
+            moved = Path(store.url) / intent.archive / store.step_rel(step)
+            print(f"{verb} step {step} to {moved}")
+            continue
+        verb = "would delete" if args.dry_run else "deleted"
+        if step in committed or store.can_rename:
+            print(f"{verb} step {step}: {where}")
+        else:  # no rename: a step without a record is an unfinished upload
+            print(f"{verb} leftover {where} (an unfinished upload)")
+    if not intent.steps:
+        print(f"no step newer than {intent.to}")
+    suffix = " (dry run: nothing changed)" if args.dry_run else ""
+    print(f"tracker: {before} -> {intent.to}{suffix}")
+    return 0
+
+
+def cmd_export(store: Store, args: argparse.Namespace) -> int:
+    if not isinstance(store, LocalStore):
+        raise CliError(f"export works on a local ROOT only, not on {store.url}", EXIT_USAGE)
+    step = pick_step(store, args.step)
+    path = store.path(store.step_rel(step))
+    from verl_ckpt.hf.export import export_role  # torch: seconds to import, only here
+
+    def export() -> object:
+        try:
+            shard = args.max_shard_mb << 20
+            return export_role(path, args.role, args.architecture, args.out, shard)
+        except CheckpointConfigError as exc:  # a role, architecture or OUT the user typed
+            raise CliError(str(exc), EXIT_USAGE) from None
+
+    if args.out is None:
+        # Into the step itself: the root changes, so not beside a job (its retention could
+        # delete the step midway) nor beside another command.
+        with locked(store, "verl-ckpt export"):
+            summary = export()
+    else:
+        summary = export()
+    if summary.existing:
+        print(
+            f"step {step} role {args.role}: already exported to {summary.path} "
+            f"({summary.files} files verified)"
+        )
+    else:
+        print(
+            f"exported step {step} role {args.role} ({summary.architecture}) to {summary.path}: "
+            f"{summary.files} files, {summary.bytes} bytes in {summary.seconds:.1f} s"
+        )
+    return 0
+
+
+def cmd_pull(store: Store, args: argparse.Namespace) -> int:
+    if isinstance(store, LocalStore):
+        raise CliError(f"pull needs a remote tier URL, not {store.url}", EXIT_USAGE)
+    if args.step is not None:
+        step = pick_step(store, args.step)  # a step the user typed and that is not there: exit 2
+    else:
+        newest = newest_committed(store)
+        if newest is None:
+            raise CliError(f"{store.url} holds no committed step", EXIT_BAD_CHECKPOINT)
+        step = newest[0]
+    root = Path(args.dest).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    destination = LocalStore(root)
+    with locked(destination, "verl-ckpt pull"):
+        summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S)
+    if not summary.downloaded:
+        print(f"step {step} is committed in {root} already: nothing pulled")
+    else:
+        print(
+            f"pulled step {step} from {store.url} into {summary.path}: {summary.files} files, "
+            f"{summary.bytes} bytes verified in {summary.seconds:.2f} s"
+        )
+    return 0

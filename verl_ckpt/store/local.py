@@ -1,0 +1,180 @@
+"""A `Store` over a local directory (or a filesystem every node shares): store/base.py.
+
+Durable means fsynced: a file's bytes before its rename, the directory after every
+creation, rename and removal (fsio.py). Renames are cheap and atomic, so a step leaves the
+step namespace at once when it is deleted, and rollback can archive steps.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from verl_ckpt.store.base import NotARegularFile, PartPool, Publisher, Store
+from verl_ckpt.store.fsio import (
+    RenameNotDurable,
+    atomic_write_bytes,
+    fsync_dir,
+    remove_stale_temporaries,
+)
+from verl_ckpt.store.layout import DELETING_PREFIX, list_step_dirs, step_name
+
+__all__ = ["LocalStore"]
+
+
+class LocalStore(Store):
+    """The directory `root` (which may not exist yet: then it holds nothing)."""
+
+    can_rename = True
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.url = str(self.root)
+
+    def path(self, rel: str = "") -> Path:
+        """The local path of `rel`."""
+        return self.root / rel if rel else self.root
+
+    def uri(self, *parts: str) -> str:
+        return str(self.root.joinpath(*(p for p in parts if p)))
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.url!r})"
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        path = self.path(rel)
+        try:
+            # Opened without blocking, and read only if it is a regular file: a FIFO in its
+            # place would wait for a writer forever, a link to a device never end.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(21, "Is a directory", str(path))
+            if not stat.S_ISREG(mode):
+                raise NotARegularFile(0, "not a regular file", str(path))
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def exists(self, rel: str) -> bool:
+        return self.path(rel).exists()
+
+    def list_steps(self) -> list[int]:
+        return sorted(list_step_dirs(self.root))
+
+    def list_files(self, rel: str) -> dict[str, int]:
+        base = self.path(rel)
+        found = {}
+        for parent, _, names in os.walk(base):
+            for name in names:
+                full = os.path.join(parent, name)
+                try:
+                    size = os.lstat(full).st_size
+                except FileNotFoundError:
+                    continue  # deleted while we walked
+                found[os.path.relpath(full, base).replace(os.sep, "/")] = size
+        return found
+
+    def modified_at(self, rel: str) -> float | None:
+        try:
+            return self.path(rel).stat().st_mtime
+        except OSError:
+            return None
+
+    def open_read(self, rel: str) -> BinaryIO:
+        # Unbuffered: readers read large chunks with readinto (verification.py).
+        return open(self.path(rel), "rb", buffering=0)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def put_bytes(
+        self, rel: str, data: bytes, before_replace: Callable[[], None] | None = None
+    ) -> None:
+        atomic_write_bytes(self.path(rel), data, before_replace=before_replace)
+
+    def open_publish(
+        self, rel: str, size: int, part_size: int, parts: PartPool | None = None
+    ) -> Publisher:
+        return _RenamedIntoPlace(self.path(rel))
+
+    def remove(self, rel: str) -> None:
+        path = self.path(rel)
+        path.unlink(missing_ok=True)
+        try:
+            fsync_dir(path.parent)
+        except FileNotFoundError:
+            pass  # its directory went too: nothing to make durable here
+        except OSError as exc:
+            raise RenameNotDurable(exc.errno, exc.strerror or str(exc), str(path.parent)) from exc
+
+    def remove_tree(self, rel: str) -> None:
+        path = self.path(rel)
+        if path.is_symlink():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+
+    def make_durable(self, rel: str) -> None:
+        fsync_dir(self.path(rel))
+
+    def clear_temporaries(self, rel: str) -> None:
+        path = self.path(rel)
+        remove_stale_temporaries(path.parent, path.name)
+
+    def retired_leftovers(self) -> list[str]:
+        return sorted(p.name for p in self.root.glob(f"{DELETING_PREFIX}*"))
+
+    def retire_step(self, step: int) -> str | None:
+        path = self.path(step_name(step))
+        doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
+        if doomed.is_symlink() or doomed.exists():
+            self.remove_tree(doomed.name)
+        if path.is_symlink():
+            # A step linked in from elsewhere: only the link is the root's. Deleting through it
+            # would take the commit record of a checkpoint outside the root (another run's).
+            path.unlink()
+            fsync_dir(path.parent)
+            return None
+        os.replace(path, doomed)
+        fsync_dir(path.parent)
+        return doomed.name
+
+
+class _RenamedIntoPlace(Publisher):
+    """A temporary file beside the target, fsynced and renamed into place on publish."""
+
+    def __init__(self, target: Path) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._target = target
+        self._tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+        self._file = open(self._tmp, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def publish(self) -> None:
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self._target)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
