@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from verl_ckpt.remote.transfer import upload_files
+from verl_ckpt.remote.transfer import copy_files
 from verl_ckpt.store.commit_record import FileEntry
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, file_checksum
 from verl_ckpt.store.fsspec_store import FsspecStore
@@ -79,11 +79,11 @@ def plain_put(store: FsspecStore, step_path: Path, entries: list[FileEntry], pre
 def verl_upload(
     store: FsspecStore, step_path: Path, entries: list[FileEntry], prefix: str, threads: int
 ) -> None:
-    # upload_files names objects after the local step directory: a fresh one per run.
+    # copy_files names objects after the local step directory: a fresh one per run.
     target = step_path.parent / prefix
     if not target.exists():
         target.symlink_to(step_path.name)
-    outcome = upload_files(store, target, 0, entries, CHECKSUM_ALGORITHM, threads, 3600.0)
+    outcome = copy_files(store, target, 0, entries, CHECKSUM_ALGORITHM, threads, 3600.0)
     if outcome.errors:
         raise RuntimeError("; ".join(outcome.errors))
 
@@ -197,7 +197,7 @@ def report(args: argparse.Namespace, found: dict[str, Any], endpoint: str) -> st
             "|---|---|---|",
             f"| plain s3fs `put` (parallel multipart, no checks) | {plain:.2f} | "
             f"{mb / plain:.0f} |",
-            f"| verl_ckpt `upload_files` (multipart, checksum-verified) | {ours:.2f} | "
+            f"| verl_ckpt `copy_files` (multipart, checksum-verified) | {ours:.2f} | "
             f"{mb / ours:.0f} |",
             "",
             f"- verl_ckpt / plain s3fs time: {found['ratio']:.2f}x (median of paired ratios)",

@@ -130,6 +130,12 @@ def test_page_functions_exist(step: str, name: str) -> None:
     except (ImportError, AttributeError) as exc:
         pytest.fail(f"protocol step {step} names {name}, which does not exist: {exc}")
     assert callable(target), f"protocol step {step}: {name} is not a function"
+    # Named where it is defined, not where it is imported: the page leads to the code.
+    module = "verl_ckpt." + name.rsplit(".", 1)[0]
+    defined_in = getattr(target, "__module__", None)
+    assert defined_in is None or module.startswith(defined_in), (
+        f"protocol step {step} names {name}, which is defined in {defined_in}"
+    )
 
 
 _STEP_ID = r"(?:\d+'?|[ES]\b)"

@@ -16,7 +16,7 @@ from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.remote.tier import commit_remote_step
-from verl_ckpt.remote.transfer import upload_file
+from verl_ckpt.remote.transfer import copy_file
 from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
@@ -130,7 +130,7 @@ def test_I1_a_file_changed_on_disk_after_its_commit_is_never_uploaded(tmp_path, 
     local = step_dir(root, 1) / entry.path
     local.write_bytes(b"\0" * entry.size)  # same size, other bytes
     with pytest.raises(CheckpointError, match="checksum"):
-        upload_file(tier, local, f"global_step_1/{entry.path}", entry, record.checksum_algorithm)
+        copy_file(tier, local, f"global_step_1/{entry.path}", entry, record.checksum_algorithm)
     assert not tier.fs.exists(tier.key("global_step_1", entry.path))
     with pytest.raises(CheckpointError, match="upload of step 1"):
         commit_remote_step(tier, root, 1, (), 2, 60)
@@ -267,7 +267,7 @@ def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing
     good.mkdir(parents=True)
     (good / "big.bin").write_bytes(bytes(range(256)) * (12 << 12))
     entry = FileEntry("big.bin", *file_checksum(good / "big.bin"))
-    outcome = transfer.upload_files(store, good, 1, [entry], "xxh3_64", 4, 60)
+    outcome = transfer.copy_files(store, good, 1, [entry], "xxh3_64", 4, 60)
     assert outcome.errors == [] and outcome.nbytes == 12 << 20
     assert store.fs.cat_file(store.key("global_step_1/big.bin")) == (good / "big.bin").read_bytes()
 
@@ -275,7 +275,7 @@ def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing
     bad = step_dir(tmp_path, 2)
     bad.mkdir()
     (bad / "big.bin").write_bytes((good / "big.bin").read_bytes())
-    outcome = transfer.upload_files(store, bad, 2, [wrong], "xxh3_64", 4, 60)
+    outcome = transfer.copy_files(store, bad, 2, [wrong], "xxh3_64", 4, 60)
     assert len(outcome.errors) == 1 and "checksum" in outcome.errors[0], outcome.errors
     assert not store.fs.exists(store.key("global_step_2/big.bin"))
     uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])

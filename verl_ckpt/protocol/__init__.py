@@ -39,15 +39,16 @@ The code that does each step:
       | commit.finalizer.CheckpointFinalizer.begin_step, format.megatron_compat.plan_save
  2    | rank.snapshot_plan.split_live, rank.staging.copy_into
  3    | format.file_writer.write_checksummed, format.file_writer.write_bucket
- 4    | commit.finalizer.CheckpointFinalizer.report, commit.ledger.StepLedger.record
+ 4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
+      | commit.committer.Committer.take, commit.ledger.StepLedger.record
  5    | commit.steps.commit_step
- 6    | commit.steps.advance_tracker
- 7    | commit.steps.apply_retention
+ 6    | store.tracker.advance_tracker
+ 7    | store.retention.apply_retention, store.retention.delete_step
  E    | hf.scheduler.ExportQueue.submit, hf.export.export_role
- 8    | remote.rank_uploader.RankUploader.submit, remote.transfer.upload_files
+ 8    | remote.rank_uploader.RankUploader.submit, remote.transfer.copy_files
  9    | remote.tier.commit_remote_step
- 10   | remote.tier.advance_remote_tracker
- 11   | remote.tier.apply_remote_retention
+ 10   | store.tracker.advance_tracker
+ 11   | store.retention.apply_retention, remote.finalizer_tier.RemoteTier.protected
  S    | driver.preemption.PreemptionGuard.stop_requested, driver.preemption.commit_before_deadline
 
 What is durable once each step is done, and what a crash there leaves (an actor restart:

@@ -27,7 +27,7 @@ from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.remote.ledger import UploadReport
-from verl_ckpt.remote.transfer import upload_files
+from verl_ckpt.remote.transfer import copy_files
 from verl_ckpt.store.commit_record import FileEntry
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM
 from verl_ckpt.store.fsspec_store import describe_store_error
@@ -148,7 +148,7 @@ class RankUploader:
         report = UploadReport(step, self._role, self._rank, node=_node_address())
         try:
             faults.inject(Phase.UPLOAD, self._role, self._rank)
-            outcome = upload_files(
+            outcome = copy_files(
                 self._store,
                 step_dir(self._root, step),
                 step,

@@ -31,8 +31,6 @@ __all__ = [
     "TransferOutcome",
     "copy_file",
     "copy_files",
-    "upload_file",
-    "upload_files",
 ]
 
 # Multipart part size (S3's minimum is 5 MiB; s3fs's put uses 50 MiB): larger files go in parts,
@@ -128,8 +126,6 @@ def copy_files(
 
 
 # The names of the uploads (ranks, the remote commit): a copy from a local root.
-upload_file = copy_file
-upload_files = copy_files
 
 
 # ---- helpers -------------------------------------------------------------------------------
