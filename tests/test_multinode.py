@@ -117,9 +117,9 @@ def test_I1_commit_across_two_nodes_whose_ranks_upload_their_own_files(two_nodes
     on (a real S3 endpoint on loopback), each rank uploads its own files from its own node
     (the finalizer records who reported what from where): step 1 commits in the remote tier
     with every file verified. (One job for both: a two-node cluster takes half a minute.)"""
-    from verl_ckpt.store.commit_record import find_commit_record as read_remote_record
-    from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
-    from verl_ckpt.store.verification import check_step_files as verify_remote_files
+    from verl_ckpt.store.commit_record import find_commit_record
+    from verl_ckpt.store.fsspec_store import FsspecStore
+    from verl_ckpt.store.verification import check_step_files
 
     address, root, env = two_nodes
     remote = {
@@ -134,8 +134,6 @@ def test_I1_commit_across_two_nodes_whose_ranks_upload_their_own_files(two_nodes
     uploads = outcome["remote"]
     assert uploads["status"] == "committed" and uploads["tracker"] == 1, uploads
     assert uploads["uploaders"] == {"actor rank 0": "127.0.0.2", "actor rank 1": "127.0.0.3"}
-    store = RemoteStore(remote["url"], remote["storage_options"])
-    record = read_remote_record(store, 1)
-    assert (
-        verify_remote_files(store, 1, record.files, record.checksum_algorithm, 4, 60).errors == []
-    )
+    store = FsspecStore(remote["url"], remote["storage_options"])
+    record = find_commit_record(store, 1)
+    assert check_step_files(store, 1, record.files, record.checksum_algorithm, 4, 60).errors == []

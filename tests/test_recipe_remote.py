@@ -18,8 +18,7 @@ from tests.test_recipe import (
     start_recipe,
 )
 from verl_ckpt import read_tracker, step_dir
-from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
-from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
+from verl_ckpt.store.fsspec_store import FsspecStore
 
 
 @pytest.mark.slow
@@ -46,8 +45,8 @@ def test_I1_I4_a_run_resumes_from_the_remote_tier_after_its_local_root_is_lost(
         )
     )
     assert f"remote tier {url}: step 6 committed; remote tracker names step 6" in output
-    store = RemoteStore(url, s3_server.storage_options())
-    assert read_remote_tracker(store) == 6
+    store = FsspecStore(url, s3_server.storage_options())
+    assert read_tracker(store) == 6
     assert store.listing().committed() == [4, 6]
 
     shutil.rmtree(root)
@@ -68,7 +67,7 @@ def test_I1_I4_a_run_resumes_from_the_remote_tier_after_its_local_root_is_lost(
     assert sorted(run2) == [7, 8, 9, 10]
     for step in range(7, 11):
         assert {k: run2[step][k] for k in COMPARED} == {k: ref[step][k] for k in COMPARED}, step
-    assert read_tracker(root) == 10 and read_remote_tracker(store) == 10
+    assert read_tracker(root) == 10 and read_tracker(store) == 10
     assert store.listing().committed() == [8, 10]
 
 

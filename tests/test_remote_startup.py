@@ -16,19 +16,18 @@ from verl_ckpt import CheckpointError, prepare_start, read_tracker, step_dir
 from verl_ckpt.cli.main import main
 from verl_ckpt.protocol.errors import CommitRecordError, ResumeConflictError
 from verl_ckpt.remote.tier import commit_remote_step
-from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
-from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
 from verl_ckpt.store.tracker import write_tracker
 
 STEPS = (10, 20, 30)
 
 
 @pytest.fixture
-def both(tmp_path) -> tuple[Path, RemoteStore]:
+def both(tmp_path) -> tuple[Path, FsspecStore]:
     """A local root with steps 10, 20, 30 committed, each uploaded to a file:// tier."""
     root = tmp_path / "ckpt"
-    tier = RemoteStore(f"file://{tmp_path / 'remote'}")
+    tier = FsspecStore(f"file://{tmp_path / 'remote'}")
     for step in STEPS:
         committed_step(root, step)
         write_tracker(root, step)
@@ -170,7 +169,7 @@ def test_rollback_url_deletes_newer_steps_record_first_then_moves_the_tracker(bo
     assert (code, err) == (0, ""), err
     assert out.splitlines()[-1] == "tracker: 30 -> 20", out
     assert sorted(tier.listing().steps) == [5, 10, 20] and tier.listing().committed() == [10, 20]
-    assert read_remote_tracker(tier) == 20
+    assert read_tracker(tier) == 20
     code, _, err = cli(capsys, "rollback", tier.url, "--to", 30, "--delete")
     assert code == 2 and "global_step_30 does not exist" in err, err
 
@@ -184,7 +183,7 @@ def flip_bit(path: Path) -> None:
     path.write_bytes(data)
 
 
-def fallback_config(root: Path, tier: RemoteStore) -> dict:
+def fallback_config(root: Path, tier: FsspecStore) -> dict:
     return {
         "root_dir": str(root),
         "remote": {"url": tier.url},
@@ -266,7 +265,7 @@ def stalled_s3_tier(server, tmp_path) -> tuple[str, dict]:
     options = server.storage_options(read_timeout_s=2.0)
     source = tmp_path / "source"
     committed_step(source, 30)
-    commit_remote_step(RemoteStore(url, options), source, 30, (), 2, 60)
+    commit_remote_step(FsspecStore(url, options), source, 30, (), 2, 60)
     return url, options
 
 

@@ -22,12 +22,10 @@ from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, s
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
 from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.remote.finalizer_tier import RemoteTier
-from verl_ckpt.store.commit_record import find_commit_record as read_remote_record
-from verl_ckpt.store.commit_record import read_commit_record
-from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
+from verl_ckpt.store.commit_record import find_commit_record, read_commit_record
+from verl_ckpt.store.fsspec_store import FsspecStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs
-from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
-from verl_ckpt.store.verification import check_step_files as verify_remote_files
+from verl_ckpt.store.verification import check_step_files
 
 
 def remote_config(tmp_path, server, bucket, **overrides):
@@ -36,8 +34,8 @@ def remote_config(tmp_path, server, bucket, **overrides):
     return {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0, "remote": remote} | overrides
 
 
-def store_of(cfg) -> RemoteStore:
-    return RemoteStore(cfg["remote"]["url"], cfg["remote"]["storage_options"])
+def store_of(cfg) -> FsspecStore:
+    return FsspecStore(cfg["remote"]["url"], cfg["remote"]["storage_options"])
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
@@ -67,13 +65,13 @@ def test_I1_I3_ranks_upload_their_own_files_then_the_finalizer_commits_remotely(
     uploaders = coordinator.remote_status(3)["uploaders"]
     assert sorted(uploaders) == ["actor rank 0", "actor rank 1", "critic rank 0"], uploaders
     store = store_of(cfg)
-    assert read_remote_tracker(store) == 3
+    assert read_tracker(store) == 3
     listing = store.listing()
     assert listing.committed() == [2, 3] and listing.uncommitted() == []
     local = read_commit_record(step_dir(cfg["root_dir"], 3))
-    remote = read_remote_record(store, 3)
+    remote = find_commit_record(store, 3)
     assert remote.files == local.files and remote.participants == local.participants
-    checked = verify_remote_files(store, 3, remote.files, remote.checksum_algorithm, 4, 60)
+    checked = check_step_files(store, 3, remote.files, remote.checksum_algorithm, 4, 60)
     assert checked.errors == [] and len(checked.done) == len(local.files)
     # Step 2 was protected from local retention while it was being uploaded; once its
     # upload ended, retention ran again.
@@ -102,7 +100,7 @@ def test_remote_every_skips_steps_and_the_last_committed_step_is_uploaded_whole_
     assert store.listing().committed() == [1]
     summary = coordinator.wait_for_uploads()
     assert summary["step"] == 2 and summary["status"] == "committed", summary
-    assert summary["uploaders"] == {} and read_remote_tracker(store) == 2
+    assert summary["uploaders"] == {} and read_tracker(store) == 2
     assert store.listing().committed() == [1, 2]
     close_all(ranks, coordinator)
 
@@ -350,20 +348,18 @@ def test_I1_s3_server_stopped_mid_upload_local_commits_go_on_and_the_next_upload
     finally:
         server.resume()
         ray.get(actor0.set_env.remote(ENV_VAR, None))
-    assert read_remote_tracker(store) == 1
+    assert read_tracker(store) == 1
     leftover = store.listing().steps[2]
     assert COMMIT_RECORD_FILENAME not in leftover and leftover, leftover
-    assert read_remote_record(store, 2) is None
+    assert find_commit_record(store, 2) is None
 
     save_everyone(ranks, coordinator, 4)
     coordinator.wait_for_commit(4)
     summary = coordinator.wait_for_uploads()
     assert summary["step"] == 4 and summary["status"] == "committed", summary
-    assert read_remote_tracker(store) == 4
-    record = read_remote_record(store, 4)
-    assert (
-        verify_remote_files(store, 4, record.files, record.checksum_algorithm, 4, 60).errors == []
-    )
+    assert read_tracker(store) == 4
+    record = find_commit_record(store, 4)
+    assert check_step_files(store, 4, record.files, record.checksum_algorithm, 4, 60).errors == []
     listing = store.listing()
     assert listing.committed() == [1, 4] and listing.uncommitted() == [], listing
     close_all(ranks, coordinator)

@@ -20,18 +20,17 @@ from verl_ckpt.remote.transfer import copy_file
 from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
+    find_commit_record,
     is_committed,
     read_commit_record,
     write_commit_record,
 )
-from verl_ckpt.store.commit_record import find_commit_record as read_remote_record
 from verl_ckpt.store.fsio import file_checksum
-from verl_ckpt.store.fsspec_store import FsspecStore as RemoteStore
+from verl_ckpt.store.fsspec_store import FsspecStore
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_dir
-from verl_ckpt.store.recovery import roll_tracker_forward as recover_remote
-from verl_ckpt.store.retention import apply_retention as apply_remote_retention
-from verl_ckpt.store.tracker import advance_tracker as advance_remote_tracker
-from verl_ckpt.store.tracker import read_tracker as read_remote_tracker
+from verl_ckpt.store.recovery import roll_tracker_forward
+from verl_ckpt.store.retention import apply_retention
+from verl_ckpt.store.tracker import advance_tracker, read_tracker
 
 RANKS = {("actor", 0), ("actor", 1)}
 
@@ -50,8 +49,8 @@ def committed_step(root: Path, step: int) -> CommitRecord:
 
 
 @pytest.fixture
-def tier(tmp_path) -> RemoteStore:
-    return RemoteStore(f"file://{tmp_path / 'remote'}")
+def tier(tmp_path) -> FsspecStore:
+    return FsspecStore(f"file://{tmp_path / 'remote'}")
 
 
 # ---- the upload ledger ---------------------------------------------------------------------
@@ -99,15 +98,15 @@ def test_I1_remote_commit_uploads_what_no_rank_confirmed_then_record_then_tracke
     summary = commit_remote_step(tier, root, 1, {"actor/__0_0.distcp"}, 2, 60)
     # The confirmed file was not there: a confirmation without the object is not trusted.
     assert summary.uploaded_here == 3 and summary.tracker == 1
-    assert read_remote_record(tier, 1).files == record.files
-    assert read_remote_tracker(tier) == 1
+    assert find_commit_record(tier, 1).files == record.files
+    assert read_tracker(tier) == 1
     assert tier.listing().committed() == [1]
     # Confirmed by a rank and present with its size: not sent again.
     committed_step(root, 2)
     for rel in ("actor/__0_0.distcp", "actor/__1_0.distcp"):
         tier.fs.put_file(str(step_dir(root, 2) / rel), tier.key("global_step_2", rel))
     summary = commit_remote_step(tier, root, 2, {"actor/__0_0.distcp", "actor/__1_0.distcp"}, 2, 60)
-    assert summary.uploaded_here == 1 and read_remote_tracker(tier) == 2
+    assert summary.uploaded_here == 1 and read_tracker(tier) == 2
 
 
 def test_I2_remote_tracker_never_moves_backwards_and_is_rolled_forward(tmp_path, tier):
@@ -115,12 +114,12 @@ def test_I2_remote_tracker_never_moves_backwards_and_is_rolled_forward(tmp_path,
     for step in (1, 2):
         committed_step(root, step)
         commit_remote_step(tier, root, step, (), 2, 60)
-    assert advance_remote_tracker(tier, 1) == 2 and read_remote_tracker(tier) == 2
+    assert advance_tracker(tier, 1) == 2 and read_tracker(tier) == 2
     # A remote commit interrupted between its record and the tracker: rolled forward.
     committed_step(root, 3)
     commit_remote_step(tier, root, 3, (), 2, 60)
     tier.put_bytes(TRACKER_FILENAME, b"2\n")
-    assert recover_remote(tier) == 3 and read_remote_tracker(tier) == 3
+    assert roll_tracker_forward(tier) == 3 and read_tracker(tier) == 3
 
 
 def test_I1_a_file_changed_on_disk_after_its_commit_is_never_uploaded(tmp_path, tier):
@@ -134,7 +133,7 @@ def test_I1_a_file_changed_on_disk_after_its_commit_is_never_uploaded(tmp_path, 
     assert not tier.fs.exists(tier.key("global_step_1", entry.path))
     with pytest.raises(CheckpointError, match="upload of step 1"):
         commit_remote_step(tier, root, 1, (), 2, 60)
-    assert read_remote_record(tier, 1) is None and read_remote_tracker(tier) is None
+    assert find_commit_record(tier, 1) is None and read_tracker(tier) is None
 
 
 def test_I3_remote_retention_keeps_n_the_tracker_and_steps_in_flight(tmp_path, tier):
@@ -144,14 +143,14 @@ def test_I3_remote_retention_keeps_n_the_tracker_and_steps_in_flight(tmp_path, t
         commit_remote_step(tier, root, step, (), 2, 60)
     # What an interrupted upload of an older step leaves: objects without a record.
     tier.put_bytes("global_step_0/actor/__0_0.distcp", b"partial")
-    outcome = apply_remote_retention(tier, keep=2, protected=[1], dry_run=True)
+    outcome = apply_retention(tier, keep=2, protected=[1], dry_run=True)
     assert outcome.deleted == [2] and outcome.purged == [0]
     assert tier.listing().committed() == [1, 2, 3, 4]  # a dry run deletes nothing
-    outcome = apply_remote_retention(tier, keep=2, protected=[1])
+    outcome = apply_retention(tier, keep=2, protected=[1])
     assert outcome.deleted == [2] and outcome.purged == [0] and outcome.errors == []
     assert sorted(tier.listing().steps) == [1, 3, 4]
     tier.put_bytes(TRACKER_FILENAME, b"1\n")  # the tracker's target is never deleted
-    assert apply_remote_retention(tier, keep=1).deleted == [3]
+    assert apply_retention(tier, keep=1).deleted == [3]
 
 
 def test_pull_verifies_every_file_and_writes_the_record_last(tmp_path, tier):
@@ -262,7 +261,7 @@ def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing
 
     monkeypatch.setattr(transfer, "PART_SIZE", 5 << 20)
     bucket = s3_server.new_bucket()
-    store = RemoteStore(f"s3://{bucket}/run", s3_server.storage_options())
+    store = FsspecStore(f"s3://{bucket}/run", s3_server.storage_options())
     good = step_dir(tmp_path, 1)
     good.mkdir(parents=True)
     (good / "big.bin").write_bytes(bytes(range(256)) * (12 << 12))
@@ -282,7 +281,7 @@ def test_I1_large_files_go_up_in_parallel_parts_and_a_mismatch_publishes_nothing
     assert uploads == [], uploads
 
 
-def _unknown_version(tier: RemoteStore, step: int) -> str:
+def _unknown_version(tier: FsspecStore, step: int) -> str:
     """Give remote step `step` a record of a format version this verl_ckpt cannot read (one
     written by a newer verl_ckpt); its object's URL."""
     import json
@@ -306,12 +305,12 @@ def test_I3_remote_retention_counts_only_readable_records_toward_keep(tmp_path, 
         committed_step(root, step)
         commit_remote_step(tier, root, step, (), 2, 60)
     _unknown_version(tier, 30)
-    assert apply_remote_retention(tier, keep=1, dry_run=True).deleted == [10]
+    assert apply_retention(tier, keep=1, dry_run=True).deleted == [10]
     assert main(["prune", tier.url, "--keep", "1"]) == 0
     out = capsys.readouterr().out
     assert "deleted step 10" in out and "deleted step 20" not in out, out
     assert tier.listing().committed() == [20, 30]
-    assert read_remote_record(tier, 20).step == 20
+    assert find_commit_record(tier, 20).step == 20
 
 
 def test_I1_a_remote_tracker_naming_an_unreadable_record_fails_start_up_naming_it(tmp_path, tier):
@@ -324,7 +323,7 @@ def test_I1_a_remote_tracker_naming_an_unreadable_record_fails_start_up_naming_i
         committed_step(source, step)
         commit_remote_step(tier, source, step, (), 2, 60)
     where = _unknown_version(tier, 30)
-    assert read_remote_tracker(tier) == 30
+    assert read_tracker(tier) == 30
     with pytest.raises(CheckpointError) as refused:
         prepare_start({"root_dir": str(fresh), "remote": {"url": tier.url}})
     message = str(refused.value)
@@ -366,7 +365,7 @@ def test_I1_a_failed_upload_never_leaves_a_committed_remote_step_with_mixed_obje
     caplog.set_level(logging.WARNING, logger="verl_ckpt.remote.tier")
     with pytest.raises(CheckpointError, match="upload of step 2"):
         commit_remote_step(tier, root, 2, (), 2, 60)
-    assert read_remote_record(tier, 2) is None, "a committed remote step with mixed objects"
+    assert find_commit_record(tier, 2) is None, "a committed remote step with mixed objects"
     assert any(
         tier.uri("global_step_2", COMMIT_RECORD_FILENAME) in r.getMessage() for r in caplog.records
     )
@@ -393,7 +392,7 @@ def test_I1_the_finalizer_removes_another_remote_record_before_any_rank_uploads(
         )
         remote.after_local_commit(2)
         assert await remote.upload_turn(2, 20.0) is True
-        assert read_remote_record(tier, 2) is None, "a rank was told to upload under it"
+        assert find_commit_record(tier, 2) is None, "a rank was told to upload under it"
         for rank in (0, 1):
             await remote.report(UploadReport(2, "actor", rank))
         status = await remote.drain(20.0)

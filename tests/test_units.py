@@ -24,8 +24,7 @@ from verl_ckpt.store.commit_record import (
 )
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, file_checksum
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, list_step_dirs, step_dir
-from verl_ckpt.store.retention import apply_retention, steps_to_delete
-from verl_ckpt.store.retention import delete_step as delete_step_dir
+from verl_ckpt.store.retention import apply_retention, delete_step, steps_to_delete
 from verl_ckpt.store.tracker import read_tracker, tracker_path, write_tracker
 from verl_ckpt.store.verification import verify_files
 
@@ -191,7 +190,7 @@ def test_I3_retention_policy(committed, keep, protected, expected):
 
 def test_I3_delete_removes_commit_record_first_and_next_retention_finishes(tmp_path):
     path, _ = _record(tmp_path, step=1)
-    delete_step_dir(path)
+    delete_step(path)
     assert list_step_dirs(tmp_path) == {}
     # A deletion interrupted after the rename: only a .deleting_ directory is left, which is
     # no step directory at all, and the next retention (after a commit) removes it.

@@ -1,4 +1,4 @@
-"""The finalizer's admission of steps (protocol.py, step 1: begin_step): back-pressure,
+"""The finalizer's admission of steps (protocol page, step 1: begin_step): back-pressure,
 removal of an uncommitted leftover before a step is saved again, refusals (a step number
 is saved once), and the run markers that tell, after a restart of the finalizer, the steps
 this job had in flight from the leftovers of earlier jobs.
@@ -96,7 +96,7 @@ class Admission:
         begun = self._ledger.begin(step, (role, rank), save_id, expires_at)
         if begun is Begun.FAILED:
             # Its own type: another participant's failure decided the step, and a rank
-            # refused so has no failure of its own to raise (manager._in_background).
+            # refused so has no failure of its own to raise (rank/save_runner.py).
             raise StepNotCommittedError(self._refusal(step, role, rank, begun))
         if begun is not Begun.JOINED:
             raise CheckpointError(self._refusal(step, role, rank, begun))

@@ -1,4 +1,4 @@
-"""The finalizer's committer (protocol.py, steps 4-7): it counts the reports of each step,
+"""The finalizer's committer (protocol page, steps 4-7): it counts the reports of each step,
 commits a step when its last report arrives (commit record, tracker), runs retention
 after the commit, keeps from retention every step someone still reads, and deletes the
 directories of failed steps once nobody writes into them.

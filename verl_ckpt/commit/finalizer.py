@@ -1,4 +1,5 @@
-"""The finalizer: one Ray actor per checkpoint root, which commits steps (protocol.py).
+"""The finalizer: one Ray actor per checkpoint root, which commits steps (the protocol
+page, verl_ckpt/protocol).
 
 It only connects the pieces: admission (admission.py, step 1: back-pressure, leftovers,
 refusals), the committer (committer.py, steps 4-7: the step ledger of ledger.py counts
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 class CheckpointFinalizer:
     """Commits the steps of one checkpoint root; runs as a restartable Ray actor
-    (finalizer_client.start_finalizer), or in-process for tests and benchmarks."""
+    (commit.client.start_finalizer), or in-process for tests and benchmarks."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ retention after its commit ran (`retire`), since until then the step it deletes 
 occupies a directory and back-pressure must count it. A retired step is forgotten (its
 commit record on disk is the truth from then on), and failed or lost steps are remembered
 by number and failures only, the oldest dropped beyond a bound, so that the ledger's size
-does not grow with the number of commits (protocol.py, steps 4-7). That bounded table of
+does not grow with the number of commits (protocol page, steps 4-7). That bounded table of
 entries is the one the remote tier's ledger uses too (protocol.step_table.StepTable).
 """
 

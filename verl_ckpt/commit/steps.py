@@ -2,7 +2,7 @@
 write the record, move the tracker (step 6, store/tracker.py); and the deletion of failed
 steps. No Ray, no bookkeeping, so each is tested on a temporary directory. The finalizer
 actor calls them, then retention (step 7, store/retention.py), one step at a time
-(protocol.py).
+(the protocol page, verl_ckpt/protocol).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The finalizer's waits on the local tier: whoever waits for a step to commit
-(wait_for_commit, protocol.py step 5) or for room to begin one (back-pressure, step 1).
+(wait_for_commit, protocol page step 5) or for room to begin one (back-pressure, step 1).
 
 Each wait re-checks its condition after every change (protocol.event_loop.Changes, the
 one notifier of the actor, which the remote tier's waits share) and ends at its deadline,

@@ -1,6 +1,6 @@
 """The driver's side: start the finalizer, save the trainer's own state, wait for commits.
 
-The order of a whole job is protocol.py's; the driver owns step 0 (start-up, through
+The order of a whole job is the protocol page's; the driver owns step 0 (start-up, through
 startup.prepare_start) and takes part in every step as one more participant.
 """
 

@@ -1,5 +1,6 @@
-"""Step 1's agreement (protocol.py): every rank of a save group states what it saves (step,
-root, whether its cached plan still fits), and all of them learn what the others stated.
+"""Step 1's agreement (protocol page): every rank of a save group states what it saves
+(step, root, whether its cached plan still fits), and all of them learn what the others
+stated.
 
 `SaveAgreement` runs it on a private gloo group of the save group's ranks (gloo_group.py),
 from a thread of its own, in save order. A rank whose plan is cached states so and goes on

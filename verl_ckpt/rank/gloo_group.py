@@ -1,4 +1,4 @@
-"""A private gloo group over some ranks of the world, for step 1's agreement (group_agreement).
+"""A private gloo group over some ranks of the world, for step 1's agreement (rank/agreement.py).
 
 Every `CheckpointManager` of a save group of two or more ranks agrees on each save over a
 gloo group of its own. Made with `torch.distributed.new_group`, each such group brought its

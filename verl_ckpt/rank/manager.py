@@ -205,7 +205,7 @@ class CheckpointManager:
         # read it in place (offload-aware staging; the direct reader fills tensors without
         # bumping their version counters). Failures of those writes are raised as always.
         self.fence()
-        self._runner.drain(time.monotonic() + self._timeout_s)
+        self._runner.drain(deadline_in(self._timeout_s))
         loaded, self.last_load = self._loader.load(step_path, model, optimizer, extra, clock)
         return loaded
 

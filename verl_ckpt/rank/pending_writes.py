@@ -1,4 +1,4 @@
-"""The saves of one rank whose write and report still run in the background (protocol.py,
+"""The saves of one rank whose write and report still run in the background (protocol page,
 steps 3-4): their queue in save order, their deadlines, and the failure of one of them,
 raised to the caller once."""
 

@@ -78,7 +78,7 @@ class StepPlanner:
     def _agree_with_group(
         self, step: int, structure: Structure, go_ahead: bool
     ) -> tuple[bool, Statement | None]:
-        """State the step, the root and whether the cached plan fits (group_agreement).
+        """State the step, the root and whether the cached plan fits (rank/agreement.py).
         Returns whether the plan is reused, and, if this rank goes ahead on its cached plan,
         the statement it will make (state_went_ahead; only the save thread waits for the
         others). A rank that plans over the group makes it now and waits for the outcome."""
@@ -92,7 +92,7 @@ class StepPlanner:
         return self._config.assume_constant_structure and reusable, None
 
     def state_went_ahead(self, layout: Layout) -> None:
-        """Make the statement of a rank that went ahead, once (group_agreement). Made last in
+        """Make the statement of a rank that went ahead, once (rank/agreement.py). Made last in
         save(), when the job is composed: the agreement thread's collective then runs while
         the save returns (and the deferred copy, or the copy, runs), instead of taking the
         interpreter from the training thread in the middle of save()."""
@@ -101,7 +101,7 @@ class StepPlanner:
 
     def state_withdrawn(self, step: int) -> None:
         """save(step) failed on this rank before it stated anything: state that it does not
-        save the step (group_agreement). Its peers that went ahead wait for a statement in a
+        save the step (rank/agreement.py). Its peers that went ahead wait for a statement in a
         collective; never made, this rank's next statement would pair with theirs for this
         step, and every later step of the role would fail."""
         self._agreement.start(Statement(step, self._root_id, False, False, withdrawn=True))

@@ -126,7 +126,7 @@ class Layout:
     seconds: float
     # Set when this rank goes ahead on its cached plan: its statement, issued by save() once
     # the job is composed (StepPlanner.state_went_ahead), then the save group's statements,
-    # which the save thread checks before begin_step (group_agreement).
+    # which the save thread checks before begin_step (rank/agreement.py).
     statement: Statement | None = None
     agreement: Future | None = None
 

@@ -1,7 +1,8 @@
-"""Step 2's plan (protocol.py): which tensors a save copies into its staging slot and which it
-writes live from host memory (offload-aware staging), and the version-counter checks that
-keep both honest (invariant I4): a tensor changed in place while a save still depends on its
-values fails that save loudly, never leaving a file with a mix of old and new values."""
+"""Step 2's plan (protocol page): which tensors a save copies into its staging slot and
+which it writes live from host memory (offload-aware staging), and the version-counter
+checks that keep both honest (invariant I4): a tensor changed in place while a save still
+depends on its values fails that save loudly, never leaving a file with a mix of old and
+new values."""
 
 from __future__ import annotations
 

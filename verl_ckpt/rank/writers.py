@@ -1,5 +1,5 @@
 """Who writes a rank's files (`checkpoint.writer.mode`): threads, a spawned process, or inline
-(protocol.py, step 3).
+(protocol page, step 3).
 
 All three take the same DCP write buckets over the staged buffers and return, per file, the
 DCP write results and the file's size and checksum. Never `fork`: a forked Ray/CUDA process

@@ -1,4 +1,4 @@
-"""The finalizer's side of the remote tier (protocol.py, steps 8-11): decide which locally
+"""The finalizer's side of the remote tier (protocol page, steps 8-11): decide which locally
 committed steps are uploaded, collect the ranks' upload reports, then upload what no rank
 confirmed, the commit record, the tracker, and run remote retention.
 
@@ -236,7 +236,7 @@ class RemoteTier:
         # The ranks' reports, up to the deadline; what a missing rank did not confirm is
         # uploaded here, so a dead rank delays the remote tier but never blocks it.
         while not self._ledger.all_reported(step) and time.monotonic() < deadline:
-            await self._changes.wait(deadline - time.monotonic())
+            await self._changes.wait(time_left(deadline))
         missing = self._ledger.missing(step)
         if missing:
             logger.warning(

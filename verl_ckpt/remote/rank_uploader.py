@@ -1,4 +1,4 @@
-"""A rank's side of the remote tier (protocol.py, step 8): after its report, each rank
+"""A rank's side of the remote tier (protocol page, step 8): after its report, each rank
 uploads its own files of the step, so that upload bandwidth grows with the nodes.
 
 The upload runs on a thread of its own, never on the training thread nor the save thread
@@ -99,8 +99,7 @@ class RankUploader:
             # The oldest is running or about to (the one before it ended): not yet begun,
             # its deadline counts from now.
             began = oldest.began if oldest.began is not None else time.monotonic()
-            left = began + self._timeout_s - time.monotonic()
-            done, _ = wait_for_futures([oldest.future], timeout=max(0.0, left))
+            done, _ = wait_for_futures([oldest.future], timeout=time_left(began + self._timeout_s))
             if not done:
                 step = oldest.step
                 raise CommitTimeoutError(

@@ -10,7 +10,7 @@ nothing. `CheckpointCoordinator` calls it itself when it is not handed a plan.
 Order: read-only checks first (a failure leaves the disk as it was; a remote tier's URL is
 checked here too), then the root lock (another job on this root is refused), then recovery
 (recovery.py: roll-forward), the download of a newer step from the remote tier
-(remote/startup.py), and the same resume decision once more under the lock, where nobody
+(startup/remote.py), and the same resume decision once more under the lock, where nobody
 else can change the root; then the resume step is verified (resume_check.py:
 `resume_verify`, and the quarantine and fallback of `resume_fallback=previous`), and last
 whether the run's roles can load the step chosen (resume_fit.py), before any state is

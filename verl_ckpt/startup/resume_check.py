@@ -15,7 +15,7 @@ resume_fallback: error      a resume step that fails is one error naming the fil
                             is pointed at the newest older committed step that passes, and
                             the run resumes from it with one warning naming the bad file.
 
-With a remote tier (`remote`, built by remote/startup.py), before any fallback: when the
+With a remote tier (`remote`, built by startup/remote.py), before any fallback: when the
 remote tier holds the failing step committed, its copy is downloaded beside the root and
 verified against its record (every checksum); only then is the local copy quarantined (as
 below) and the download renamed into its place, and the run resumes from the same step with
@@ -74,7 +74,7 @@ ChooseResumeDir = Callable[[CheckpointConfig, RootState], Path | None]
 
 
 class RemoteCopies(Protocol):
-    """What a remote tier offers a failing resume step (remote/startup.py implements it)."""
+    """What a remote tier offers a failing resume step (startup/remote.py implements it)."""
 
     def copy_in(self, step: int, make_room: Callable[[], None]) -> str | None:
         """Download the remote tier's committed `step` beside the root, verified; then call

@@ -1,4 +1,4 @@
-"""The one seam under every place steps live: a `Store` (protocol.py, steps 5-11 and 0).
+"""The one seam under every place steps live: a `Store` (protocol page, steps 5-11 and 0).
 
 Everything else of the store floor (commit record, tracker, retention, recovery, rollback,
 verification, transfer) is written once over these methods, as PyTorch DCP writes its file

@@ -1,4 +1,4 @@
-"""Reading a store as it is, and recovering it at start-up (protocol.py, steps 0 and 0').
+"""Reading a store as it is, and recovering it at start-up (protocol page, steps 0 and 0').
 
 Recovery never deletes a step: it finishes an interrupted `verl-ckpt rollback` (which the
 user asked for), removes the tracker's temporary files of a crashed write, and rolls the

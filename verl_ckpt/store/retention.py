@@ -1,5 +1,5 @@
 """Which committed steps to keep (a pure policy), how to delete one safely, and retention
-itself (invariant I3; protocol.py steps 7 and 11), on every store (store/base.py)."""
+itself (invariant I3; protocol page steps 7 and 11), on every store (store/base.py)."""
 
 from __future__ import annotations
 

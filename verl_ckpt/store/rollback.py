@@ -20,7 +20,7 @@ step, so it is journaled. One run, by the holder of the root lock (`RootLock`):
      root's record of rolled-back steps `<root>/.verl_ckpt_rolled_back.json` (atomic; kept
      for good, each rollback adds to it). Before the tracker and the end of the intent: once
      those are gone this record is the only witness that the steps left on purpose, and a
-     remote tier still holding them must not bring them back (remote/startup.py refuses).
+     remote tier still holding them must not bring them back (startup/remote.py refuses).
   4. write the tracker (atomic). After every rename is durable: from the moment the tracker
      names N, no newer committed step is left in the namespace for a roll-forward to find.
   5. with `delete`, remove the archive.

@@ -1,5 +1,5 @@
 """`latest_checkpointed_iteration.txt`: read strictly, written atomically, never moved
-backwards (invariant I2; protocol.py steps 6 and 10), on every store (store/base.py).
+backwards (invariant I2; protocol page steps 6 and 10), on every store (store/base.py).
 
 The tracker stays a bare integer so that Megatron-LM and verl read it unchanged; the commit
 record beside each step carries the format version.
