@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from verl_ckpt.cli.commands_change import cmd_export, cmd_prune, cmd_pull, cmd_rollback
 from verl_ckpt.cli.commands_read import cmd_inspect, cmd_ls, cmd_verify
@@ -110,6 +111,17 @@ def _build_parser() -> argparse.ArgumentParser:
         _storage_options_flag(sub)
         return sub
 
+    _add_read_commands(command)
+    _add_change_commands(command)
+    _add_pull_command(commands)
+    return parser
+
+
+_Command = Callable[..., argparse.ArgumentParser]
+
+
+def _add_read_commands(command: _Command) -> None:
+    """ls, verify, inspect: they read a root or a URL and change nothing."""
     command("ls", cmd_ls, "List every global_step_<N> directory and the tracker.")
     verify = command(
         "verify",
@@ -129,6 +141,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--step", type=_step_number, help="default: the tracker's step")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_change_commands(command: _Command) -> None:
+    """prune, rollback, export: they change a root (under its lock) or a URL."""
     prune = command(
         "prune",
         cmd_prune,
@@ -183,6 +199,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-mb", type=_keep_count, default=2048, help="largest safetensors file"
     )
+
+
+def _add_pull_command(commands: Any) -> None:
+    """pull: a URL's step into a local root (two places, so not `command`)."""
     pull = commands.add_parser(
         "pull",
         help="Fetch a committed step from a remote tier URL into a local root.",
@@ -197,7 +217,6 @@ def _build_parser() -> argparse.ArgumentParser:
     pull.add_argument("dest", metavar="ROOT", help="the local checkpoint root to pull into")
     pull.set_defaults(handler=cmd_pull)
     _storage_options_flag(pull)
-    return parser
 
 
 # Deadline of each store call (listing, reading a record, deleting) of a command on a URL.

@@ -232,57 +232,12 @@ class RemoteTier:
         return True
 
     async def _commit_step(self, step: int) -> None:
-        deadline = deadline_in(self._timeout_s)
-        # The ranks' reports, up to the deadline; what a missing rank did not confirm is
-        # uploaded here, so a dead rank delays the remote tier but never blocks it.
-        while not self._ledger.all_reported(step) and time.monotonic() < deadline:
-            await self._changes.wait(time_left(deadline))
-        missing = self._ledger.missing(step)
-        if missing:
-            logger.warning(
-                "step %d: no upload report from %s; the finalizer uploads their files",
-                step,
-                ", ".join(f"{role} rank {rank}" for role, rank in missing),
-            )
+        await self._wait_for_upload_reports(step)
         async with self._work:
-            self._ledger.begin_commit(step)
-            self._changes.notify()
-            confirmed = self._ledger.confirmed_paths(step)
-            try:
-                summary = await asyncio.to_thread(
-                    commit_remote_step,
-                    self._store,
-                    self._root,
-                    step,
-                    confirmed,
-                    self._threads,
-                    self._timeout_s,
-                )
-            except Exception as exc:  # noqa: BLE001 - the remote tier never fails the local one
-                error = describe_store_error(exc)
-                logger.error(
-                    "step %d is not committed in the remote tier %s (the next upload catches "
-                    "up): %s",
-                    step,
-                    self.url,
-                    error,
-                )
-                self._ledger.finish_commit(step, error)
-                self._changes.notify()
+            if not await self._commit_remotely(step):
                 return
-            self._ledger.finish_commit(step)
-            self._tracker = summary.tracker
-            logger.info(
-                "step %d committed in the remote tier %s: %d files, %d bytes (%d uploaded by the "
-                "finalizer); remote tracker names step %s",
-                step,
-                self.url,
-                summary.files,
-                summary.bytes,
-                summary.uploaded_here,
-                summary.tracker,
-            )
-            self._changes.notify()
+            # Retention after the remote tracker moved, never before (as the local tier's
+            # step 7 after 6): a failure here never un-commits the step just committed.
             try:
                 outcome = await asyncio.to_thread(
                     apply_retention, self._store, self._keep, self._ledger.in_flight()
@@ -296,6 +251,63 @@ class RemoteTier:
                 step,
                 "; ".join(errors),
             )
+
+    async def _wait_for_upload_reports(self, step: int) -> None:
+        """The ranks' upload reports, up to the deadline; what a missing rank did not
+        confirm is uploaded by the finalizer, so a dead rank delays the remote tier but never
+        blocks it."""
+        deadline = deadline_in(self._timeout_s)
+        while not self._ledger.all_reported(step) and time.monotonic() < deadline:
+            await self._changes.wait(time_left(deadline))
+        missing = self._ledger.missing(step)
+        if missing:
+            logger.warning(
+                "step %d: no upload report from %s; the finalizer uploads their files",
+                step,
+                ", ".join(f"{role} rank {rank}" for role, rank in missing),
+            )
+
+    async def _commit_remotely(self, step: int) -> bool:
+        """Steps 9 and 10 (commit_remote_step), under the remote work lock; whether the step
+        committed. A failure is logged: the remote tier never fails the local one."""
+        self._ledger.begin_commit(step)
+        self._changes.notify()
+        confirmed = self._ledger.confirmed_paths(step)
+        try:
+            summary = await asyncio.to_thread(
+                commit_remote_step,
+                self._store,
+                self._root,
+                step,
+                confirmed,
+                self._threads,
+                self._timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - the remote tier never fails the local one
+            error = describe_store_error(exc)
+            logger.error(
+                "step %d is not committed in the remote tier %s (the next upload catches up): %s",
+                step,
+                self.url,
+                error,
+            )
+            self._ledger.finish_commit(step, error)
+            self._changes.notify()
+            return False
+        self._ledger.finish_commit(step)
+        self._tracker = summary.tracker
+        logger.info(
+            "step %d committed in the remote tier %s: %d files, %d bytes (%d uploaded by the "
+            "finalizer); remote tracker names step %s",
+            step,
+            self.url,
+            summary.files,
+            summary.bytes,
+            summary.uploaded_here,
+            summary.tracker,
+        )
+        self._changes.notify()
+        return True
 
     async def _needs_whole_upload(self, step: int) -> bool:
         status = self._ledger.status(step)
