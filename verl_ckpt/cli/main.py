@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from verl_ckpt.format.inspection import TensorEntry, read_role_entries, scan_steps
-from verl_ckpt.hf.record import export_dir, verify_export
+from verl_ckpt.hf.record import describe_context_length, export_dir, verify_export
 from verl_ckpt.protocol.errors import (
     CheckpointConfigError,
     CheckpointError,
@@ -410,7 +410,8 @@ def _cmd_export(root: Path, args: argparse.Namespace) -> int:
     else:
         print(
             f"exported step {step} role {args.role} ({summary.architecture}) to {summary.path}: "
-            f"{summary.files} files, {summary.bytes} bytes in {summary.seconds:.1f} s"
+            f"{summary.files} files, {summary.bytes} bytes in {summary.seconds:.1f} s; "
+            f"{describe_context_length(summary.context_length)}"
         )
     return 0
 

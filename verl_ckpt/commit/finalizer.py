@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -659,6 +660,8 @@ def _was_restarted() -> bool:
     if not ray.is_initialized():
         return False
     try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - a driver or task, not an actor: tests and benchmarks
         return False
