@@ -239,3 +239,10 @@ def test_recipe_logs_no_ray_warning_and_its_critic_is_refused_by_the_export(tmp_
     directory = export_dir(step_dir(root, 2), "actor")
     assert json.loads((directory / EXPORT_RECORD_FILENAME).read_text())["context_length"] == 11
     assert json.loads((directory / "config.json").read_text())["n_positions"] == 11
+
+
+def test_recipe_refuses_an_export_of_its_critic_before_ray():
+    """Known from the config alone: the recipe's critic is a value model."""
+    cfg = OmegaConf.create({"checkpoint": {"hf_export": {"architectures": {"critic": "gpt2"}}}})
+    with pytest.raises(RecipeConfigError, match="the critic is a value model"):
+        to_recipe_config(cfg)
