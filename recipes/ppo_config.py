@@ -253,15 +253,15 @@ class PPOToyConfig:
 
 def check_overrides(overrides: list[str]) -> None:
     """Refuse a command-line override (`key=value`, `+key=value`, `++key=value`, `~key`) of
-    a key the schema lacks, before Hydra composes; Hydra's own options and `hydra.*` keys
-    are Hydra's. Raises RecipeConfigError naming the key and the nearest known key."""
+    a key the schema lacks, before Hydra composes; Hydra's own options, `hydra.*` keys and
+    group paths are Hydra's. Raises RecipeConfigError naming the key and the nearest known key."""
     problems = []
     for override in overrides:
         if override.startswith("-") or ("=" not in override and not override.startswith("~")):
             continue  # a Hydra option (--cfg job, -m) or an option's value
         key = override.split("=", 1)[0].lstrip("~+").split("@", 1)[0]
-        if not key or key == "hydra" or key.startswith("hydra."):
-            continue
+        if not key or key == "hydra" or key.startswith("hydra.") or "/" in key:
+            continue  # Hydra's own settings, and config groups by path (hydra/job_logging)
         tree: Any = None
         for part in reversed(key.split(".")):
             tree = {part: tree}

@@ -101,6 +101,7 @@ def test_command_line_overrides_are_checked_against_the_schema():
     check_overrides(
         [
             "hydra.run.dir=/tmp/x",
+            "hydra/job_logging=disabled",
             "checkpoint=sync",
             "trainer.total_steps=3",
             "+checkpoint.hf_export.architectures.policy=gpt2",
