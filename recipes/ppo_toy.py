@@ -683,11 +683,11 @@ def main(dict_cfg: DictConfig) -> None:
             purpose="python -m recipes.ppo_toy",
             roles={name: cfg.role(name).world_size for name in ROLES},
         )
+        if before_ray(cfg, start):
+            return
     except verl_ckpt.CheckpointError as exc:
         print(f"ppo_toy: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if before_ray(cfg, start):
-        return
     torch.set_num_threads(1)
     try:
         stopped = run(cfg, start)

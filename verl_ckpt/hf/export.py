@@ -48,12 +48,7 @@ from verl_ckpt.store.fsio import fsync_dir
 from verl_ckpt.store.layout import DRIVER_ROLE
 from verl_ckpt.store.verification import verify_files
 
-__all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
-    "ExportSummary",
-    "choose_mapping",
-    "export_role",
-]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportSummary", "choose_mapping", "export_role"]
 
 logger = logging.getLogger(__name__)
 
