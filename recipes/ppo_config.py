@@ -1,9 +1,14 @@
 """Configuration of the toy PPO recipe: validated dataclasses that are also Hydra's schema.
 
 `register_recipe_configs()` stores the schema as `ppo_toy_schema`; configs/ppo_toy.yaml lists it
-first in its defaults, so Hydra rejects unknown keys and wrongly typed overrides naming the key,
-and `to_recipe_config()` then checks the values across keys (`__post_init__`), before Ray or any
+first in its defaults, so Hydra rejects wrongly typed overrides naming the key, and
+`to_recipe_config()` then checks the values across keys (`__post_init__`), before Ray or any
 worker starts.
+
+Unknown keys are one line each, naming the nearest known key (verl_ckpt.unknown_keys), exit
+status 2: `check_overrides` refuses them on the command line before Hydra composes (Hydra's
+own refusal is a five-line block without a suggestion), and `to_recipe_config` in the composed
+config (a key appended with `+key=...` is otherwise dropped without a word).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_ckpt import CheckpointConfig, to_checkpoint_config
+from verl_ckpt import CheckpointConfig, to_checkpoint_config, unknown_keys
 
 __all__ = [
     "ROLES",
@@ -22,6 +27,7 @@ __all__ = [
     "RoleConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "check_overrides",
     "derive_seed",
     "register_recipe_configs",
     "to_recipe_config",
@@ -131,6 +137,7 @@ class PPOToyConfig:
             self._check_role(role, getattr(self, role))
         self.checkpoint = to_checkpoint_config(self.checkpoint)
         self._check_offload_aware_staging()
+        self._check_hf_export()
 
     def role(self, name: str) -> RoleConfig:
         return getattr(self, name)
@@ -198,6 +205,18 @@ class PPOToyConfig:
                     "between updates, never written in place)",
                 )
 
+    def _check_hf_export(self) -> None:
+        # Known before Ray starts: the export would fail after every commit (workers.py
+        # describes the critic's model as a value model, which the export refuses).
+        architectures = self.checkpoint.hf_export.architectures
+        if "critic" in architectures:
+            _fail(
+                "checkpoint.hf_export.architectures.critic",
+                architectures["critic"],
+                "the critic is a value model (no language-model head): it has no Hugging "
+                "Face export",
+            )
+
     def _check_role(self, name: str, role: RoleConfig) -> None:
         tp = role.tensor_parallel_size
         if role.world_size < 1:
@@ -232,11 +251,34 @@ class PPOToyConfig:
             _fail(f"{name}.epochs", role.epochs, "must be >= 1")
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse a command-line override (`key=value`, `+key=value`, `++key=value`, `~key`) of
+    a key the schema lacks, before Hydra composes; Hydra's own options, `hydra.*` keys and
+    group paths are Hydra's. Raises RecipeConfigError naming the key and the nearest known key."""
+    problems = []
+    for override in overrides:
+        if override.startswith("-") or ("=" not in override and not override.startswith("~")):
+            continue  # a Hydra option (--cfg job, -m) or an option's value
+        key = override.split("=", 1)[0].lstrip("~+").split("@", 1)[0]
+        if not key or key == "hydra" or key.startswith("hydra.") or "/" in key:
+            continue  # Hydra's own settings, and config groups by path (hydra/job_logging)
+        tree: Any = None
+        for part in reversed(key.split(".")):
+            tree = {part: tree}
+        problems.extend(unknown_keys(PPOToyConfig, tree))
+    if problems:
+        raise RecipeConfigError("; ".join(problems))
+
+
 def to_recipe_config(cfg: Any) -> PPOToyConfig:
     """Build the validated config from Hydra's composed config (types already checked)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    # Before the merge, which would drop a key Hydra appended (`+trainer.total_step=5`).
+    unknown = unknown_keys(PPOToyConfig, cfg)
+    if unknown:
+        raise RecipeConfigError("; ".join(unknown))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(PPOToyConfig), cfg)
         return OmegaConf.to_object(merged)

@@ -41,6 +41,12 @@ if not os.environ.get("RAY_ADDRESS"):
     # by the machine's reachable IP (resolve_ip_for_localhost) unless multi-node clusters are
     # off; the variable is read when ray is imported, and Ray's processes inherit it.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Token authentication, which a new local Ray turns on by itself, warning on every run
+    # that it did; named explicitly (Ray's documented switch), it is the same mode without
+    # the warning. Read when ray is imported: set later (this module imported by a process
+    # that imported ray already), Ray's cached mode and the variable would disagree.
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import hydra  # noqa: E402
 import ray  # noqa: E402
@@ -53,11 +59,13 @@ from recipes.ppo_config import (
     ROLES,
     PPOToyConfig,
     RecipeConfigError,
+    check_overrides,
     derive_seed,
     register_recipe_configs,
     to_recipe_config,
 )
 from recipes.ppo_math import gae, token_rewards, whiten
+from recipes.resume_plan import dropped_state, nothing_to_do
 from recipes.workers import (
     ActorWorker,
     CriticWorker,
@@ -163,6 +171,23 @@ def data_parallel_parts(results: list[dict[str, Any]], key: str) -> torch.Tensor
 def mean_loss(results: list[dict[str, Any]]) -> float:
     losses = {r["dp_rank"]: r["loss"] for r in results if r["tp_rank"] == 0}
     return sum(losses.values()) / len(losses)
+
+
+def describe_snapshot(stats: list[dict[str, Any]], in_background: bool) -> str:
+    """What the ranks' snapshot did with the state: copied (or the copy deferred), offloaded
+    optimizer state referenced without a copy (only when there was some), then written or
+    writing."""
+    if any(s["snapshot"] == "deferred" for s in stats):
+        parts = ["copy deferred to the background (the next optimizer step waits for it)"]
+    else:
+        parts = [f"{sum(s['bytes_staged'] for s in stats) / 1e6:.2f} MB copied"]
+    referenced = sum(s["bytes_zero_copy"] for s in stats)
+    if referenced:
+        parts.append(
+            f"{referenced / 1e6:.2f} MB of offloaded optimizer state referenced without a copy"
+        )
+    parts.append("writing in the background" if in_background else "written")
+    return ", ".join(parts[:-1]) + "; " + parts[-1]
 
 
 # ---- the trainer -------------------------------------------------------------------------
@@ -430,23 +455,14 @@ class PPOToyTrainer:
         blocking = max(s["blocking_s"] for s in stats)
         log.debug("step %d: per-rank save figures %s", step, stats)
         self._writes[step] = {}
-        deferred = any(s["snapshot"] == "deferred" for s in stats)
-        copied = (
-            "copy deferred to the background (the next optimizer step waits for it)"
-            if deferred
-            else f"{sum(s['bytes_staged'] for s in stats) / 1e6:.2f} MB copied"
-        )
         log.info(
             "step %d: checkpoint snapshot taken, ranks blocked %.3f s (slowest of %d), "
-            "driver %.3f s in all; %s, %.2f MB of offloaded optimizer state referenced "
-            "without a copy; %s",
+            "driver %.3f s in all; %s",
             step,
             blocking,
             len(stats),
             wall,
-            copied,
-            sum(s["bytes_zero_copy"] for s in stats) / 1e6,
-            "writing in the background" if self.cfg.checkpoint.writes_in_background else "written",
+            describe_snapshot(stats, self.cfg.checkpoint.writes_in_background),
         )
         return {"ckpt_blocking_s": blocking, "ckpt_save_wall_s": wall}
 
@@ -631,6 +647,26 @@ verl_ckpt.register_configs()
 register_recipe_configs()
 
 
+def before_ray(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> bool:
+    """What the start plan decides before Ray starts: True when there is nothing to do (the
+    root is released, one line said so); else a warning per part of the resume step's state
+    that this run does not load."""
+    done = nothing_to_do(start, cfg.trainer.total_steps)
+    if done is not None:
+        start.release()
+        log.info(
+            "step %d already reaches trainer.total_steps=%d: nothing to do (checkpoint root %s)",
+            done,
+            cfg.trainer.total_steps,
+            start.root,
+        )
+        return True
+    roles = {name: cfg.role(name).world_size for name in ROLES}
+    for line in dropped_state(start.resume_dir, roles, cfg.checkpoint.load_contents):
+        log.warning("%s", line)
+    return False
+
+
 @hydra.main(config_path="../configs", config_name="ppo_toy", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     try:
@@ -647,6 +683,8 @@ def main(dict_cfg: DictConfig) -> None:
             purpose="python -m recipes.ppo_toy",
             roles={name: cfg.role(name).world_size for name in ROLES},
         )
+        if before_ray(cfg, start):
+            return
     except verl_ckpt.CheckpointError as exc:
         print(f"ppo_toy: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -665,5 +703,16 @@ def main(dict_cfg: DictConfig) -> None:
         raise SystemExit(verl_ckpt.PREEMPTED_EXIT_STATUS)
 
 
+def refuse_unknown_overrides(argv: list[str]) -> None:
+    """Before Hydra composes: an override of a key the schema lacks is our one line and exit
+    status 2 (Hydra's own refusal is a five-line block, exit status 1, with no suggestion)."""
+    try:
+        check_overrides(argv)
+    except RecipeConfigError as exc:
+        print(f"ppo_toy: invalid config: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
+    refuse_unknown_overrides(sys.argv[1:])
     main()

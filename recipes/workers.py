@@ -100,6 +100,9 @@ class _RankWorker:
     """What actor and critic ranks share: process group, model, optimizer, checkpoints."""
 
     role = ""
+    # What the model's output layer gives (the model description saved with each step):
+    # next-token logits, or a critic's values (refused by the Hugging Face export).
+    head = "lm"
 
     def __init__(self, cfg: PPOToyConfig, rank: int) -> None:
         self.mc = _import_megatron()
@@ -176,7 +179,7 @@ class _RankWorker:
             shape, seed=derive_seed(self.cfg.trainer.seed, f"{self.role}_model")
         )
         self.optimizer = self.mc.make_adam(self.model, lr=self.role_cfg.lr)
-        self.model_spec = describe_gpt_model(self.model)
+        self.model_spec = describe_gpt_model(self.model, head=self.head)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -386,6 +389,7 @@ class CriticWorker(_RankWorker):
     """A value rank: a GPTModel whose logit channel 0 is the value of each prefix."""
 
     role = "critic"
+    head = "value"
 
     @torch.no_grad()
     def compute_values(self, tokens: torch.Tensor) -> dict[str, Any]:

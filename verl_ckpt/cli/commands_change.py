@@ -11,6 +11,7 @@ from pathlib import Path
 from verl_ckpt.cli.commands_read import step_rows
 from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, EXIT_USAGE, CliError, locked, pick_step
 from verl_ckpt.cli.output import human_bytes
+from verl_ckpt.hf.record import describe_context_length
 from verl_ckpt.protocol.errors import CheckpointConfigError, TrackerError
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.store.base import Store
@@ -144,7 +145,8 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
     else:
         print(
             f"exported step {step} role {args.role} ({summary.architecture}) to {summary.path}: "
-            f"{summary.files} files, {summary.bytes} bytes in {summary.seconds:.1f} s"
+            f"{summary.files} files, {summary.bytes} bytes in {summary.seconds:.1f} s; "
+            f"{describe_context_length(summary.context_length)}"
         )
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from pathlib import Path
 
 from verl_ckpt.commit.committer import Committer
@@ -234,6 +235,8 @@ def _was_restarted() -> bool:
     if not ray.is_initialized():
         return False
     try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's property reads its own deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
     except Exception:  # noqa: BLE001 - a driver or task, not an actor: tests and benchmarks
         return False

@@ -31,9 +31,10 @@ from verl_ckpt.hf.mapping import (
     get_mapping,
     known_architectures,
 )
-from verl_ckpt.hf.model_spec import MODEL_SPEC_FILENAME, read_model_spec
+from verl_ckpt.hf.model_spec import LM_HEAD, MODEL_SPEC_FILENAME, VALUE_HEAD, read_model_spec
 from verl_ckpt.hf.record import (
     ExportRecord,
+    describe_context_length,
     export_dir,
     read_export_record,
     verify_export,
@@ -71,6 +72,8 @@ class ExportSummary:
     seconds: float
     # True when a complete export that verified was there already (nothing written).
     existing: bool = False
+    # Positions the model was built for (n_positions of a GPT-2 export); None: unknown.
+    context_length: int | None = None
 
 
 def export_role(
@@ -90,7 +93,9 @@ def export_role(
     step = record.step
     role_dir = _committed_role_dir(step_path, role, record)
     spec = read_model_spec(role_dir)
+    _refuse_value_model(spec, role, role_dir)
     mapping = choose_mapping(spec, architecture, role_dir)
+    context = spec.get("max_sequence_length")
     target = Path(out_dir) if out_dir is not None else export_dir(step_path, role)
     existing = _existing_export(target, step, role)
     if existing is not None:
@@ -98,6 +103,7 @@ def export_role(
         return ExportSummary(
             step, role, existing.architecture, str(target), len(files),
             sum(f.size for f in files), time.perf_counter() - started, existing=True,
+            context_length=existing.context_length or context,
         )  # fmt: skip
     if out_dir is not None and target.exists() and any(target.iterdir()):
         raise CheckpointConfigError(
@@ -118,7 +124,7 @@ def export_role(
         files.append(_write_file(tmp, CONFIG_FILENAME, config))
         fsync_dir(tmp)
         # The record goes last: a directory holding it holds every file it names, durable.
-        write_export_record(tmp, ExportRecord(step, role, mapping.name, files))
+        write_export_record(tmp, ExportRecord(step, role, mapping.name, files, context))
         _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -126,10 +132,13 @@ def export_role(
     seconds = time.perf_counter() - started
     size = sum(f.size for f in files)
     logger.info(
-        "exported step %d role %s (%s) to %s: %d files, %d bytes in %.2f s",
+        "exported step %d role %s (%s) to %s: %d files, %d bytes in %.2f s; %s",
         step, role, mapping.name, target, len(files), size, seconds,
+        describe_context_length(context),
     )  # fmt: skip
-    return ExportSummary(step, role, mapping.name, str(target), len(files), size, seconds)
+    return ExportSummary(
+        step, role, mapping.name, str(target), len(files), size, seconds, context_length=context
+    )
 
 
 def choose_mapping(
@@ -191,6 +200,16 @@ def _committed_role_dir(step_path: Path, role: str, record: Any) -> Path:
     if problems:
         raise CommitRecordError("; ".join(problems))
     return step_path / role
+
+
+def _refuse_value_model(spec: dict[str, Any], role: str, role_dir: Path) -> None:
+    """A value model (a critic) has no language-model head: a causal-LM export of it would
+    load in transformers and produce meaningless next-token logits."""
+    if spec.get("head", LM_HEAD) == VALUE_HEAD:
+        raise CheckpointConfigError(
+            f"role {role} in {role_dir.parent} is a value model (no language-model head): "
+            "it has no Hugging Face export; export a language-model role such as the actor"
+        )
 
 
 def _existing_export(target: Path, step: int, role: str) -> ExportRecord | None:

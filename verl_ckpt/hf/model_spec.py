@@ -17,9 +17,12 @@ from verl_ckpt.protocol.errors import CheckpointError
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 
 __all__ = [
+    "HEADS",
+    "LM_HEAD",
     "MODEL_SPEC_FILENAME",
     "MODEL_SPEC_VERSION",
     "ModelSpecError",
+    "VALUE_HEAD",
     "describe_gpt_model",
     "encode_model_spec",
     "exports_role",
@@ -29,6 +32,12 @@ __all__ = [
 
 MODEL_SPEC_FILENAME = "verl_ckpt_model.json"
 MODEL_SPEC_VERSION = 1
+# What the model's output layer gives: next-token logits (a language model, what a Hugging
+# Face causal-LM export is), or values read off it (a critic: no language-model head). A
+# description without the field (written before it existed) is a language model's.
+LM_HEAD = "lm"
+VALUE_HEAD = "value"
+HEADS = (LM_HEAD, VALUE_HEAD)
 
 # TransformerConfig fields that decide how weights map to another framework's layout.
 _TRANSFORMER_FIELDS = (
@@ -62,9 +71,13 @@ def exports_role(config: CheckpointConfig, role: str) -> bool:
     return HF_MODEL in config.save_contents and role in config.hf_export.architectures
 
 
-def describe_gpt_model(model: Any) -> dict[str, Any]:
+def describe_gpt_model(model: Any, head: str = LM_HEAD) -> dict[str, Any]:
     """The description of a megatron-core GPTModel (or a wrapper holding one in `.module`)
-    that the Hugging Face export needs; pass it to `CheckpointManager.save(model_spec=...)`."""
+    that the Hugging Face export needs; pass it to `CheckpointManager.save(model_spec=...)`.
+    `head`: what its output layer gives, "lm" (next-token logits) or "value" (a critic's
+    values: the export refuses it)."""
+    if head not in HEADS:
+        raise ModelSpecError(f"head={head!r}: choose one of {', '.join(HEADS)}")
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
     config = model.config
@@ -79,6 +92,7 @@ def describe_gpt_model(model: Any) -> dict[str, Any]:
         "max_sequence_length": int(model.max_sequence_length),
         "position_embedding_type": str(model.position_embedding_type),
         "share_embeddings_and_output_weights": bool(model.share_embeddings_and_output_weights),
+        "head": head,
         "transformer": transformer,
     }
 

@@ -24,6 +24,7 @@ __all__ = [
     "EXPORT_FORMAT_VERSION",
     "EXPORT_RECORD_FILENAME",
     "ExportRecord",
+    "describe_context_length",
     "export_dir",
     "read_export_record",
     "verify_export",
@@ -43,9 +44,19 @@ class ExportRecord:
     role: str
     architecture: str
     files: list[FileEntry]
+    # Positions the model was built for (the model description's max_sequence_length;
+    # config.json's n_positions for GPT-2): generating past it fails. None: an older record.
+    context_length: int | None = None
     format_version: int = EXPORT_FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     exported_at: float = field(default_factory=time.time)
+
+
+def describe_context_length(positions: int | None) -> str:
+    """An export's context length as log lines say it."""
+    if positions is None:
+        return "context length unknown"
+    return f"context length {positions} tokens (n_positions; generating past it fails)"
 
 
 def export_dir(step_path: Path, role: str) -> Path:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_ckpt.hf.mapping import check_architecture
+from verl_ckpt.hf.record import describe_context_length
 from verl_ckpt.protocol.config import HF_MODEL, CheckpointConfig
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.store.layout import step_dir
@@ -176,7 +177,10 @@ class ExportQueue:
         else:
             outcome.state = "done"
             outcome.path = summary["path"]
-            outcome.message = f"{summary['files']} files, {summary['bytes']} bytes"
+            outcome.message = (
+                f"{summary['files']} files, {summary['bytes']} bytes; "
+                + describe_context_length(summary.get("context_length"))
+            )
             logger.info("%s", outcome.describe())
         outcome.seconds = time.monotonic() - started
 

@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_ckpt.protocol.config_keys import unknown_keys
 from verl_ckpt.protocol.errors import CheckpointConfigError
 
 __all__ = [
@@ -333,11 +334,16 @@ class CheckpointConfig:
 def to_checkpoint_config(cfg: Any) -> CheckpointConfig:
     """Build a validated CheckpointConfig from a dataclass, a dict or an OmegaConf node.
 
-    OmegaConf checks the types (a string where an integer belongs fails naming the key);
-    `__post_init__` then checks the values.
+    First every key is checked (config_keys.py): an unknown one is one line naming
+    `checkpoint.<key>` and the nearest known key; OmegaConf would drop a key Hydra appended
+    (`+checkpoint.<key>=...`) without a word. OmegaConf then checks the types (a string where
+    an integer belongs fails naming the key); `__post_init__` checks the values.
     """
     if isinstance(cfg, CheckpointConfig):
         return cfg
+    unknown = unknown_keys(CheckpointConfig, cfg, prefix="checkpoint.")
+    if unknown:
+        raise CheckpointConfigError("; ".join(unknown))
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
