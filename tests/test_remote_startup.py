@@ -326,3 +326,20 @@ def test_I5_cli_store_calls_on_a_url_end_at_the_timeout_option(own_s3_server, tm
     assert (code, out) == (1, "") and err.count("\n") == 1, err
     assert url in err and "did not answer within 2s" in err, err
     assert elapsed < 10, elapsed
+
+
+def test_a_restore_from_the_remote_tier_says_restored_not_an_interrupted_commit(
+    both, tmp_path, caplog
+):
+    """A fresh machine restores the remote tier's newest step: its log says so in one line,
+    naming the step and the URL. Before, it said "newer than the newest committed step of
+    <root> (None)" and then "its commit was interrupted before the tracker moved", for a
+    normal restore (issue 47)."""
+    _, tier = both
+    fresh = tmp_path / "fresh"
+    with caplog.at_level("INFO", logger="verl_ckpt"):
+        assert start({"root_dir": str(fresh), "remote": {"url": tier.url}}) == step_dir(fresh, 30)
+    assert read_tracker(fresh) == 30
+    text = caplog.text
+    assert "interrupted" not in text and "(None)" not in text, text
+    assert f"restored step 30 from the remote tier {tier.url}" in text, text

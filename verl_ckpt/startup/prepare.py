@@ -127,7 +127,7 @@ def _prepare_start(
     try:
         state = recover_root(root)
         if remote is not None and _fetched(config, remote, state):
-            state = recover_root(root)  # rolls the tracker forward to the downloaded step
+            state = read_root_state(root)  # the tracker names the downloaded step
         copies = RemoteCopiesForResume(config, remote, root) if remote is not None else None
         resume = settle_resume_step(config, state, choose_resume_dir, copies)
         if resume is not None and state.tracker != step_of_dir(resume):

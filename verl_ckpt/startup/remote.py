@@ -44,7 +44,7 @@ from verl_ckpt.store.fsspec_store import call_with_deadline, check_store, descri
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.recovery import RootState
 from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, find_rolled_back
-from verl_ckpt.store.tracker import tracker_or_none
+from verl_ckpt.store.tracker import tracker_or_none, write_tracker
 
 __all__ = [
     "RemoteCopiesForResume",
@@ -265,13 +265,17 @@ def fetch_newer_remote_step(
             f"checkpoint.remote.url {remote.store.url}: the download of step {remote.newest} "
             f"failed: {describe_store_error(exc)}"
         ) from None
-    logger.warning(
-        "step %d of the remote tier %s is newer than the newest committed step of %s (%s): "
-        "downloaded %d files, %d bytes in %.2f s, verified against its commit record",
+    # The tracker names the downloaded step now, so that recovery has nothing to roll
+    # forward (it would say "interrupted"): a restore is no interrupted commit.
+    write_tracker(state.root, summary.step)
+    newest_here = "none" if local is None else f"step {local}"
+    logger.info(
+        "restored step %d from the remote tier %s into %s (its newest committed step was %s): "
+        "%d files, %d bytes in %.2f s, verified against the commit record",
         remote.newest,
         remote.store.url,
         state.root,
-        local,
+        newest_here,
         summary.files,
         summary.bytes,
         summary.seconds,
