@@ -150,7 +150,11 @@ def _line_pattern(expected: str) -> re.Pattern:
 
 
 def _literal(text: str) -> str:
-    return r"\s+".join(re.escape(word) for word in re.split(r"\s+", text))
+    """Blanks inside match any blanks; blanks next to a `...` or a varying value, any or none."""
+    core = r"\s+".join(re.escape(word) for word in text.split())
+    if not core:
+        return r"\s*"
+    return (r"\s*" if text[0].isspace() else "") + core + (r"\s*" if text[-1].isspace() else "")
 
 
 def check_output(expected: str, output: str) -> str | None:
@@ -182,7 +186,8 @@ class Session:
     a file of its own, and its exit status comes back on bash's stdout."""
 
     def __init__(self, cwd: Path, scratch: Path, env: dict[str, str]) -> None:
-        self._scratch = scratch
+        self._scratch = scratch  # the session's own (its scripts and their output)
+        scratch.mkdir(parents=True, exist_ok=True)
         self._count = 0
         self._proc = subprocess.Popen(
             ["bash", "--norc", "--noprofile"],

@@ -87,6 +87,7 @@ class Reader:
     def _run_page(self, page: str) -> PageResult:
         result = PageResult()
         session = None
+        sessions = 0
         try:
             for block in parse_blocks(REPO_ROOT / page, page):
                 if block.mark == "skip":
@@ -102,7 +103,9 @@ class Reader:
                     result.failures += self._run_python(block)
                     continue
                 if session is None:
-                    session = Session(self.cwd, self.scratch, self.env)
+                    sessions += 1
+                    scratch = self.scratch / f"{page.replace('/', '_')}.{sessions}"
+                    session = Session(self.cwd, scratch, self.env)
                 problems = self._run_shell(session, block)
                 result.failures += problems
                 if any("session ended" in p or "stopped]" in p for p in problems):
