@@ -173,6 +173,8 @@ def reader(tmp_path_factory) -> Reader:
     return Reader(tmp_path_factory.mktemp("docs_examples"))
 
 
+# Slow: 8 recipe runs in all, 7.5 to 9.5 minutes on 2 loaded cores (start-up is most of each).
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page", PAGES)
 def test_documented_examples_run_as_written_in_reading_order(reader, page):
