@@ -22,6 +22,13 @@ of the output (a line may carry a log prefix); `...` stands for any text; runs o
 match any blanks; a number with a unit of time or size (`0.031 s`, `1m`, `931.0 KiB`,
 `0.96 MB`, `81383 bytes`, `0.24 GB/s`) and a `YYYYmmddTHHMMSS` stamp match any such value.
 Counts, steps and exit statuses are compared as written.
+
+A runner of our own, not Sybil or pytest-codeblocks: pytest-codeblocks runs each block in a
+shell of its own (no state between the blocks of a page), compares stdout exactly, and knows
+no console transcripts; Sybil would need custom parsers and evaluators for all three kinds
+(a bash session per page, transcripts, lenient output) plus collection hooks in conftest.py,
+and gives one test per block, which pytest-xdist may spread over workers although each block
+needs the state of the ones before it.
 """
 
 from __future__ import annotations
