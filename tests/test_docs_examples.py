@@ -31,6 +31,10 @@ from tests.docs_examples import (
     parse_blocks,
 )
 
+# The pages share one working directory, in order: one worker runs them all (pyproject's
+# `--dist loadgroup`), whatever else marks the module's tests.
+pytestmark = pytest.mark.xdist_group("docs examples")
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGES = [p.relative_to(REPO_ROOT).as_posix() for p in document_order(REPO_ROOT)]
 # One block: a recipe run takes about a minute on 2 loaded cores, the preemption block two.
