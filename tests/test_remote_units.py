@@ -400,3 +400,61 @@ def test_I1_the_finalizer_removes_another_remote_record_before_any_rank_uploads(
 
     asyncio.run(run())
     assert tier.read_bytes(f"global_step_2/{COMMIT_RECORD_FILENAME}") == local
+
+
+# ---- what the local tier's rules mean on a second store (found by review) -------------------
+
+
+class _PutAppliedThenFailed(FsspecStore):
+    """A fake for a fault that cannot be produced for real here: an object store's tracker
+    PUT that lands and is then reported as failed (a connection reset after the write, or a
+    call past its deadline whose thread goes on)."""
+
+    def put_bytes(self, rel, data, before_replace=None):
+        super().put_bytes(rel, data, before_replace)
+        if rel == TRACKER_FILENAME:
+            raise OSError(104, "Connection reset by peer")
+
+
+def test_I1_a_remote_tracker_put_that_failed_never_withdraws_the_record(tmp_path, caplog):
+    """Step 10: a failed remote tracker PUT may have landed, so the remote record stays (the
+    step is committed, and the tracker rolled forward at the next start). Before, the local
+    tier's rule withdrew it: the tracker named step 1 and step 1 had no record (I1)."""
+    root = tmp_path / "ckpt"
+    committed_step(root, 1)
+    store = _PutAppliedThenFailed(f"file://{tmp_path / 'remote'}")
+    summary = commit_remote_step(store, root, 1, (), 2, 60)
+    assert find_commit_record(store, 1) is not None
+    assert read_tracker(store) == 1 and summary.step == 1
+    assert "stays committed" in caplog.text
+
+
+def test_the_local_fault_phases_do_not_fire_on_the_remote_tier(tier, tmp_path, monkeypatch):
+    """`tracker` and `delete` are the local tier's phases (steps 6 and 7; the page gives the
+    remote steps 10 and 11 none): a drill of the local tier leaves the remote tier alone.
+    Before, both fired on the remote tier too (remote commits and retention failed)."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        committed_step(root, step)
+    monkeypatch.setenv("VERL_CKPT_FAULT", "tracker=raise,delete=raise")
+    for step in (1, 2):
+        assert commit_remote_step(tier, root, step, (), 2, 60).tracker == step
+    assert apply_retention(tier, keep=1).deleted == [1]
+    with pytest.raises(CheckpointError):  # the root's own tracker: the phase fires there
+        advance_tracker(root, 2)
+
+
+def test_the_finalizer_replaces_an_unreadable_remote_tracker_at_its_start(tier, tmp_path):
+    """The remote tier's recovery at a finalizer start replaces a damaged remote tracker
+    with the newest committed remote step (as before the store seam); a start-up of the
+    root never takes an unreadable tracker as none."""
+    from verl_ckpt.remote.finalizer_tier import RemoteTier
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 3)
+    commit_remote_step(tier, root, 3, (), 2, 60)
+    tier.put_bytes(TRACKER_FILENAME, b"garbage")
+    with pytest.raises(CheckpointError):
+        roll_tracker_forward(tier)
+    RemoteTier({"url": tier.url, "timeout_s": 60}, root, {"actor": 2}, lambda step: None)
+    assert read_tracker(tier) == 3

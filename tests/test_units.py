@@ -503,3 +503,26 @@ def test_I1_I3_one_commit_record_tracker_and_retention_on_every_store(tmp_path, 
     state = read_root_state(store)
     assert state.committed == (2, 3) and state.uncommitted == (4,) and state.tracker == 2
     assert read_commit_record(store, 3).step == 3
+
+
+def test_a_publish_whose_disk_fills_up_leaves_no_temporary_file(tmp_path):
+    """A file copied into a local store (a pull, a file:// tier) whose disk fills up is
+    discarded whole: its temporary file goes too, even though closing it fails again (the
+    buffered bytes cannot be flushed either). A real EFBIG, from RLIMIT_FSIZE in a process of
+    its own. Found by review: before, the failing close skipped the unlink."""
+    script = f"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+from verl_ckpt.store.local import LocalStore
+publisher = LocalStore({str(tmp_path)!r}).open_publish("a/f.bin", 1 << 16, 1 << 10)
+try:
+    for _ in range(64):
+        publisher.write(b"x" * 1000)
+except OSError:
+    publisher.discard()
+else:
+    raise SystemExit("the limit was not hit")
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []

@@ -88,7 +88,9 @@ class RemoteTier:
         # that does not answer now does not stop the local tier (start-up checked it).
         try:
             self._tracker = call_with_deadline(
-                lambda: roll_tracker_forward(self._store), min(60.0, self._timeout_s), self.url
+                lambda: roll_tracker_forward(self._store, replace_unreadable=True),
+                min(60.0, self._timeout_s),
+                self.url,
             )
         except Exception as exc:  # noqa: BLE001 - logged; the next remote commit retries
             logger.error("remote tier %s: recovery failed: %s", self.url, describe_store_error(exc))

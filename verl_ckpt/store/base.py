@@ -65,6 +65,15 @@ class Store(ABC):
     #: Whether `retire_step` takes a step out of the namespace at once (a rename) and
     #: rollback can archive steps instead of deleting them.
     can_rename: bool = False
+    #: Whether a `put_bytes` that raised (other than RenameNotDurable) certainly left the old
+    #: content: a local rename that did not happen. An object store's PUT that raised may
+    #: still land (a timed-out call goes on in its thread; a PUT applied, then reported as
+    #: failed), so a failure there proves nothing.
+    failed_put_left_old: bool = False
+    #: Whether the local tier's fault phases (`tracker`, `delete`, `rollback`; protocol
+    #: page) fire on this store. The root's own store only: the remote tier's steps 10 and
+    #: 11 have none, so that a drill of the local tier never breaks the remote one.
+    fault_hooks: bool = False
 
     def uri(self, *parts: str) -> str:
         """The path or URL of `parts` under the root, for messages."""

@@ -31,6 +31,8 @@ class LocalStore(Store):
     """The directory `root` (which may not exist yet: then it holds nothing)."""
 
     can_rename = True
+    failed_put_left_old = True
+    fault_hooks = True
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -176,5 +178,9 @@ class _RenamedIntoPlace(Publisher):
             raise
 
     def discard(self) -> None:
-        self._file.close()
-        self._tmp.unlink(missing_ok=True)
+        try:
+            self._file.close()  # flushes again: a full disk raises here once more
+        except OSError:
+            pass
+        finally:
+            self._tmp.unlink(missing_ok=True)

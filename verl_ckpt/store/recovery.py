@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verl_ckpt.protocol.errors import TrackerError
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.commit_record import newest_committed, read_step_states
 from verl_ckpt.store.layout import TRACKER_FILENAME
@@ -79,12 +80,20 @@ def read_root_state(where: Where) -> RootState:
     )
 
 
-def roll_tracker_forward(where: Where) -> int | None:
+def roll_tracker_forward(where: Where, replace_unreadable: bool = False) -> int | None:
     """Point the tracker at the newest committed step when it names an older one (or none):
     a commit interrupted between its record and the tracker. Deletes nothing. Returns what
-    the tracker names. An unreadable tracker raises TrackerError (never taken as none)."""
+    the tracker names. An unreadable tracker raises TrackerError (a start never takes it as
+    none), unless `replace_unreadable` (the finalizer's remote tier, which replaces one
+    damaged while jobs run, as its next commit would)."""
     store = as_store(where)
-    tracker = read_tracker(store)
+    try:
+        tracker = read_tracker(store)
+    except TrackerError as exc:
+        if not replace_unreadable:
+            raise
+        logger.warning("unreadable tracker (replaced now): %s", exc)
+        tracker = None
     newest = newest_committed(store)
     if newest is None or (tracker is not None and tracker >= newest[0]):
         return tracker

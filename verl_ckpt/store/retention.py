@@ -56,7 +56,8 @@ def delete_step(where: Where, step: int | None = None) -> None:
     doomed = store.retire_step(step_of_dir(rel))
     if doomed is None:
         return  # a link to a step elsewhere: only the link was the store's
-    faults.inject(Phase.RETENTION)
+    if store.fault_hooks:
+        faults.inject(Phase.RETENTION)
     store.remove(f"{doomed}/{COMMIT_RECORD_FILENAME}")
     store.remove_tree(doomed)
 

@@ -94,10 +94,11 @@ def write_tracker(where: Where, step: int) -> None:
     rename, directory fsync; one PUT on an object store)."""
     if step < 0:
         raise ValueError(f"tracker step must be >= 0, got {step}")
-    as_store(where).put_bytes(
+    store = as_store(where)
+    store.put_bytes(
         TRACKER_FILENAME,
         f"{step}\n".encode("ascii"),
-        before_replace=lambda: faults.inject(Phase.TRACKER),
+        before_replace=(lambda: faults.inject(Phase.TRACKER)) if store.fault_hooks else None,
     )
 
 
@@ -119,7 +120,11 @@ def advance_tracker(where: Where, step: int) -> int | None:
 
     A failure before the tracker's rename withdraws the commit record, so that the store and
     the reported failure agree (unlinking needs no free space). After the rename nothing
-    un-commits the step: a failed directory fsync there is only logged.
+    un-commits the step: a failed directory fsync there is only logged. Where a failed write
+    proves nothing (an object store's PUT may still land: `Store.failed_put_left_old`), the
+    record stays: withdrawn under a tracker that did move, it would leave the tracker naming
+    a step without a record (I1); the step stays committed and the tracker is rolled forward
+    to it at the next start.
     """
     store = as_store(where)
     current = tracker_or_none(store)
@@ -132,11 +137,11 @@ def advance_tracker(where: Where, step: int) -> int | None:
             "tracker of %s moved to step %d, but not made durable: %s", store.url, step, exc
         )
     except Exception as exc:
-        if withdraw_record(store, step):
+        if store.failed_put_left_old and withdraw_record(store, step):
             raise CommitPhaseError(Phase.TRACKER, exc) from exc
         logger.error(
-            "the tracker of %s could not move to step %d (%s), and its commit record could not "
-            "be withdrawn: the step stays committed and the tracker is rolled forward to it at "
+            "the tracker of %s could not move to step %d (%s), and its commit record was not "
+            "withdrawn: the step stays committed and the tracker is rolled forward to it at "
             "the next start",
             store.url,
             step,
