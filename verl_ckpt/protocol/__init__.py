@@ -106,7 +106,9 @@ not made durable (its directory's fsync failed), or a tracker write that failed 
 rename (6). Where even the withdrawal fails, the step stays committed. After the tracker's
 rename nothing un-commits a step; retention (7) never deletes the tracker's target, a step
 in flight, or anything at start-up. The remote tier (8-11, verl_ckpt/remote/) repeats this
-after the local commit and never delays it: record last, then tracker, never backwards.
+after the local commit and never delays it: record last, then tracker, never backwards;
+there a failed tracker PUT never withdraws the record (it may have landed), and the
+local tier's fault phases do not fire.
 """
 
 from verl_ckpt.protocol.deadlines import RPC_SLACK_S, call_deadline, deadline_in, time_left
