@@ -1,13 +1,14 @@
 """Every shell and Python example of README.md and docs/*.md runs, in the order a reader meets
-them (README first, then the pages in the order the README links them), from one clean
+them (README first, then the pages in the order of its list "Documentation"), from one clean
 working directory, and prints what the page shows. How a page marks its blocks and how
 output is matched: tests/docs_examples.py.
 
 A reader's state carries over: files (checkpoint roots) from page to page, shell variables
-and background jobs within a page. Each page is a test of its own; one selected alone first
-replays the pages before it (without judging them), so that it finds the state it is written
-for. `python` is this interpreter and `verl-ckpt` its console script; PYTHONPATH points at
-this checkout, so the recipe and the command run its code."""
+and background jobs within a page. So the pages are one test, which runs them all in one
+worker (not one test per page: pytest-xdist 3.8's `--dist loadgroup` was seen spreading the
+tests of one `xdist_group` over both workers). `python` is this interpreter and `verl-ckpt`
+its console script; PYTHONPATH points at this checkout, so the recipe and the command run its
+code."""
 
 from __future__ import annotations
 
@@ -30,10 +31,6 @@ from tests.docs_examples import (
     document_order,
     parse_blocks,
 )
-
-# The pages share one working directory, in order: one worker runs them all (pyproject's
-# `--dist loadgroup`), whatever else marks the module's tests.
-pytestmark = pytest.mark.xdist_group("docs examples")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGES = [p.relative_to(REPO_ROOT).as_posix() for p in document_order(REPO_ROOT)]
@@ -79,16 +76,8 @@ class Reader:
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray on 127.0.0.1 only (conftest)
         env.setdefault("RAY_worker_niceness", "0")
         self.env = env
-        self.results: dict[str, PageResult] = {}
 
-    def read_up_to(self, page: str) -> PageResult:
-        """Runs the pages before `page` not run yet, then `page`."""
-        for earlier in PAGES[: PAGES.index(page) + 1]:
-            if earlier not in self.results:
-                self.results[earlier] = self._run_page(earlier)
-        return self.results[page]
-
-    def _run_page(self, page: str) -> PageResult:
+    def run_page(self, page: str) -> PageResult:
         result = PageResult()
         session = None
         sessions = 0
@@ -172,20 +161,18 @@ def _judge(where: str, command: str, status: int, output: str, expected: str) ->
     return [f"{where}: {why}\n  command: {head}\n  output (end):\n{output[-3000:]}"]
 
 
-@pytest.fixture(scope="module")
-def reader(tmp_path_factory) -> Reader:
-    return Reader(tmp_path_factory.mktemp("docs_examples"))
-
-
 # 8 recipe runs in all: 4 minutes on 2 idle cores, 7.5 to 13 minutes on 2 cores shared with
 # other jobs (start-up is most of each run). Not `slow`: the README's own examples are checked
 # by every run of the suite.
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("page", PAGES)
-def test_documented_examples_run_as_written_in_reading_order(reader, page):
-    result = reader.read_up_to(page)
-    print(result.summary(page))
-    assert not result.failures, "\n\n".join(result.failures)
+def test_documented_examples_run_as_written_in_reading_order(tmp_path):
+    reader = Reader(tmp_path)
+    failures = []
+    for page in PAGES:
+        result = reader.run_page(page)
+        print(result.summary(page))
+        failures += result.failures
+    assert not failures, "\n\n".join(failures)
 
 
 def test_every_page_of_docs_is_linked_from_the_readme_so_its_examples_run():
