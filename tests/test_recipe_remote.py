@@ -60,7 +60,7 @@ def test_I1_I4_a_run_resumes_from_the_remote_tier_after_its_local_root_is_lost(
             env=env,
         )
     )
-    assert f"step 6 of the remote tier {url} is newer" in second
+    assert f"restored step 6 from the remote tier {url}" in second
     assert f"resumed from {step_dir(root, 6)} (step 6)" in second
     run2 = read_metrics(tmp_path / "run2" / "metrics.jsonl")
     ref = uninterrupted()

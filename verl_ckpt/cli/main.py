@@ -26,7 +26,7 @@ from typing import Any
 from verl_ckpt.cli.commands_change import cmd_export, cmd_prune, cmd_pull, cmd_rollback
 from verl_ckpt.cli.commands_read import cmd_inspect, cmd_ls, cmd_verify
 from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, EXIT_USAGE, CliError, open_root
-from verl_ckpt.protocol.errors import CheckpointError
+from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
 
@@ -305,6 +305,8 @@ def _run(handler: _Handler, store: Store, args: argparse.Namespace) -> int:
 
     try:
         return handler(store, args)
+    except CommitTimeoutError as exc:  # a store call past --timeout: it names the object
+        raise CliError(describe_store_error(exc), EXIT_BAD_CHECKPOINT) from None
     except (CliError, CheckpointError, BrokenPipeError):
         raise  # they name what failed (a store call past --timeout names the object)
     except Exception as exc:  # noqa: BLE001 - a store error: one line naming the URL
