@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl_ckpt import CheckpointConfig, to_checkpoint_config, unknown_keys
+from verl_ckpt.protocol.config_keys import build_config
 
 __all__ = [
     "ROLES",
@@ -272,18 +273,8 @@ def check_overrides(overrides: list[str]) -> None:
 
 def to_recipe_config(cfg: Any) -> PPOToyConfig:
     """Build the validated config from Hydra's composed config (types already checked)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    # Before the merge, which would drop a key Hydra appended (`+trainer.total_step=5`).
-    unknown = unknown_keys(PPOToyConfig, cfg)
-    if unknown:
-        raise RecipeConfigError("; ".join(unknown))
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(PPOToyConfig), cfg)
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise RecipeConfigError(f"invalid config: {exc}") from None
+    # Unknown keys before the merge, which would drop a key Hydra appended (+trainer.x=5).
+    return build_config(PPOToyConfig, cfg, RecipeConfigError)
 
 
 def register_recipe_configs() -> None:

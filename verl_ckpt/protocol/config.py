@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl_ckpt.protocol.config_keys import unknown_keys
+from verl_ckpt.protocol.config_keys import build_config
 from verl_ckpt.protocol.errors import CheckpointConfigError
 
 __all__ = [
@@ -341,18 +341,9 @@ def to_checkpoint_config(cfg: Any) -> CheckpointConfig:
     """
     if isinstance(cfg, CheckpointConfig):
         return cfg
-    unknown = unknown_keys(CheckpointConfig, cfg, prefix="checkpoint.")
-    if unknown:
-        raise CheckpointConfigError("; ".join(unknown))
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(CheckpointConfig), cfg)
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        # The message of OmegaConf names the full key and the offending value.
-        raise CheckpointConfigError(f"invalid checkpoint config: {exc}") from None
+    return build_config(
+        CheckpointConfig, cfg, CheckpointConfigError, "checkpoint.", "checkpoint config"
+    )
 
 
 def register_configs() -> None:

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["unknown_keys"]
+__all__ = ["build_config", "unknown_keys"]
 
 # How close a known key must be to be offered (difflib's ratio): a sibling of the unknown
 # key, else any key of the schema whose last part is closer still (`writer.threads` for
@@ -104,3 +104,23 @@ def _nearest(path: tuple[str, ...], known: list[tuple[str, ...]]) -> tuple[str, 
         by_last.setdefault(p[-1], p)  # the first of that name, in the schema's field order
     match = difflib.get_close_matches(last, list(by_last), n=1, cutoff=_ANYWHERE_CUTOFF)
     return by_last[match[0]] if match else None
+
+
+def build_config(
+    schema: type, cfg: Any, error: type[Exception], prefix: str = "", what: str = "config"
+) -> Any:
+    """The validated dataclass `schema` built from `cfg` (a mapping or an OmegaConf node):
+    unknown keys first (before the merge, which would drop a key Hydra appended), each named
+    with `prefix` and the nearest known key; then OmegaConf checks the types (its message
+    names the full key and the value) and `__post_init__` the values. Every problem is one
+    `error` naming the key."""
+    unknown = unknown_keys(schema, cfg, prefix)
+    if unknown:
+        raise error("; ".join(unknown))
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
+    except OmegaConfBaseException as exc:
+        raise error(f"invalid {what}: {exc}") from None
