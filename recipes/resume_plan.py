@@ -69,13 +69,16 @@ def dropped_state(
 
 
 def _saved_parts(role_dir: Path) -> set[str]:
-    """The parts (model, optimizer, extra) whose keys the role's `.metadata` holds. An
-    unreadable one names none: the ranks' load() then fails on it, naming the file."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The parts (model, optimizer, extra) whose keys the role's `.metadata` holds. A
+    damaged one names none: the ranks' load() then fails on it, naming the file. One that
+    asks for more than DCP's metadata is refused here, before Ray starts."""
+    from verl_ckpt.format.safe_load import load_dcp_metadata
 
     try:
-        keys = FileSystemReader(str(role_dir)).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - unpickling raises anything on a damaged file
+        keys = load_dcp_metadata(role_dir / ".metadata").state_dict_metadata
+    except verl_ckpt.UnsafeCheckpointError:
+        raise
+    except (verl_ckpt.CheckpointError, OSError):
         return set()
     parts = set()
     for key in keys:

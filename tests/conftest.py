@@ -162,6 +162,7 @@ RECIPE_RUN_MODULES = {
     "test_recipe_preemption",
     "test_recipe_remote",
     "test_recipe_resume_check",
+    "test_untrusted_pickles",
 }
 RECIPE_RUNS_GROUP = "recipe runs"
 

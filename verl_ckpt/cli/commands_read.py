@@ -211,7 +211,10 @@ def cmd_inspect(store: Store, args: argparse.Namespace) -> int:
     record = read_commit_record(store, step)
     roles = sorted(role for role in record.participants if role != DRIVER_ROLE)
     with _role_metadata(store, step, record, roles) as directory:
-        entries = {role: _role_entries(directory / role) for role in roles}
+        entries = {
+            role: _role_entries(directory / role, store.uri(store.step_rel(step, role)))
+            for role in roles
+        }
     inspection_output(store.url, store.uri(store.step_rel(step)), record, entries, args.json)
     return 0
 
@@ -242,13 +245,15 @@ def _role_metadata(
         yield Path(tmp) / f"global_step_{step}"
 
 
-def _role_entries(role_dir: Path) -> list[TensorEntry]:
+def _role_entries(role_dir: Path, shown_dir: str) -> list[TensorEntry]:
+    """The role's entries; `shown_dir`: the role's directory as the user names it (a local
+    path, or a URL whose `.metadata` was downloaded into `role_dir`)."""
+    shown = f"{shown_dir}/.metadata"
     try:
-        return read_role_entries(role_dir)
+        return read_role_entries(role_dir, shown)
     except FileNotFoundError:
-        raise CliError(f"{role_dir / '.metadata'} is missing", EXIT_BAD_CHECKPOINT) from None
-    except Exception as exc:  # noqa: BLE001 - `.metadata` is a pickle: damage raises anything
-        raise CliError(
-            f"{role_dir / '.metadata'} is unreadable: {type(exc).__name__}: {exc}",
-            EXIT_BAD_CHECKPOINT,
-        ) from None
+        raise CliError(f"{shown} is missing", EXIT_BAD_CHECKPOINT) from None
+    except CheckpointError as exc:  # damaged, or refused unread: the message names the file
+        raise CliError(str(exc), EXIT_BAD_CHECKPOINT) from None
+    except OSError as exc:
+        raise CliError(f"{shown} is unreadable: {exc}", EXIT_BAD_CHECKPOINT) from None

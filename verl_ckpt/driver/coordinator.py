@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from verl_ckpt.commit.client import FinalizerClient, check_shared_root, start_finalizer
 from verl_ckpt.commit.participant import ParticipantLink, new_save_id
 from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.format.safe_load import load_state_file, safe_state_bytes
 from verl_ckpt.hf.scheduler import plan_exports
 from verl_ckpt.protocol import Phase
 from verl_ckpt.protocol.config import CheckpointConfig, to_checkpoint_config
@@ -117,7 +117,10 @@ class CheckpointCoordinator:
         report = self._link.new_report(step, save_id)
         path = directory / DRIVER_STATE_FILENAME
         try:
-            written = write_checksummed(path, lambda stream: torch.save(state, stream))
+            # Checked to load back with weights_only=True (load_driver_state) now: a state
+            # that could not be resumed fails its own save, not the resume that needs it.
+            data = safe_state_bytes(state, f"the driver state of step {step}")
+            written = write_checksummed(path, lambda stream: stream.write(data))
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
         except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
             report.failure = self._link.failure(Phase.WRITE, exc)
@@ -128,13 +131,16 @@ class CheckpointCoordinator:
             )
 
     def load_driver_state(self, step_path: str | Path) -> dict[str, Any]:
+        """The driver's state of the committed step `step_path`, loaded with nothing of it
+        run (weights_only=True): a file that asks for more is refused in one line naming it
+        (UnsafeCheckpointError)."""
         path = Path(step_path)
         record = read_commit_record(path)
         if self.config.verify_checksums_on_load:
             problems = verify_files(path, record, prefix=DRIVER_STATE_FILENAME)
             if problems:
                 raise CommitRecordError(f"{path} failed verification: " + "; ".join(problems))
-        return torch.load(path / DRIVER_STATE_FILENAME, weights_only=False)
+        return load_state_file(path / DRIVER_STATE_FILENAME)
 
     def wait_for_commit(self, step: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Block until `step` committed; raise naming missing participants or failures."""

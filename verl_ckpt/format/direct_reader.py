@@ -10,7 +10,9 @@ reads the bytes straight into the destination when it is contiguous host memory,
 (a GPU tensor, a strided view) into host memory of the tensor's size, then copied into it:
 one copy after the read where DCP's path makes two. Anything else (a narrower read when
 resharding, another dtype, another pickle: a saved view, a tensor saved with its grad flag)
-goes through DCP's own path, unchanged. Depends on torch and torch_format only.
+goes through DCP's own path, unchanged; nothing from the checkpoint is unpickled with the
+full unpickler (safe_reader.SafeFileSystemReader, whose `.metadata` and byte items this
+reader reads). Depends on torch, torch_format and safe_reader only.
 
 How the bytes are read: a file's blobs are read in file order, and a run of consecutive
 blobs that have exactly the length of verl_ckpt's blob for their tensor (torch_format's
@@ -36,7 +38,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -45,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from verl_ckpt.format.safe_reader import SafeFileSystemReader
 from verl_ckpt.format.torch_format import BlobLayout, whole_tensor_blob_layout
 
 __all__ = ["DirectFileSystemReader"]
@@ -60,7 +62,7 @@ _LOCAL_SIG = 0x04034B50
 _ZIP64 = 0xFFFFFFFF
 
 
-class DirectFileSystemReader(FileSystemReader):
+class DirectFileSystemReader(SafeFileSystemReader):
     """FileSystemReader that reads whole saved tensors straight into their destination."""
 
     def __init__(self, path: str | os.PathLike) -> None:

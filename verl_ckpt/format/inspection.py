@@ -94,17 +94,20 @@ def scan_steps(root: Path) -> list[StepInfo]:
     return found
 
 
-def read_role_entries(role_dir: Path) -> list[TensorEntry]:
-    """The entries of the torch_dist directory `role_dir`, read from its DCP `.metadata`.
+def read_role_entries(role_dir: Path, shown: str | None = None) -> list[TensorEntry]:
+    """The entries of the torch_dist directory `role_dir`, read from its DCP `.metadata`
+    (named `shown` in errors, default its path: a downloaded copy is named by its URL).
 
     Tensor sizes are logical (numel x element size); pickled objects count the bytes stored.
-    Raises OSError or whatever unpickling raises when `.metadata` is missing or damaged.
+    Raises OSError when `.metadata` is missing, CheckpointError when it is damaged, and
+    UnsafeCheckpointError when it holds more than DCP's metadata (nothing of it is run).
     """
     # Imported here: torch costs seconds to import and only `inspect` needs it.
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(role_dir)).read_metadata()
+    from verl_ckpt.format.safe_load import load_dcp_metadata
+
+    metadata = load_dcp_metadata(role_dir / ".metadata", shown)
     stored: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
         stored[index.fqn] = stored.get(index.fqn, 0) + info.length

@@ -37,6 +37,10 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies import state_dict_saver
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.common import (
+    COMMON_STATE_FNAME,
+    TorchCommonLoadStrategy,
+)
 from megatron.core.dist_checkpointing.strategies.filesystem_async import (
     FileSystemWriterAsync,
     _split_by_size_and_type,
@@ -48,13 +52,17 @@ from megatron.core.dist_checkpointing.validation import (
     _validate_objects_for_key,
     _validate_sharding_for_key,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from verl_ckpt.format.load_stats import PhaseClock
+from verl_ckpt.format.safe_load import load_state_file
+from verl_ckpt.format.safe_reader import checkpoint_error_in
 from verl_ckpt.format.structure import Structure
 from verl_ckpt.format.torch_dist_dir import BACKEND, CHECKPOINTING_CONFIG
+from verl_ckpt.protocol.errors import CheckpointError
 
 __all__ = [
     "BACKEND",
@@ -386,6 +394,19 @@ class _LocalLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         return loaded
 
 
+class _SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+    """megatron-core's common.pt load, with `weights_only=True` explicitly: megatron-core
+    relies on torch's default, which TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns off, and its
+    refusal would be a traceback rather than one line naming the file."""
+
+    def load_common(self, checkpoint_dir: str | Path) -> dict:
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        try:
+            return load_state_file(path, map_location="cpu")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing") from None
+
+
 def _whole_chunk_targets(pyt_state_dict: dict, metadata: Any) -> dict[MetadataIndex, torch.Tensor]:
     """The tensors of a load whose every local chunk is a saved chunk, whole, of a tensor of
     the same global shape (megatron-core's own shape check, which DCP's path runs, would
@@ -424,11 +445,18 @@ def _dcp_load_locally(state_dict: dict, reader: Any, planner: Any) -> None:
     from torch.distributed.checkpoint import state_dict_loader
 
     load = getattr(state_dict_loader, "_load_state_dict", None)
-    if load is None:
-        state_dict_loader.load_state_dict(state_dict, reader, no_dist=True, planner=planner)
-        return
-    reader.reset()
-    load(state_dict, reader, no_dist=True, planner=planner)
+    try:
+        if load is None:
+            state_dict_loader.load_state_dict(state_dict, reader, no_dist=True, planner=planner)
+            return
+        reader.reset()
+        load(state_dict, reader, no_dist=True, planner=planner)
+    except CheckpointException as exc:
+        # DCP wraps what its reader raised; ours (a refused byte item) names the file alone.
+        cause = checkpoint_error_in(exc)
+        if cause is None:
+            raise
+        raise cause from None
 
 
 def _local_chunks(fqn: str, value: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
@@ -466,6 +494,7 @@ def load_role_dir(
         sharded_state_dict,
         str(checkpoint_dir),
         sharded_strategy=strategy,
+        common_strategy=_SafeCommonLoadStrategy(),
         validate_access_integrity=False,
     )
     strategy.clock.mark("megatron-core: after the strategy")

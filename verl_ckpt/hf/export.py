@@ -231,10 +231,11 @@ def _existing_export(target: Path, step: int, role: str) -> ExportRecord | None:
 
 def _model_tensors(role_dir: Path) -> dict[str, Any]:
     """Key -> DCP tensor metadata of every model tensor of the role's directory."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(role_dir)).read_metadata()
+    from verl_ckpt.format.safe_load import load_dcp_metadata
+
+    metadata = load_dcp_metadata(role_dir / ".metadata")
     tensors = {
         key: meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -316,16 +317,20 @@ def _read_global_tensor(role_dir: Path, key: str, meta: Any) -> torch.Tensor:
     """One tensor of the torch_dist directory, whole: DCP assembles it from every rank's
     shards (no process group: `no_dist`)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from verl_ckpt.format.safe_reader import SafeFileSystemReader, checkpoint_error_in
 
     target = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(target, storage_reader=FileSystemReader(str(role_dir)), no_dist=True)
+            dcp.load(target, storage_reader=SafeFileSystemReader(str(role_dir)), no_dist=True)
         except CheckpointException as exc:
+            cause = checkpoint_error_in(exc)  # a refused or damaged `.metadata`: its own line
+            if cause is not None:
+                raise cause from None
             # A BaseException in torch: past every `except Exception` (the export queue's
             # worker among them) it would end the caller with a traceback.
             detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

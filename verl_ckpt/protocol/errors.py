@@ -18,6 +18,7 @@ __all__ = [
     "RootLockedError",
     "StepNotCommittedError",
     "TrackerError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -66,3 +67,9 @@ class ResumeVerificationError(CommitRecordError):
 class PreemptionError(CheckpointError):
     """An out-of-schedule save on preemption did not commit within
     `checkpoint.preemption.grace_s`; names who is missing. The previous committed step stays."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would run code, or build objects that verl_ckpt never saves, if it
+    were unpickled: it is refused unread. Names the file and what it asked for. Whoever can
+    write a root or a bucket can plant such a file; nothing from a checkpoint is trusted."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, UnsafeCheckpointError
 from verl_ckpt.store.commit_record import CommitRecord, read_commit_record
 
 __all__ = [
@@ -58,13 +58,16 @@ def check_resume_fits(path: Path, roles: Mapping[str, int], load_contents: Itera
 
 def _holds_extra_state(role_dir: Path) -> bool:
     # Imported here: only a start with a changed rank count reads a `.metadata`.
-    from torch.distributed.checkpoint import FileSystemReader
+    from verl_ckpt.format.safe_load import load_dcp_metadata
 
+    path = role_dir / ".metadata"
     try:
-        keys = FileSystemReader(str(role_dir)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - unpickling raises anything on a damaged file
-        raise CommitRecordError(
-            f"{role_dir / '.metadata'} is unreadable: {type(exc).__name__}: {exc}"
-        ) from None
+        keys = load_dcp_metadata(path).state_dict_metadata
+    except UnsafeCheckpointError:
+        raise  # names the file and what it asked for
+    except CheckpointError as exc:  # damaged: the message names the file
+        raise CommitRecordError(str(exc)) from None
+    except OSError as exc:
+        raise CommitRecordError(f"{path} is unreadable: {type(exc).__name__}: {exc}") from None
     # megatron-core names each rank's object "<key>/shard_<rank>_<ranks>".
     return any(key.startswith(EXTRA_STATE_KEY + "/") for key in keys)
