@@ -16,6 +16,7 @@ __all__ = [
     "ResumeConflictError",
     "ResumeVerificationError",
     "RootLockedError",
+    "SignatureError",
     "StepNotCommittedError",
     "TrackerError",
 ]
@@ -66,3 +67,9 @@ class ResumeVerificationError(CommitRecordError):
 class PreemptionError(CheckpointError):
     """An out-of-schedule save on preemption did not commit within
     `checkpoint.preemption.grace_s`; names who is missing. The previous committed step stays."""
+
+
+class SignatureError(CommitRecordError):
+    """With `checkpoint.signing` configured, a step's commit record is unsigned or signed
+    with a key not accepted: the step is refused before any other file of it is read. Names
+    the step and the record, never a key or a MAC (store/signing.py)."""
