@@ -48,9 +48,9 @@ def _prune(store: Store, args: argparse.Namespace) -> int:
     except TrackerError as exc:
         # Without the tracker we cannot know which step a resume would load (I3).
         raise CliError(f"{exc}; refusing to prune", EXIT_BAD_CHECKPOINT) from None
-    rows = step_rows(store)
+    rows = step_rows(store, args.keyring)
     # Retention itself (store/retention.py), as a job's finalizer runs it after a commit.
-    outcome = apply_retention(store, args.keep, dry_run=args.dry_run)
+    outcome = apply_retention(store, args.keep, dry_run=args.dry_run, keyring=args.keyring)
     verb = "would delete" if args.dry_run else "deleted"
     for row in rows:
         where = store.uri(store.step_rel(row.step))
@@ -82,7 +82,7 @@ def cmd_rollback(store: Store, args: argparse.Namespace) -> int:
     with locked(store, "verl-ckpt rollback"):
         pick_step(store, args.to)  # a step the user typed and that is not there: exit 2
         pending = read_rollback_intent(store)
-        intent = plan_rollback(store, args.to, delete=args.delete)
+        intent = plan_rollback(store, args.to, delete=args.delete, keyring=args.keyring)
         if pending is not None:
             logger.warning(
                 "completing the interrupted rollback to step %d (%s)",
@@ -157,7 +157,7 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
     if args.step is not None:
         step = pick_step(store, args.step)  # a step the user typed and that is not there: exit 2
     else:
-        newest = newest_committed(store)
+        newest = newest_committed(store, args.keyring)
         if newest is None:
             raise CliError(f"{store.url} holds no committed step", EXIT_BAD_CHECKPOINT)
         step = newest[0]
@@ -165,7 +165,7 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     destination = LocalStore(root)
     with locked(destination, "verl-ckpt pull"):
-        summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S)
+        summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S, keyring=args.keyring)
     if not summary.downloaded:
         print(f"step {step} is committed in {root} already: nothing pulled")
     else:

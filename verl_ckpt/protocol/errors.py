@@ -73,3 +73,6 @@ class SignatureError(CommitRecordError):
     """With `checkpoint.signing` configured, a step's commit record is unsigned or signed
     with a key not accepted: the step is refused before any other file of it is read. Names
     the step and the record, never a key or a MAC (store/signing.py)."""
+
+    # In a few words: "unsigned", "signed with another key (...)" (`verl-ckpt ls` shows it).
+    reason: str = ""

@@ -205,11 +205,13 @@ def check_record_signature(data: bytes, keyring: Keyring | None, step_uri: str) 
         return
     problem = signature_problem(raw, keyring)
     if problem is not None:
-        raise SignatureError(
+        error = SignatureError(
             f"step {step_uri} is refused: its commit record {COMMIT_RECORD_FILENAME} is "
             f"{problem}, and checkpoint.signing accepts only key ids "
             f"{', '.join(keyring.key_ids)}; none of its other files was read"
         )
+        error.reason = problem
+        raise error
 
 
 def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:

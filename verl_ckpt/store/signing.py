@@ -34,6 +34,7 @@ __all__ = [
     "Keyring",
     "canonical_payload",
     "key_id",
+    "keyring_from",
     "load_keyring",
     "signature_problem",
 ]
@@ -133,6 +134,16 @@ def load_keyring(config: SigningConfig, key: str = "checkpoint.signing") -> Keyr
     keys += [_read_key_file(p, f"{key}.accepted_key_files") for p in config.accepted_key_files]
     keys += [_read_key_env(n, f"{key}.accepted_key_envs") for n in config.accepted_key_envs]
     return Keyring(keys)
+
+
+def keyring_from(
+    key_files: Sequence[str], key_envs: Sequence[str], file_name: str, env_name: str
+) -> Keyring | None:
+    """The keys of key files and environment variables (the CLI's flags, named in errors by
+    `file_name` and `env_name`), files first; None when none is given."""
+    keys = [_read_key_file(p, file_name) for p in key_files]
+    keys += [_read_key_env(n, env_name) for n in key_envs]
+    return Keyring(keys) if keys else None
 
 
 def _read_key_file(path: str, name: str) -> bytes:
