@@ -251,7 +251,8 @@ def _checked_resume_path(value: str | None, keyring: Keyring | None) -> Path:
     try:
         read_commit_record(path, keyring=keyring)
     except CommitRecordError as exc:
-        raise CommitRecordError(f"{key}: {exc}") from None
+        # Its own class (a SignatureError stays one), the key in front.
+        raise type(exc)(f"{key}: {exc}") from None
     return path
 
 
