@@ -15,7 +15,7 @@ from verl_ckpt.hf.record import describe_context_length
 from verl_ckpt.protocol.errors import CheckpointConfigError, TrackerError
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import is_committed, newest_committed
+from verl_ckpt.store.commit_record import is_committed, newest_committed, read_commit_record
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.rollback import (
@@ -120,6 +120,8 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
     if not isinstance(store, LocalStore):
         raise CliError(f"export works on a local ROOT only, not on {store.url}", EXIT_USAGE)
     step = pick_step(store, args.step)
+    if args.keyring is not None:
+        read_commit_record(store, step, args.keyring)  # refused before any file is read
     path = store.path(store.step_rel(step))
     from verl_ckpt.hf.export import export_role  # torch: seconds to import, only here
 
