@@ -386,3 +386,14 @@ def test_a_signed_run_commits_and_resumes_and_the_key_is_nowhere(
         assert KEY not in tier.fs.cat_file(name), name
     out, err = capfd.readouterr()
     assert KEY.decode() not in out + err
+
+
+def test_I3_retention_neither_counts_nor_deletes_a_planted_step(signed_root):
+    """keep=1: a planted step 99 takes no place of the job's own (step 2 is kept, step 1
+    goes), and it is not the job's to delete either."""
+    from verl_ckpt.store.retention import apply_retention
+
+    plant(signed_root, 2, 99)
+    outcome = apply_retention(signed_root, 1, keyring=Keyring([KEY]))
+    assert outcome.deleted == [1] and outcome.unreadable == [99]
+    assert step_dir(signed_root, 2).is_dir() and step_dir(signed_root, 99).is_dir()
