@@ -15,7 +15,7 @@ from verl_ckpt.hf.record import describe_context_length
 from verl_ckpt.protocol.errors import CheckpointConfigError, TrackerError
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import is_committed, newest_committed
+from verl_ckpt.store.commit_record import is_committed, newest_committed, read_commit_record
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.rollback import (
@@ -48,9 +48,9 @@ def _prune(store: Store, args: argparse.Namespace) -> int:
     except TrackerError as exc:
         # Without the tracker we cannot know which step a resume would load (I3).
         raise CliError(f"{exc}; refusing to prune", EXIT_BAD_CHECKPOINT) from None
-    rows = step_rows(store)
+    rows = step_rows(store, args.keyring)
     # Retention itself (store/retention.py), as a job's finalizer runs it after a commit.
-    outcome = apply_retention(store, args.keep, dry_run=args.dry_run)
+    outcome = apply_retention(store, args.keep, dry_run=args.dry_run, keyring=args.keyring)
     verb = "would delete" if args.dry_run else "deleted"
     for row in rows:
         where = store.uri(store.step_rel(row.step))
@@ -82,7 +82,7 @@ def cmd_rollback(store: Store, args: argparse.Namespace) -> int:
     with locked(store, "verl-ckpt rollback"):
         pick_step(store, args.to)  # a step the user typed and that is not there: exit 2
         pending = read_rollback_intent(store)
-        intent = plan_rollback(store, args.to, delete=args.delete)
+        intent = plan_rollback(store, args.to, delete=args.delete, keyring=args.keyring)
         if pending is not None:
             logger.warning(
                 "completing the interrupted rollback to step %d (%s)",
@@ -120,6 +120,8 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
     if not isinstance(store, LocalStore):
         raise CliError(f"export works on a local ROOT only, not on {store.url}", EXIT_USAGE)
     step = pick_step(store, args.step)
+    if args.keyring is not None:
+        read_commit_record(store, step, args.keyring)  # refused before any file is read
     path = store.path(store.step_rel(step))
     from verl_ckpt.hf.export import export_role  # torch: seconds to import, only here
 
@@ -157,7 +159,7 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
     if args.step is not None:
         step = pick_step(store, args.step)  # a step the user typed and that is not there: exit 2
     else:
-        newest = newest_committed(store)
+        newest = newest_committed(store, args.keyring)
         if newest is None:
             raise CliError(f"{store.url} holds no committed step", EXIT_BAD_CHECKPOINT)
         step = newest[0]
@@ -165,7 +167,7 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     destination = LocalStore(root)
     with locked(destination, "verl-ckpt pull"):
-        summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S)
+        summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S, keyring=args.keyring)
     if not summary.downloaded:
         print(f"step {step} is committed in {root} already: nothing pulled")
     else:

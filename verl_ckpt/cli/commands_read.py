@@ -21,7 +21,12 @@ from verl_ckpt.cli.output import (
 )
 from verl_ckpt.format.inspection import TensorEntry, read_role_entries
 from verl_ckpt.hf.record import export_dir, verify_export
-from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, TrackerError
+from verl_ckpt.protocol.errors import (
+    CheckpointError,
+    CommitRecordError,
+    SignatureError,
+    TrackerError,
+)
 from verl_ckpt.remote.transfer import copy_files
 from verl_ckpt.startup.resume_check import QUARANTINE_DIRNAME
 from verl_ckpt.startup.root_lock import is_locked, read_holder
@@ -36,6 +41,7 @@ from verl_ckpt.store.layout import (
 )
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.rollback import ARCHIVE_PREFIX, intent_path, read_rollback_intent
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import read_tracker
 from verl_ckpt.store.verification import check_step_files
 
@@ -52,7 +58,8 @@ class StepRow:
     """One step as `ls` and `prune` show it."""
 
     step: int
-    # "committed", "not committed", or "corrupt: <reason>"
+    # "committed", "not committed", "corrupt: <reason>", or with signing keys "refused:
+    # unsigned" / "refused: signed with another key (...)"
     status: str
     record: CommitRecord | None
     roles: str
@@ -64,15 +71,18 @@ class StepRow:
         return self.record is not None
 
 
-def step_rows(store: Store) -> list[StepRow]:
-    """Every step of the store, oldest first, read now (a live job may be changing it)."""
+def step_rows(store: Store, keyring: Keyring | None = None) -> list[StepRow]:
+    """Every step of the store, oldest first, read now (a live job may be changing it).
+    With a keyring, a step whose record it does not verify is listed as refused."""
     now = time.time()
     rows = []
     for step in store.list_steps():
         rel = store.step_rel(step)
         try:
-            record = find_commit_record(store, step)
+            record = find_commit_record(store, step, keyring)
             status = "committed" if record is not None else "not committed"
+        except SignatureError as exc:
+            record, status = None, f"refused: {exc.reason}"
         except CommitRecordError as exc:
             # A missing record and an unreadable one mean different things to the user: the
             # first is an unfinished or interrupted save, the second a damaged commit.
@@ -91,7 +101,7 @@ def step_rows(store: Store) -> list[StepRow]:
 
 
 def cmd_ls(store: Store, args: argparse.Namespace) -> int:
-    rows = step_rows(store)
+    rows = step_rows(store, args.keyring)
     by_step = {row.step: row for row in rows}
     target = None
     try:
@@ -165,7 +175,9 @@ def _print_leftovers(root: Path) -> None:
 
 def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     step = pick_step(store, args.step)
-    record = read_commit_record(store, step)  # CommitRecordError: not committed, corrupt
+    # CommitRecordError: not committed, corrupt; SignatureError (with --signing-key-*):
+    # unsigned or signed with another key, before any other file of the step is read.
+    record = read_commit_record(store, step, args.keyring)
     result = check_step_files(
         store, step, record.files, record.checksum_algorithm, args.threads, _TIMEOUT_S
     )
@@ -208,7 +220,7 @@ def _verify_exports(
 
 def cmd_inspect(store: Store, args: argparse.Namespace) -> int:
     step = pick_step(store, args.step)
-    record = read_commit_record(store, step)
+    record = read_commit_record(store, step, args.keyring)
     roles = sorted(role for role in record.participants if role != DRIVER_ROLE)
     with _role_metadata(store, step, record, roles) as directory:
         entries = {

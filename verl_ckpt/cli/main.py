@@ -11,6 +11,10 @@ one line on stderr. Commands that change a local root (prune, rollback) hold its
 (`RootLock`) throughout, so they never run beside a job or beside each other. For a URL,
 storage options come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) and/or
 `--storage-options JSON`.
+
+Signed commit records (docs/signing.md): with `--signing-key-file PATH` or
+`--signing-key-env NAME` (each repeatable: every key given is accepted), every command reads
+only steps whose record one of the keys signed; `ls` lists the others as refused.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, EXIT_USAGE, CliError, open
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.signing import keyring_from
 
 __all__ = ["main"]
 
@@ -109,6 +114,7 @@ def _build_parser() -> argparse.ArgumentParser:
         )
         sub.set_defaults(handler=handler)
         _storage_options_flag(sub)
+        _signing_flags(sub)
         return sub
 
     _add_read_commands(command)
@@ -217,6 +223,7 @@ def _add_pull_command(commands: Any) -> None:
     pull.add_argument("dest", metavar="ROOT", help="the local checkpoint root to pull into")
     pull.set_defaults(handler=cmd_pull)
     _storage_options_flag(pull)
+    _signing_flags(pull)
 
 
 # Deadline of each store call (listing, reading a record, deleting) of a command on a URL.
@@ -239,6 +246,35 @@ def _storage_options_flag(sub: argparse.ArgumentParser) -> None:
         f"seconds or the command fails naming the object (default {DEFAULT_STORE_TIMEOUT_S:g}; "
         "the transfers of verify, inspect and pull end within 3600 s)",
     )
+
+
+def _signing_flags(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--signing-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="trust only steps whose commit record is signed with the key in PATH "
+        "(checkpoint.signing; repeatable: every key given is accepted)",
+    )
+    sub.add_argument(
+        "--signing-key-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the same, with the key in the environment variable NAME",
+    )
+
+
+def _keyring(args: argparse.Namespace) -> None:
+    """Read the keys of the signing flags into `args.keyring` (None without flags): a key
+    file or variable that does not give a key is a usage error naming the flag."""
+    try:
+        args.keyring = keyring_from(
+            args.signing_key_file, args.signing_key_env, "--signing-key-file", "--signing-key-env"
+        )
+    except CheckpointError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 class _Formatter(logging.Formatter):
@@ -279,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     logger.debug("running %s on %s", args.command, args.root)
     try:
+        _keyring(args)
         store = open_root(args.root, args)
         return _run(args.handler, store, args)
     except CliError as exc:

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl_ckpt.protocol.deadlines import call_deadline, deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
+from verl_ckpt.store.signing import Keyring
 
 if TYPE_CHECKING:
     from verl_ckpt.hf.scheduler import ExportPlan
@@ -74,11 +75,14 @@ def start_finalizer(
     max_in_flight: int = 1,
     hf_exports: ExportPlan | None = None,
     remote: dict[str, Any] | None = None,
+    keyring: Keyring | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
     A running finalizer of the same root with other settings is an error, not silently
-    reused.
+    reused. `keyring`: checkpoint.signing's keys, read before Ray started; the actor gets
+    them as an argument (no environment needed on its node), and they appear nowhere but
+    by key id (describe(), the mismatch error).
     """
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
@@ -96,6 +100,7 @@ def start_finalizer(
             hf_exports,
             remote,
             uuid.uuid4().hex,  # this job's run id, the same for every restart of the actor
+            keyring,
         )
     )
     try:
@@ -111,6 +116,7 @@ def start_finalizer(
         "max_in_flight": max_in_flight,
         "hf_exports": asdict(hf_exports) if hf_exports else None,
         "remote": dict(remote) if remote else None,
+        "signing": list(keyring.key_ids) if keyring is not None else None,
     }
     if found != wanted:
         raise CheckpointError(

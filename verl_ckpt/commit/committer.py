@@ -33,7 +33,8 @@ from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.layout import DRIVER_ROLE, role_dir, step_dir
-from verl_ckpt.store.retention import apply_retention
+from verl_ckpt.store.retention import RetentionOutcome, apply_retention
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import CommitPhaseError
 
 __all__ = ["Committer"]
@@ -60,8 +61,11 @@ class Committer:
         exports: ExportQueue,
         uploading: Callable[[], set[int]],
         after_commit: Callable[[int], None],
+        keyring: Keyring | None = None,
     ) -> None:
         self._root = root
+        # checkpoint.signing: signs each record; retention counts only records it verifies.
+        self._keyring = keyring
         self._participants = participants
         self._keep = keep
         self._ledger = ledger
@@ -178,7 +182,13 @@ class Committer:
             }
             try:
                 summary = await asyncio.to_thread(
-                    commit_step, self._root, step, self._participants, reports, made
+                    commit_step,
+                    self._root,
+                    step,
+                    self._participants,
+                    reports,
+                    made,
+                    self._keyring,
                 )
             except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
                 self._commit_failed(step, exc)
@@ -224,9 +234,7 @@ class Committer:
         # that ends while retention runs still finds its step in the spared ones below.
         uploading = self._uploading()
         try:
-            outcome = await asyncio.to_thread(
-                apply_retention, self._root, self._keep, self.retention_keeps()
-            )
+            outcome = await asyncio.to_thread(self._retention)
             errors = outcome.errors
             self._spared_for_uploads = uploading.intersection(outcome.spared)
         except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
@@ -238,6 +246,11 @@ class Committer:
         self._ledger.retire(step)
         self._changes.notify()
         return errors
+
+    def _retention(self) -> RetentionOutcome:
+        return apply_retention(
+            self._root, self._keep, self.retention_keeps(), keyring=self._keyring
+        )
 
     def retention_keeps(self) -> list[int]:
         """Steps that retention must not delete whatever their age: steps in flight, steps
@@ -260,9 +273,7 @@ class Committer:
             if not self._spared_for_uploads - uploading:
                 return  # no retention of this finalizer waits for an upload that ended
             try:
-                outcome = await asyncio.to_thread(
-                    apply_retention, self._root, self._keep, self.retention_keeps()
-                )
+                outcome = await asyncio.to_thread(self._retention)
             except Exception as exc:  # noqa: BLE001 - a background task: logged, retried later
                 logger.error("retention after an upload failed: %s: %s", type(exc).__name__, exc)
                 return

@@ -33,6 +33,7 @@ from verl_ckpt.store.commit_record import committed_steps
 from verl_ckpt.store.fsio import atomic_write_bytes
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
 from verl_ckpt.store.recovery import recover_root
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import read_tracker
 
 __all__ = ["CheckpointFinalizer", "describe_participants"]
@@ -53,9 +54,14 @@ class CheckpointFinalizer:
         hf_exports: ExportPlan | None = None,
         remote: dict[str, Any] | None = None,
         run_id: str | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
+        # checkpoint.signing's keys, read by the driver before Ray started: every record this
+        # finalizer writes is signed, and recovery and retention trust only verified ones.
+        # Never logged nor in describe() (Keyring's repr names key ids only).
+        self._keyring = keyring
         self._participants = dict(participants)
         self._keep = max_ckpt_to_keep
         # Reports carry DCP metadata and write results, whose classes live in torch's DCP:
@@ -68,7 +74,7 @@ class CheckpointFinalizer:
         # only after a new commit). The run id is this job's finalizer, whatever its restarts
         # (Ray passes a restarted actor the same arguments): begin_step marks the steps it
         # opens with it (admission.steps_lost_in_a_restart).
-        state = recover_root(self._root)
+        state = recover_root(self._root, keyring)
         lost = steps_lost_in_a_restart(self._root, list(state.uncommitted), run_id)
         self._ledger = StepLedger(participants, max_in_flight, lost=lost)
         if state.uncommitted:
@@ -100,7 +106,13 @@ class CheckpointFinalizer:
         self._changes = Changes()
         self._background = TaskSet()
         self._remote = _open_remote_tier(
-            remote, self._root, participants, self._ledger.status, self._upload_ended, self._changes
+            remote,
+            self._root,
+            participants,
+            self._ledger.status,
+            self._upload_ended,
+            self._changes,
+            self._keyring,
         )
         self._committer = Committer(
             self._root,
@@ -113,6 +125,7 @@ class CheckpointFinalizer:
             self._exports,
             self._uploading,
             self._remote.after_local_commit if self._remote is not None else lambda step: None,
+            self._keyring,
         )
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
@@ -136,6 +149,7 @@ class CheckpointFinalizer:
             "max_in_flight": self._ledger.max_in_flight,
             "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
             "remote": self._remote_settings,
+            "signing": list(self._keyring.key_ids) if self._keyring is not None else None,
         }
 
     def marker_token(self) -> str:
@@ -146,7 +160,7 @@ class CheckpointFinalizer:
         ledger = self._ledger
         pending = {step: describe_participants(ledger.missing(step)) for step in ledger.in_flight()}
         return {
-            "committed": committed_steps(self._root),
+            "committed": committed_steps(self._root, self._keyring),
             "tracker": read_tracker(self._root),
             "pending": pending,
             "ledger_size": len(ledger),
@@ -261,11 +275,11 @@ class CheckpointFinalizer:
         return set(self._remote.protected()) if self._remote is not None else set()
 
 
-def _open_remote_tier(remote, root, participants, local_status, on_upload_end, changes):
+def _open_remote_tier(remote, root, participants, local_status, on_upload_end, changes, keyring):
     """The remote tier of this root (protocol steps 8-11), or None without one; fsspec is
     imported only when there is one."""
     if not remote or not remote.get("url"):
         return None
     from verl_ckpt.remote.finalizer_tier import RemoteTier
 
-    return RemoteTier(remote, root, participants, local_status, on_upload_end, changes)
+    return RemoteTier(remote, root, participants, local_status, on_upload_end, changes, keyring)

@@ -21,6 +21,7 @@ from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
     read_commit_record,
+    sign_record,
     write_commit_record,
 )
 from verl_ckpt.store.fsio import RenameNotDurable, file_checksum
@@ -33,6 +34,7 @@ from verl_ckpt.store.layout import (
 )
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import delete_step
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import (
     CommitPhaseError,
     advance_tracker,
@@ -71,11 +73,13 @@ def commit_step(
     participants: dict[str, int],
     reports: Iterable[RankReport],
     metadata_files: dict[str, bytes | None] | None = None,
+    keyring: Keyring | None = None,
 ) -> CommitSummary:
     """Steps 5 and 6: complete every role's directory, write the commit record, move the
     tracker. Raises CommitPhaseError when the step did not commit; once the record is
     durable it stays committed, whatever the tracker does. `metadata_files`: a role's
-    `.metadata` made beforehand from exactly these reports (metadata_forecast), if any."""
+    `.metadata` made beforehand from exactly these reports (metadata_forecast), if any.
+    `keyring`: checkpoint.signing's keys; the record is signed by its first."""
     store = LocalStore(root)
     path = step_dir(root, step)
     reports = list(reports)
@@ -93,7 +97,7 @@ def commit_step(
         store.make_durable(step_name(step))
         faults.inject(Phase.COMMIT)
         record = CommitRecord(step=step, participants=dict(participants), files=files)
-        _write_record(store, record)
+        _write_record(store, sign_record(record, keyring))
     except Exception as exc:
         raise CommitPhaseError(Phase.COMMIT, exc) from exc
     record_at = time.time()

@@ -79,6 +79,7 @@ class CheckpointCoordinator:
                 self.config.max_in_flight,
                 hf_exports,
                 self._remote_settings(),
+                self.start.keyring,
             )
             check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
             self._client = FinalizerClient(
@@ -135,7 +136,8 @@ class CheckpointCoordinator:
         run (weights_only=True): a file that asks for more is refused in one line naming it
         (UnsafeCheckpointError)."""
         path = Path(step_path)
-        record = read_commit_record(path)
+        # Signed records (checkpoint.signing): checked before the state file is read.
+        record = read_commit_record(path, keyring=self.start.keyring)
         if self.config.verify_checksums_on_load:
             problems = verify_files(path, record, prefix=DRIVER_STATE_FILENAME)
             if problems:

@@ -109,6 +109,11 @@ in flight, or anything at start-up. The remote tier (8-11, verl_ckpt/remote/) re
 after the local commit and never delays it: record last, then tracker, never backwards;
 there a failed tracker PUT never withdraws the record (it may have landed), and the
 local tier's fault phases do not fire.
+
+With checkpoint.signing (store/signing.py, docs/signing.md) the record of 5 is signed with
+the run's key (9 uploads the same bytes), and steps 0, 0' and 7 and the CLI trust only a
+record one of the accepted keys signed: an unsigned one is not committed for them, refused
+before any other file of its step is read.
 """
 
 from verl_ckpt.protocol.deadlines import RPC_SLACK_S, call_deadline, deadline_in, time_left

@@ -28,6 +28,7 @@ __all__ = [
     "SAVE_CONTENTS",
     "SNAPSHOT_MODES",
     "RemoteConfig",
+    "SigningConfig",
     "StagingConfig",
     "WRITER_MODES",
     "WriterConfig",
@@ -209,6 +210,51 @@ class RemoteConfig:
 
 
 @dataclass
+class SigningConfig:
+    """Signed commit records (store/signing.py, docs/signing.md): where the keys are, never
+    a key itself. The first key signs every record the finalizer writes; every key listed
+    verifies (rotation). With none, records are neither signed nor checked."""
+
+    # A file whose bytes (surrounding whitespace stripped) are the signing key.
+    key_file: str | None = None
+    # The NAME of an environment variable holding the signing key (instead of key_file).
+    key_env: str | None = None
+    # More keys accepted when reading (older keys, during a rotation): files, variable names.
+    accepted_key_files: list[str] = field(default_factory=list)
+    accepted_key_envs: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.key_file is not None and self.key_env is not None:
+            _fail("signing.key_env", self.key_env, "give key_file or key_env, not both")
+        self.accepted_key_files = list(self.accepted_key_files or [])
+        self.accepted_key_envs = list(self.accepted_key_envs or [])
+        if not self.enabled and (self.accepted_key_files or self.accepted_key_envs):
+            _fail(
+                "signing.accepted_key_files",
+                self.accepted_key_files or self.accepted_key_envs,
+                "accepted keys need the key that signs: set signing.key_file or signing.key_env",
+            )
+        for key, names in (
+            ("key_env", [self.key_env]),
+            ("accepted_key_envs", self.accepted_key_envs),
+        ):
+            for name in names:
+                if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+                    _fail(f"signing.{key}", name, "must name an environment variable")
+        for key, paths in (
+            ("key_file", [self.key_file]),
+            ("accepted_key_files", self.accepted_key_files),
+        ):
+            for path in paths:
+                if path is not None and (not isinstance(path, str) or not path or "\0" in path):
+                    _fail(f"signing.{key}", path, "must be a path")
+
+    @property
+    def enabled(self) -> bool:
+        return self.key_file is not None or self.key_env is not None
+
+
+@dataclass
 class CheckpointConfig:
     """Everything a trainer sets about checkpoints (Hydra group `checkpoint`)."""
 
@@ -260,6 +306,7 @@ class CheckpointConfig:
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    signing: SigningConfig = field(default_factory=SigningConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root_dir, str) or not self.root_dir.strip():
@@ -320,6 +367,8 @@ class CheckpointConfig:
             self.preemption = PreemptionConfig(**self.preemption)
         if isinstance(self.remote, dict):
             self.remote = RemoteConfig(**self.remote)
+        if isinstance(self.signing, dict):
+            self.signing = SigningConfig(**self.signing)
 
     @property
     def writes_in_background(self) -> bool:

@@ -16,6 +16,7 @@ __all__ = [
     "ResumeConflictError",
     "ResumeVerificationError",
     "RootLockedError",
+    "SignatureError",
     "StepNotCommittedError",
     "TrackerError",
     "UnsafeCheckpointError",
@@ -73,3 +74,12 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file would run code, or build objects that verl_ckpt never saves, if it
     were unpickled: it is refused unread. Names the file and what it asked for. Whoever can
     write a root or a bucket can plant such a file; nothing from a checkpoint is trusted."""
+
+
+class SignatureError(CommitRecordError):
+    """With `checkpoint.signing` configured, a step's commit record is unsigned or signed
+    with a key not accepted: the step is refused before any other file of it is read. Names
+    the step and the record, never a key or a MAC (store/signing.py)."""
+
+    # In a few words: "unsigned", "signed with another key (...)" (`verl-ckpt ls` shows it).
+    reason: str = ""

@@ -29,6 +29,7 @@ from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.store.open_store import open_store
 from verl_ckpt.store.recovery import roll_tracker_forward
 from verl_ckpt.store.retention import apply_retention
+from verl_ckpt.store.signing import Keyring
 
 __all__ = ["RemoteTier"]
 
@@ -51,8 +52,12 @@ class RemoteTier:
         local_status: Callable[[int], StepStatus | None],
         on_upload_end: Callable[[], None] = lambda: None,
         changes: Changes | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.url: str = settings["url"]
+        # checkpoint.signing: the remote tier's recovery and retention trust only records
+        # these keys verify (the records it uploads are the local, signed, bytes).
+        self._keyring = keyring
         self._timeout_s = float(settings.get("timeout_s", 600.0))
         # Each of its calls ends at the deadline, naming the object (store.call_with_deadline):
         # the storage options alone do not bound them (s3fs retries on top of botocore's
@@ -88,7 +93,9 @@ class RemoteTier:
         # that does not answer now does not stop the local tier (start-up checked it).
         try:
             self._tracker = call_with_deadline(
-                lambda: roll_tracker_forward(self._store, replace_unreadable=True),
+                lambda: roll_tracker_forward(
+                    self._store, replace_unreadable=True, keyring=self._keyring
+                ),
                 min(60.0, self._timeout_s),
                 self.url,
             )
@@ -162,7 +169,7 @@ class RemoteTier:
         """Make sure the newest locally committed step reaches the remote tier (upload it
         whole if it was skipped, failed, or never tried: a catch-up), wait for every upload
         under way, and say where the remote tier stands."""
-        steps = await asyncio.to_thread(committed_steps, self._root)
+        steps = await asyncio.to_thread(committed_steps, self._root, self._keyring)
         newest = steps[-1] if steps else None
         if newest is not None and await self._needs_whole_upload(newest):
             self._ledger.upload_whole(newest)
@@ -242,7 +249,11 @@ class RemoteTier:
             # step 7 after 6): a failure here never un-commits the step just committed.
             try:
                 outcome = await asyncio.to_thread(
-                    apply_retention, self._store, self._keep, self._ledger.in_flight()
+                    apply_retention,
+                    self._store,
+                    self._keep,
+                    self._ledger.in_flight(),
+                    keyring=self._keyring,
                 )
                 errors = outcome.errors
             except Exception as exc:  # noqa: BLE001 - retention never un-commits a step

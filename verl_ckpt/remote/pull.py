@@ -8,6 +8,10 @@ directory takes its `global_step_<N>` name by one atomic rename, made durable. A
 point leaves no `global_step_<N>` that looks committed, only a `.pulling_*` directory that the
 next pull replaces. The step is then a committed step newer than the tracker, which start-up
 recovery rolls the tracker forward to, as it does for an interrupted commit (I2).
+
+With a keyring (checkpoint.signing), the remote record's signature is checked before
+anything else of the step is read or downloaded: an unsigned record, or one signed with
+another key, is refused in one line naming the step (store/signing.py).
 """
 
 from __future__ import annotations
@@ -21,11 +25,17 @@ from pathlib import Path
 from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
 from verl_ckpt.remote.transfer import copy_files
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import is_committed, parse_commit_record, read_record_bytes
+from verl_ckpt.store.commit_record import (
+    check_record_signature,
+    is_committed,
+    parse_commit_record,
+    read_record_bytes,
+)
 from verl_ckpt.store.fsio import fsync_dir
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import delete_step
+from verl_ckpt.store.signing import Keyring
 
 __all__ = [
     "PULLING_PREFIX",
@@ -62,17 +72,32 @@ class StagedStep:
     summary: PullSummary
 
 
-def pull_step(store: Store, step: int, root: Path, threads: int, timeout_s: float) -> PullSummary:
+def pull_step(
+    store: Store,
+    step: int,
+    root: Path,
+    threads: int,
+    timeout_s: float,
+    keyring: Keyring | None = None,
+) -> PullSummary:
     """Download the remote committed `step` into `root` (see the module docstring)."""
     target = step_dir(root, step)
-    if is_committed(target):
+    if is_committed(target, keyring=keyring):
         return PullSummary(step, target, 0, 0, 0.0, downloaded=False)
-    return install_staged(stage_step(store, step, root, threads, timeout_s))
+    return install_staged(stage_step(store, step, root, threads, timeout_s, keyring))
 
 
-def stage_step(store: Store, step: int, root: Path, threads: int, timeout_s: float) -> StagedStep:
+def stage_step(
+    store: Store,
+    step: int,
+    root: Path,
+    threads: int,
+    timeout_s: float,
+    keyring: Keyring | None = None,
+) -> StagedStep:
     """Download and verify the remote committed `step` into `.pulling_global_step_<N>/`,
-    record last; nothing in the step namespace changes. On failure nothing is left."""
+    record last; nothing in the step namespace changes. On failure nothing is left. With
+    a keyring, a record it does not verify is refused before anything is downloaded."""
     target = step_dir(root, step)
     record_rel = store.step_rel(step, COMMIT_RECORD_FILENAME)
     data = read_record_bytes(store, step)
@@ -81,6 +106,8 @@ def stage_step(store: Store, step: int, root: Path, threads: int, timeout_s: flo
             f"{store.uri(target.name)} is not a committed step of the remote tier: its commit "
             f"record {COMMIT_RECORD_FILENAME} is missing"
         )
+    # The signature before anything else of the step is read (module docstring).
+    check_record_signature(data, keyring, store.uri(target.name))
     record = parse_commit_record(data, store.uri(record_rel))
     if record.step != step:
         raise CommitRecordError(f"{store.uri(record_rel)} names step {record.step}, not {step}")

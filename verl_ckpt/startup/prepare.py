@@ -15,6 +15,11 @@ else can change the root; then the resume step is verified (resume_check.py:
 `resume_verify`, and the quarantine and fallback of `resume_fallback=previous`), and last
 whether the run's roles can load the step chosen (resume_fit.py), before any state is
 touched.
+
+With `checkpoint.signing`, the keys are read first (a missing key file or variable is one
+line naming it), and every read of a commit record from here on checks its signature
+(store/signing.py): a step whose record is unsigned or signed with another key is neither
+rolled forward to, nor resumed from, nor downloaded.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from verl_ckpt.startup.root_lock import RootLock
 from verl_ckpt.store.commit_record import read_commit_record
 from verl_ckpt.store.layout import step_dir, step_of_dir
 from verl_ckpt.store.recovery import RootState, read_root_state, recover_root
+from verl_ckpt.store.signing import Keyring, load_keyring
 from verl_ckpt.store.tracker import tracker_path
 
 __all__ = ["StartPlan", "check_root_dir", "choose_resume_dir", "prepare_start"]
@@ -68,6 +74,11 @@ class StartPlan:
     state: RootState
     # Held until the coordinator closes (or `release()`): one job per root.
     lock: RootLock
+
+    @property
+    def keyring(self) -> Keyring | None:
+        """The keys of checkpoint.signing, read at start-up (None: records are not signed)."""
+        return self.state.keyring
 
     def release(self) -> None:
         self.lock.release()
@@ -114,10 +125,12 @@ def _prepare_start(
     check_root_dir(root)
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
     check_deadline_env(config.preemption)
+    # The keys first: every record read below is checked with them (module docstring).
+    keyring = load_keyring(config.signing)
     # The remote tier (store/fsspec_store.py: fsspec is imported only where a URL is used)
     # is read by the same store functions as the root; its own checks in startup/remote.py.
-    remote = check_remote_start(config) if config.remote.url is not None else None
-    before = read_root_state(root)
+    remote = check_remote_start(config, keyring) if config.remote.url is not None else None
+    before = read_root_state(root, keyring)
     # Read-only, before the lock: a step the roles cannot load is refused with nothing
     # written. Checked again below on the step settled under the lock.
     check_resume_before_lock(config, before, _loadable_resume_dir(roles))
@@ -125,13 +138,13 @@ def _prepare_start(
         check_remote_against_root(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
     try:
-        state = recover_root(root)
+        state = recover_root(root, keyring)
         if remote is not None and _fetched(config, remote, state):
-            state = read_root_state(root)  # the tracker names the downloaded step
+            state = read_root_state(root, keyring)  # the tracker names the downloaded step
         copies = RemoteCopiesForResume(config, remote, root) if remote is not None else None
         resume = settle_resume_step(config, state, choose_resume_dir, copies)
         if resume is not None and state.tracker != step_of_dir(resume):
-            state = read_root_state(root)  # the fallback moved steps and the tracker
+            state = read_root_state(root, keyring)  # the fallback moved steps and the tracker
         # Again on the step settled: recovery, a download or a fallback may have changed it.
         if resume is not None and roles is not None:
             check_resume_fits(resume, roles, config.load_contents)
@@ -176,7 +189,7 @@ def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None
     committed step of this root is refused: the run's saves would collide with them.
     """
     if config.resume_mode == "resume_path":
-        path = _checked_resume_path(config.resume_from_path)
+        path = _checked_resume_path(config.resume_from_path, state.keyring)
         step = step_of_dir(path)
         _refuse_newer_steps(state, step, f"checkpoint.resume_from_path resumes from step {step}")
         return path
@@ -198,7 +211,7 @@ def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None
             f"{tracker_path(state.root)} names step {step}, but {path} does not exist"
         )
     try:
-        read_commit_record(path)
+        read_commit_record(path, keyring=state.keyring)
     except CommitRecordError as exc:
         raise TrackerError(
             f"{tracker_path(state.root)} names step {step}, which is unusable: {exc}"
@@ -228,7 +241,7 @@ def _fetched(config: CheckpointConfig, remote: RemoteStart, state: RootState) ->
     return fetch_newer_remote_step(config, remote, state) is not None
 
 
-def _checked_resume_path(value: str | None) -> Path:
+def _checked_resume_path(value: str | None, keyring: Keyring | None) -> Path:
     key = "checkpoint.resume_from_path"
     path = Path(value).resolve()
     if not path.exists():
@@ -236,9 +249,10 @@ def _checked_resume_path(value: str | None) -> Path:
     if step_of_dir(path) is None or not path.is_dir():
         raise CheckpointConfigError(f"{key}={value!r} is not a global_step_<N> directory")
     try:
-        read_commit_record(path)
+        read_commit_record(path, keyring=keyring)
     except CommitRecordError as exc:
-        raise CommitRecordError(f"{key}: {exc}") from None
+        # Its own class (a SignatureError stays one), the key in front.
+        raise type(exc)(f"{key}: {exc}") from None
     return path
 
 

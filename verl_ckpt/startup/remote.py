@@ -16,6 +16,10 @@ Unless that step is the very save a `verl-ckpt rollback` moved out of the root (
 of rolled-back steps holds the step with the same commit record hash): then the start is
 refused, before the lock and again under it, naming `verl-ckpt rollback URL --to N
 --delete`, which removes the newer steps from the remote tier.
+
+With checkpoint.signing, the remote tier's records are read with the run's keys: a step
+whose record is unsigned or signed with another key is not committed for a start (never
+downloaded), and one the remote tracker names is refused in one line naming it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from verl_ckpt.store.fsspec_store import call_with_deadline, check_store, descri
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.recovery import RootState
 from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, find_rolled_back
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import tracker_or_none, write_tracker
 
 __all__ = [
@@ -80,11 +85,12 @@ class RemoteHead:
     tracker_problem: str | None = None
 
 
-def read_remote_head(store: Store) -> RemoteHead:
+def read_remote_head(store: Store, keyring: Keyring | None = None) -> RemoteHead:
     """The newest step a resume would load from `store`, and whether its tracker names a
     newer step that cannot be loaded (start-up refuses to skip it silently): the root's
-    functions (read_step_states, read_record_bytes, tracker_or_none) on the remote tier."""
-    states = read_step_states(store)
+    functions (read_step_states, read_record_bytes, tracker_or_none) on the remote tier.
+    With a keyring, only steps whose records it verifies count as committed."""
+    states = read_step_states(store, keyring)
     step = states.committed[-1] if states.committed else None
     record = None if step is None else read_record_bytes(store, step)
     if record is None:
@@ -94,17 +100,17 @@ def read_remote_head(store: Store) -> RemoteHead:
     tracker = tracker_or_none(store)
     problem = None
     if tracker is not None and (step is None or tracker > step):
-        problem = _record_problem(store, tracker)
+        problem = _record_problem(store, tracker, keyring)
     committed = tuple(sorted(states.committed + states.unreadable))
     return RemoteHead(step, record, committed, tracker, problem)
 
 
-def _record_problem(store: Store, step: int) -> str | None:
+def _record_problem(store: Store, step: int, keyring: Keyring | None) -> str | None:
     """Why step `step` of `store` cannot be resumed from (its record is missing or does not
     read), in words naming the object; None when its record reads."""
     where = store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME))
     try:
-        if find_commit_record(store, step) is not None:
+        if find_commit_record(store, step, keyring) is not None:
             return None  # committed since the listing: the next start sees it
     except CommitRecordError as exc:
         return str(exc)
@@ -120,6 +126,8 @@ class RemoteStart:
     store: Store
     # Where the remote tier stands: its newest readable committed step and that record.
     head: RemoteHead
+    # checkpoint.signing's keys: a download is checked with them too (pull.py).
+    keyring: Keyring | None = None
 
     @property
     def newest(self) -> int | None:
@@ -142,20 +150,21 @@ class RemoteStart:
         )
 
 
-def check_remote_start(config: CheckpointConfig) -> RemoteStart:
-    """The read-only part (see the module docstring); CheckpointError naming the URL."""
+def check_remote_start(config: CheckpointConfig, keyring: Keyring | None = None) -> RemoteStart:
+    """The read-only part (see the module docstring); CheckpointError naming the URL.
+    `keyring`: checkpoint.signing's keys (store/signing.load_keyring), if any."""
     remote = config.remote
     _refuse_overlap_with_root(remote.url, Path(config.root_dir).resolve())
     timeout = min(_CHECK_TIMEOUT_S, config.timeout_s)
     store = check_store(remote.url, remote.storage_options, timeout)
     try:
-        head = call_with_deadline(lambda: read_remote_head(store), timeout, remote.url)
+        head = call_with_deadline(lambda: read_remote_head(store, keyring), timeout, remote.url)
     except Exception as exc:  # noqa: BLE001 - one line naming the URL
         raise CheckpointConfigError(
             f"checkpoint.remote.url={remote.url!r} cannot be listed: {describe_store_error(exc)}"
         ) from None
     newest = head.step
-    started = RemoteStart(store, head)
+    started = RemoteStart(store, head, keyring)
     if config.resume_mode != "auto" and newest is not None:
         if config.resume_mode == "disable":
             start, what = None, "checkpoint.resume_mode=disable starts from step 0"
@@ -256,7 +265,12 @@ def fetch_newer_remote_step(
         return None
     try:
         summary = pull_step(
-            remote.store, remote.newest, state.root, config.remote.threads, config.timeout_s
+            remote.store,
+            remote.newest,
+            state.root,
+            config.remote.threads,
+            config.timeout_s,
+            keyring=remote.keyring,
         )
     except Exception as exc:  # noqa: BLE001 - a store error: one line naming the URL
         if isinstance(exc, CheckpointError) and not isinstance(exc, CommitTimeoutError):
@@ -297,7 +311,12 @@ class RemoteCopiesForResume:
             return None
         try:
             staged = stage_step(
-                store, step, self._root, self._config.remote.threads, self._config.timeout_s
+                store,
+                step,
+                self._root,
+                self._config.remote.threads,
+                self._config.timeout_s,
+                keyring=self._remote.keyring,
             )
         except Exception as exc:  # noqa: BLE001 - logged; the fallback goes on without it
             logger.warning(

@@ -52,6 +52,7 @@ from verl_ckpt.store.commit_record import read_commit_record
 from verl_ckpt.store.fsio import fsync_dir
 from verl_ckpt.store.layout import step_dir, step_of_dir
 from verl_ckpt.store.recovery import RootState
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import write_tracker
 from verl_ckpt.store.verification import verify_step
 
@@ -128,7 +129,7 @@ def settle_resume_step(
         return _fall_back(config, state, bad, remote)
     if resume is None:
         return None
-    problem = step_problem(resume, config.resume_verify)
+    problem = step_problem(resume, config.resume_verify, state.keyring)
     if problem is None:
         return resume
     step = step_of_dir(resume)
@@ -146,11 +147,12 @@ def settle_resume_step(
     return _fall_back(config, state, _BadStep(step, problem), remote)
 
 
-def step_problem(path: Path, mode: str) -> str | None:
+def step_problem(path: Path, mode: str, keyring: Keyring | None = None) -> str | None:
     """What is wrong with the committed step at `path` under `mode` (record or checksums),
-    in one line naming the file; None when it passes."""
+    in one line naming the file; None when it passes. With a keyring, its record's signature
+    is checked first (checkpoint.signing), before any other file of the step is read."""
     try:
-        record = read_commit_record(path)
+        record = read_commit_record(path, keyring=keyring)
     except CommitRecordError as exc:
         return str(exc)
     step = step_of_dir(path)
@@ -208,7 +210,7 @@ def _fall_back(
     failing = [bad]
     fallback = None
     for step in sorted((s for s in state.committed if s < bad.step), reverse=True):
-        problem = step_problem(step_dir(root, step), config.resume_verify)
+        problem = step_problem(step_dir(root, step), config.resume_verify, state.keyring)
         if problem is None:
             fallback = step
             break

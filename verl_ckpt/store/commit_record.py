@@ -11,6 +11,7 @@ path and a step number.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from pathlib import Path, PurePosixPath
 
-from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, SignatureError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.base import Store
@@ -26,12 +27,14 @@ from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_name
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
+from verl_ckpt.store.signing import SIGNATURE_FIELD, Keyring, signature_problem
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
     "CommitRecord",
     "FileEntry",
     "StepStates",
+    "check_record_signature",
     "committed_steps",
     "encode_commit_record",
     "find_commit_record",
@@ -42,6 +45,8 @@ __all__ = [
     "read_commit_record",
     "read_record_bytes",
     "read_step_states",
+    "record_object",
+    "sign_record",
     "write_commit_record",
 ]
 
@@ -60,6 +65,8 @@ class CommitRecord:
     format_version: int = COMMIT_FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     committed_at: float = field(default_factory=time.time)
+    # With checkpoint.signing: {"alg", "key_id", "mac"} over the rest (store/signing.py).
+    signature: dict[str, str] | None = None
 
     def role_world_size(self, role: str) -> int | None:
         return self.participants.get(role)
@@ -98,6 +105,8 @@ def encode_commit_record(record: CommitRecord) -> bytes:
         "checksum_algorithm": record.checksum_algorithm,
         "committed_at": record.committed_at,
     }
+    if record.signature is not None:
+        head[SIGNATURE_FIELD] = dict(record.signature)
     files = ",\n ".join(
         _ENTRY % (encode_basestring_ascii(f.path), f.size, encode_basestring_ascii(f.checksum))
         for f in record.files
@@ -125,19 +134,25 @@ def _read_bytes(store: Store, rel: str) -> bytes | None:
         ) from None
 
 
-def find_commit_record(where: Where, step: int | None = None) -> CommitRecord | None:
+def find_commit_record(
+    where: Where, step: int | None = None, keyring: Keyring | None = None
+) -> CommitRecord | None:
     """The step's validated commit record, or None when it has none (not committed).
-    CommitRecordError naming it when it is there but does not read."""
+    CommitRecordError naming it when it is there but does not read; SignatureError when
+    `keyring` is given and the record is not signed by one of its keys."""
     store, rel = locate_step(where, step)
     data = _read_bytes(store, rel)
-    return None if data is None else parse_commit_record(data, _record_uri(store, rel))
+    return None if data is None else _parse_trusted(data, store, rel, keyring)
 
 
-def read_commit_record(where: Where, step: int | None = None) -> CommitRecord:
+def read_commit_record(
+    where: Where, step: int | None = None, keyring: Keyring | None = None
+) -> CommitRecord:
     """Read and validate the step's commit record.
 
     Raises CommitRecordError naming the path when the record is missing, unparsable, or of
-    a format version this code does not know.
+    a format version this code does not know; SignatureError when `keyring` is given and
+    the record is unsigned or signed with a key it does not hold.
     """
     store, rel = locate_step(where, step)
     data = _read_bytes(store, rel)
@@ -149,11 +164,54 @@ def read_commit_record(where: Where, step: int | None = None) -> CommitRecord:
             f"{COMMIT_RECORD_FILENAME} is missing (the save did not finish on every rank, or "
             "the step is being deleted)"
         )
-    return parse_commit_record(data, _record_uri(store, rel))
+    return _parse_trusted(data, store, rel, keyring)
 
 
 def _record_uri(store: Store, rel: str) -> str:
     return store.uri(rel, COMMIT_RECORD_FILENAME)
+
+
+def _parse_trusted(data: bytes, store: Store, rel: str, keyring: Keyring | None) -> CommitRecord:
+    """The record's signature checked first (with a keyring), then the record parsed."""
+    check_record_signature(data, keyring, store.uri(rel))
+    return parse_commit_record(data, _record_uri(store, rel))
+
+
+def record_object(record: CommitRecord) -> dict:
+    """The record as the JSON object its bytes hold (what a signature covers)."""
+    return json.loads(encode_commit_record(record))
+
+
+def sign_record(record: CommitRecord, keyring: Keyring | None) -> CommitRecord:
+    """`record` signed by the keyring's first key (store/signing.py); itself without one."""
+    if keyring is None:
+        return record
+    unsigned = dataclasses.replace(record, signature=None)
+    return dataclasses.replace(record, signature=keyring.sign(record_object(unsigned)))
+
+
+def check_record_signature(data: bytes, keyring: Keyring | None, step_uri: str) -> None:
+    """With a keyring, raise SignatureError unless the record bytes `data` of the step at
+    `step_uri` are signed by one of its keys: one line naming the step, "unsigned" or
+    "signed with another key", never a key or a MAC. Bytes that are no JSON object pass
+    here: parsing them says what is wrong. Nothing else of the step is read first."""
+    if keyring is None:
+        return
+    try:
+        raw = json.loads(data)
+    except ValueError:
+        return
+    if not isinstance(raw, dict):
+        return
+    problem = signature_problem(raw, keyring)
+    if problem is not None:
+        error = SignatureError(
+            f"step {step_uri} is refused: its commit record {COMMIT_RECORD_FILENAME} is "
+            f"{problem}, and checkpoint.signing accepts only key ids "
+            f"{', '.join(keyring.key_ids)}; none of its other files was read"
+        )
+        error.reason = problem
+        raise error
 
 
 def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
@@ -191,6 +249,8 @@ def _type_problem(record: CommitRecord) -> str | None:
         return f"unknown checksum algorithm {record.checksum_algorithm!r}"
     if not isinstance(record.committed_at, (int, float)):
         return f"committed_at {record.committed_at!r} is not a timestamp"
+    if record.signature is not None and not isinstance(record.signature, dict):
+        return "signature is not an object"
     for entry in record.files:
         if not (
             isinstance(entry.path, str)
@@ -213,19 +273,20 @@ def _inside_the_step(path: str) -> bool:
     )
 
 
-def is_committed(where: Where, step: int | None = None) -> bool:
-    """Whether the step holds a readable commit record of a known version."""
+def is_committed(where: Where, step: int | None = None, keyring: Keyring | None = None) -> bool:
+    """Whether the step holds a readable commit record of a known version (signed by one of
+    the keyring's keys, with one)."""
     try:
-        return find_commit_record(where, step) is not None
+        return find_commit_record(where, step, keyring) is not None
     except CommitRecordError:
         return False
 
 
-def committed_steps(where: Where) -> list[int]:
+def committed_steps(where: Where, keyring: Keyring | None = None) -> list[int]:
     """Steps of the store (or local root) whose commit record is readable, oldest first. A
-    corrupt record does not count: such a step is never resumed from, nor counted toward
-    "keep N"."""
-    return list(read_step_states(where).committed)
+    corrupt record (or, with a keyring, one not signed by its keys) does not count: such a
+    step is never resumed from, nor counted toward "keep N"."""
+    return list(read_step_states(where, keyring).committed)
 
 
 @dataclass(frozen=True)
@@ -234,16 +295,18 @@ class StepStates:
 
     committed: tuple[int, ...]  # a readable record
     uncommitted: tuple[int, ...]  # no record
-    unreadable: tuple[int, ...]  # a record that does not read: neither counted nor deleted
+    # A record that does not read (or, with a keyring, is not signed by one of its keys):
+    # neither counted nor deleted.
+    unreadable: tuple[int, ...]
 
 
-def read_step_states(where: Where) -> StepStates:
+def read_step_states(where: Where, keyring: Keyring | None = None) -> StepStates:
     """Read every step's commit record (a record that does not read is logged)."""
     store = as_store(where)
     found: dict[str, list[int]] = {"committed": [], "uncommitted": [], "unreadable": []}
     for step in store.list_steps():
         try:
-            state = "committed" if find_commit_record(store, step) else "uncommitted"
+            state = "committed" if find_commit_record(store, step, keyring) else "uncommitted"
         except CommitRecordError as exc:
             logger.warning("step %d of %s is not counted as committed: %s", step, store.url, exc)
             state = "unreadable"
@@ -251,16 +314,17 @@ def read_step_states(where: Where) -> StepStates:
     return StepStates(**{state: tuple(steps) for state, steps in found.items()})
 
 
-def newest_committed(where: Where) -> tuple[int, bytes] | None:
-    """The newest step whose commit record reads (what a resume would load), with the
-    record's bytes; None when there is none. Reads records newest first, and stops there."""
+def newest_committed(where: Where, keyring: Keyring | None = None) -> tuple[int, bytes] | None:
+    """The newest step whose commit record reads (and, with a keyring, is signed by one of
+    its keys): what a resume would load, with the record's bytes; None when there is none.
+    Reads records newest first, and stops there."""
     store = as_store(where)
     for step in reversed(store.list_steps()):
         try:
             data = read_record_bytes(store, step)
             if data is None:
                 continue
-            parse_commit_record(data, store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME)))
+            _parse_trusted(data, store, store.step_rel(step), keyring)
         except CommitRecordError as exc:
             logger.warning("skipping step %d of %s: %s", step, store.url, exc)
             continue

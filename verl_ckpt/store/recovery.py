@@ -6,7 +6,9 @@ tracker forward to the newest committed step. The commit record is the commit po
 committed step newer than the tracker can only be a commit interrupted before the tracker
 moved (the finalizer killed, or the whole job); rolling forward completes it. Both the
 driver (before Ray starts) and the finalizer (at every start, restarts included) run it, on
-the root and on a remote tier alike.
+the root and on a remote tier alike. With a keyring (checkpoint.signing, store/signing.py), a
+step whose record is not signed by one of its keys counts as unreadable: never rolled
+forward to, never resumed from.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from verl_ckpt.store.commit_record import newest_committed, read_step_states
 from verl_ckpt.store.layout import TRACKER_FILENAME
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.rollback import complete_interrupted_rollback, read_rollback_intent
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import read_tracker, write_tracker
 
 __all__ = ["RootState", "read_root_state", "recover_root", "roll_tracker_forward"]
@@ -41,6 +44,8 @@ class RootState:
     # The target of a rollback that was interrupted; recovery completes it.
     rollback_to: int | None = None
     store: Store | None = field(default=None, compare=False, repr=False)
+    # The keys its records were checked with (checkpoint.signing); later reads use them too.
+    keyring: Keyring | None = field(default=None, compare=False, repr=False)
 
     @property
     def root(self) -> Path:
@@ -65,11 +70,12 @@ class RootState:
         return tuple(step for step in self.committed if step <= self.rollback_to)
 
 
-def read_root_state(where: Where) -> RootState:
-    """The tracker, committed and uncommitted steps, and any interrupted rollback."""
+def read_root_state(where: Where, keyring: Keyring | None = None) -> RootState:
+    """The tracker, committed and uncommitted steps, and any interrupted rollback. With a
+    keyring, a step whose record it does not verify counts as uncommitted."""
     store = as_store(where)
     intent = read_rollback_intent(store)
-    states = read_step_states(store)
+    states = read_step_states(store, keyring)
     return RootState(
         store.url,
         read_tracker(store),
@@ -77,15 +83,19 @@ def read_root_state(where: Where) -> RootState:
         tuple(sorted(states.uncommitted + states.unreadable)),
         intent.to if intent is not None else None,
         store,
+        keyring,
     )
 
 
-def roll_tracker_forward(where: Where, replace_unreadable: bool = False) -> int | None:
+def roll_tracker_forward(
+    where: Where, replace_unreadable: bool = False, keyring: Keyring | None = None
+) -> int | None:
     """Point the tracker at the newest committed step when it names an older one (or none):
     a commit interrupted between its record and the tracker. Deletes nothing. Returns what
     the tracker names. An unreadable tracker raises TrackerError (a start never takes it as
     none), unless `replace_unreadable` (the finalizer's remote tier, which replaces one
-    damaged while jobs run, as its next commit would)."""
+    damaged while jobs run, as its next commit would). With a keyring, only a step whose
+    record it verifies is rolled forward to (a planted step is skipped, logged)."""
     store = as_store(where)
     try:
         tracker = read_tracker(store)
@@ -94,7 +104,7 @@ def roll_tracker_forward(where: Where, replace_unreadable: bool = False) -> int 
             raise
         logger.warning("unreadable tracker (replaced now): %s", exc)
         tracker = None
-    newest = newest_committed(store)
+    newest = newest_committed(store, keyring)
     if newest is None or (tracker is not None and tracker >= newest[0]):
         return tracker
     logger.warning(
@@ -108,7 +118,7 @@ def roll_tracker_forward(where: Where, replace_unreadable: bool = False) -> int 
     return newest[0]
 
 
-def recover_root(where: Where) -> RootState:
+def recover_root(where: Where, keyring: Keyring | None = None) -> RootState:
     """Bring the store to a consistent state (see the module docstring); return it."""
     store = as_store(where)
     if complete_interrupted_rollback(store) is not None:
@@ -116,5 +126,5 @@ def recover_root(where: Where) -> RootState:
     # A crash inside the tracker's atomic write leaves only a temporary file; the tracker
     # itself holds the old or the new step (the rename is atomic).
     store.clear_temporaries(TRACKER_FILENAME)
-    roll_tracker_forward(store)
-    return read_root_state(store)
+    roll_tracker_forward(store, keyring=keyring)
+    return read_root_state(store, keyring)

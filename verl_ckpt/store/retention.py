@@ -13,6 +13,7 @@ from verl_ckpt.store.base import Store
 from verl_ckpt.store.commit_record import StepStates, locate_step, read_step_states
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_of_dir
 from verl_ckpt.store.open_store import Where, as_store
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import tracker_or_none
 
 __all__ = [
@@ -77,17 +78,23 @@ class RetentionOutcome:
 
 
 def apply_retention(
-    where: Where, keep: int | None, protected: Iterable[int] = (), dry_run: bool = False
+    where: Where,
+    keep: int | None,
+    protected: Iterable[int] = (),
+    dry_run: bool = False,
+    keyring: Keyring | None = None,
 ) -> RetentionOutcome:
     """Step 7 (11 on a remote tier), after a commit only: finish earlier half-done
     deletions, then delete committed steps beyond the newest `keep`. Never the tracker's
     target nor a `protected` step (in flight). Only steps whose record reads are committed:
     one whose record does not read is neither counted toward `keep` nor deleted. Failures
     are collected, not raised: retention failing never un-commits the step that triggered
-    it, and the next commit retries. `dry_run`: decide, delete nothing."""
+    it, and the next commit retries. `dry_run`: decide, delete nothing. With a keyring
+    (checkpoint.signing), a step whose record it does not verify counts as unreadable: a
+    planted step takes no place of `keep`, and is not deleted either."""
     store = as_store(where)
     outcome = RetentionOutcome()
-    states = read_step_states(store)
+    states = read_step_states(store, keyring)
     outcome.unreadable = list(states.unreadable)
     protected = set(protected) | set(states.unreadable)
     tracker = tracker_or_none(store)

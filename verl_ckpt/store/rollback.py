@@ -63,6 +63,7 @@ from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.retention import delete_step
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import read_tracker, write_tracker
 
 __all__ = [
@@ -210,10 +211,13 @@ def refuse_while_rollback_pending(root: Where) -> None:
         )
 
 
-def plan_rollback(where: Where, to_step: int, delete: bool = False) -> RollbackIntent:
+def plan_rollback(
+    where: Where, to_step: int, delete: bool = False, keyring: Keyring | None = None
+) -> RollbackIntent:
     """What rolling the root back to `to_step` would do; changes nothing.
 
-    Refused (naming the path) when `to_step` is not a committed step, when the tracker is
+    Refused (naming the path) when `to_step` is not a committed step (with a keyring, of
+    checkpoint.signing: one whose record it verifies), when the tracker is
     unreadable, when a rollback to another step is pending, or without `delete` on a store
     that cannot rename. A pending rollback to the same step is returned as it was journaled
     (with its own `delete`): executing it completes it.
@@ -231,7 +235,7 @@ def plan_rollback(where: Where, to_step: int, delete: bool = False) -> RollbackI
         )
     where_text = store.uri(store.step_rel(to_step))
     try:
-        record = read_commit_record(store, to_step)
+        record = read_commit_record(store, to_step, keyring)
     except CommitRecordError as exc:
         raise CommitRecordError(f"cannot roll back to step {to_step}: {exc}") from None
     if record.step != to_step:
