@@ -22,14 +22,18 @@ __all__ = [
 ]
 
 
-def escaped(text: object) -> str:
+def escaped(text: object, keep_newlines: bool = False) -> str:
     """`text` with its control characters escaped as repr escapes them (`\\x1b`, `\\n`),
     unquoted: names read from a root are printed through this, so that a role or a key
-    holding terminal escapes cannot rewrite the terminal."""
+    holding terminal escapes cannot rewrite the terminal. `keep_newlines` for a message of
+    ours that has several lines."""
     text = str(text)
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return "".join(
+        ch if ch.isprintable() or (keep_newlines and ch == "\n") else repr(ch)[1:-1]
+        for ch in text
+    )
 
 
 def human_bytes(n: float) -> str:

@@ -157,8 +157,16 @@ def write_in_place(path: str | os.PathLike, data: bytes, fsync: bool = False) ->
 
 
 def make_dir(path: str | os.PathLike, parents: bool = False, exist_ok: bool = False) -> None:
-    """Create the directory `path` with DIR_MODE (its missing parents too, with `parents`)."""
-    Path(path).mkdir(mode=DIR_MODE, parents=parents, exist_ok=exist_ok)
+    """Create the directory `path` with DIR_MODE, and its missing parents too with `parents`
+    (Path.mkdir would give those the default mode, as `mkdir -p` does)."""
+    path = Path(path)
+    if parents and not path.parent.is_dir() and path.parent != path:
+        make_dir(path.parent, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:
+        if not (exist_ok and path.is_dir()):
+            raise
 
 
 def open_regular(path: str | os.PathLike) -> int:
