@@ -31,8 +31,7 @@ def escaped(text: object, keep_newlines: bool = False) -> str:
     if text.isprintable():
         return text
     return "".join(
-        ch if ch.isprintable() or (keep_newlines and ch == "\n") else repr(ch)[1:-1]
-        for ch in text
+        ch if ch.isprintable() or (keep_newlines and ch == "\n") else repr(ch)[1:-1] for ch in text
     )
 
 
