@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.store.base import PartPool, Publisher, Store
-from verl_ckpt.store.fsio import FileTooLarge, atomic_write_bytes
+from verl_ckpt.store.fsio import FileTooLarge, atomic_write_bytes, make_dir
 from verl_ckpt.store.fsspec_publish import MultipartUpload, OnePut, S3PartPool, StreamedObject
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
@@ -147,7 +147,7 @@ class FsspecStore(Store):
 
         def put() -> None:
             if self.is_local:
-                os.makedirs(os.path.dirname(self.key(rel)), exist_ok=True)
+                make_dir(os.path.dirname(self.key(rel)), parents=True, exist_ok=True)
                 atomic_write_bytes(self.key(rel), data, before_replace=before_replace)
                 return
             if before_replace is not None:
@@ -262,7 +262,7 @@ def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> 
 
     def write_and_remove() -> None:
         if store.is_local:
-            os.makedirs(store.path, exist_ok=True)
+            make_dir(store.path, parents=True, exist_ok=True)
         store.fs.pipe_file(store.key(probe), b"probe")
         store.remove(probe)
 
