@@ -427,3 +427,21 @@ def test_an_export_record_of_the_usual_shape_still_verifies(tmp_path):
     write_export_record(directory, ExportRecord(2, "actor", "GPT2LMHeadModel", [entry]))
     record, problems = verify_export(directory)
     assert problems == [] and record is not None and record.format_version == EXPORT_FORMAT_VERSION
+
+
+@pytest.mark.timeout(30)
+def test_a_download_of_a_fifo_in_a_file_tier_is_refused_not_waited_on(tmp_path):
+    tier = FsspecStore(f"file://{tmp_path / 'remote'}")
+    source = tmp_path / "source"
+    record = committed_step(source, 5)
+    remote = tmp_path / "remote" / "global_step_5"
+    (remote / "actor").mkdir(parents=True)
+    os.mkfifo(remote / "actor/__0_0.distcp")
+    (remote / "driver_state.pt").write_bytes((step_dir(source, 5) / "driver_state.pt").read_bytes())
+    (remote / COMMIT_RECORD_FILENAME).write_bytes(
+        (step_dir(source, 5) / COMMIT_RECORD_FILENAME).read_bytes()
+    )
+    assert {e.path for e in record.files} == {"actor/__0_0.distcp", "driver_state.pt"}
+    with pytest.raises(Exception, match="regular file"):
+        pull_step(tier, 5, tmp_path / "dest", 2, 20)
+    assert not step_dir(tmp_path / "dest", 5).exists()

@@ -189,6 +189,8 @@ def open_regular(path: str | os.PathLike) -> int:
             raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
         if not stat.S_ISREG(mode):
             raise NotARegularFile(0, "not a regular file", str(path))
+        # A regular file: reads block as usual again (some network filesystems honour it).
+        os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise

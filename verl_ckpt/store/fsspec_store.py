@@ -32,7 +32,13 @@ from typing import Any, BinaryIO, TypeVar
 
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.store.base import PartPool, Publisher, Store
-from verl_ckpt.store.fsio import FileTooLarge, atomic_write_bytes, make_dir
+from verl_ckpt.store.fsio import (
+    FileTooLarge,
+    atomic_write_bytes,
+    make_dir,
+    open_regular,
+    read_regular,
+)
 from verl_ckpt.store.fsspec_publish import MultipartUpload, OnePut, S3PartPool, StreamedObject
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
@@ -123,6 +129,8 @@ class FsspecStore(Store):
 
     def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         def read() -> bytes | None:
+            if self.is_local:  # file://: a regular file only, as on a local root
+                return read_regular(self.key(rel), max_bytes)
             try:
                 if max_bytes is None:
                     return self.fs.cat_file(self.key(rel))
@@ -197,6 +205,8 @@ class FsspecStore(Store):
         return step_name(step)  # no cheap rename: the record goes first (retention.py)
 
     def open_read(self, rel: str) -> BinaryIO:
+        if self.is_local:  # file://: a regular file only (a FIFO would hang the transfer)
+            return open(open_regular(self.key(rel)), "rb")
         return self.fs.open(self.key(rel), "rb", block_size=_READ_BLOCK)
 
     def open_publish(
