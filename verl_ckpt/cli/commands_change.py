@@ -16,6 +16,7 @@ from verl_ckpt.protocol.errors import CheckpointConfigError, TrackerError
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.commit_record import is_committed, newest_committed, read_commit_record
+from verl_ckpt.store.fsio import make_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.rollback import (
@@ -164,7 +165,7 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
             raise CliError(f"{store.url} holds no committed step", EXIT_BAD_CHECKPOINT)
         step = newest[0]
     root = Path(args.dest).resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    make_dir(root, parents=True, exist_ok=True)
     destination = LocalStore(root)
     with locked(destination, "verl-ckpt pull"):
         summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S, keyring=args.keyring)

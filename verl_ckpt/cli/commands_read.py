@@ -13,6 +13,7 @@ from pathlib import Path
 
 from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, CliError, pick_step
 from verl_ckpt.cli.output import (
+    escaped,
     human_age,
     human_bytes,
     inspection_output,
@@ -190,7 +191,7 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     status = print_verify_verdict(step, record, problems, speed)
     if status == 0:
         for line in exports:
-            print(line)
+            print(escaped(line))  # an export record's architecture is data from the root
     return status
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from verl_ckpt.cli.commands_change import cmd_export, cmd_prune, cmd_pull, cmd_rollback
 from verl_ckpt.cli.commands_read import cmd_inspect, cmd_ls, cmd_verify
 from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, EXIT_USAGE, CliError, open_root
+from verl_ckpt.cli.output import escaped
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
@@ -279,8 +280,10 @@ def _keyring(args: argparse.Namespace) -> None:
 
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        # "verl-ckpt: error: ...", the same shape as argparse's usage errors.
-        return f"verl-ckpt: {record.levelname.lower()}: {record.getMessage()}"
+        # "verl-ckpt: error: ...", the same shape as argparse's usage errors. Escaped: a
+        # message may quote names read from a root (terminal escapes, newlines).
+        message = escaped(record.getMessage(), keep_newlines=True)
+        return f"verl-ckpt: {record.levelname.lower()}: {message}"
 
 
 def _configure_logging(verbose: bool) -> None:

@@ -13,12 +13,26 @@ from verl_ckpt.store.commit_record import CommitRecord
 from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
 __all__ = [
+    "escaped",
     "human_age",
     "human_bytes",
     "inspection_output",
     "print_table",
     "print_verify_verdict",
 ]
+
+
+def escaped(text: object, keep_newlines: bool = False) -> str:
+    """`text` with its control characters escaped as repr escapes them (`\\x1b`, `\\n`),
+    unquoted: names read from a root are printed through this, so that a role or a key
+    holding terminal escapes cannot rewrite the terminal. `keep_newlines` for a message of
+    ours that has several lines."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() or (keep_newlines and ch == "\n") else repr(ch)[1:-1] for ch in text
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -37,6 +51,7 @@ def human_age(seconds: float) -> str:
 
 
 def print_table(rows: list[tuple[str, ...]], right: frozenset[int] = frozenset()) -> None:
+    rows = [tuple(escaped(cell) for cell in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [
@@ -51,7 +66,7 @@ def print_verify_verdict(step: int, record: CommitRecord, problems: list[str], s
     if problems:
         print(f"FAILED step {step}: {len(problems)} problem(s) in {len(record.files)} files")
         for problem in problems:
-            print(problem)
+            print(escaped(problem))
         return EXIT_BAD_CHECKPOINT
     total = sum(entry.size for entry in record.files)
     print(f"OK step {step}: {len(record.files)} files, {total} bytes verified{speed}")
@@ -91,10 +106,16 @@ def inspection_output(
 def _print_inspection(
     root: str, step_location: str, record: CommitRecord, roles: dict[str, list[TensorEntry]]
 ) -> None:
-    print(f"step {record.step} under {root}: committed, format version {record.format_version}")
-    print("participants: " + ", ".join(f"{r} x{n}" for r, n in sorted(record.participants.items())))
+    print(
+        f"step {record.step} under {escaped(root)}: committed, format version "
+        f"{record.format_version}"
+    )
+    print(
+        "participants: "
+        + ", ".join(f"{escaped(r)} x{n}" for r, n in sorted(record.participants.items()))
+    )
     for role, entries in roles.items():
-        print(f"\nrole {role} ({step_location}/{role}):")
+        print(f"\nrole {escaped(role)} ({escaped(step_location)}/{escaped(role)}):")
         rows = [("  KEY", "DTYPE", "SHAPE", "BYTES")]
         for e in entries:
             shape = str(e.shape) if e.kind == "tensor" else "-"
@@ -108,4 +129,4 @@ def _print_inspection(
         )
     for entry in record.files:
         if entry.path == DRIVER_STATE_FILENAME:
-            print(f"\ndriver state: {entry.path}, {entry.size} bytes")
+            print(f"\ndriver state: {escaped(entry.path)}, {entry.size} bytes")

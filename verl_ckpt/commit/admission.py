@@ -20,6 +20,7 @@ from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.event_loop import TaskSet
 from verl_ckpt.store.commit_record import is_committed
+from verl_ckpt.store.fsio import make_dir, write_in_place
 from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
 from verl_ckpt.store.retention import delete_step
 
@@ -102,10 +103,10 @@ class Admission:
         if begun is not Begun.JOINED:
             raise CheckpointError(self._refusal(step, role, rank, begun))
         if status is None and self._run_id is not None:
-            path.mkdir(parents=True, exist_ok=True)
+            make_dir(path, parents=True, exist_ok=True)
             _mark_run(path, self._run_id)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
-        target.mkdir(parents=True, exist_ok=True)
+        make_dir(target, parents=True, exist_ok=True)
         if role != DRIVER_ROLE:
             # The role's `.metadata` is made now, while its ranks write, if it can be
             # foreseen; the commit checks it against what the ranks then report.
@@ -217,7 +218,7 @@ def steps_lost_in_a_restart(root: Path, uncommitted: list[int], run_id: str | No
 def _mark_run(path: Path, run_id: str) -> None:
     """Mark a step directory as opened by this job (a hint for a restart, not fsynced: a
     crash that loses it takes the whole job with it)."""
-    (path / RUN_MARKER_FILENAME).write_text(run_id)
+    write_in_place(path / RUN_MARKER_FILENAME, run_id.encode())
 
 
 def _run_of(path: Path) -> str | None:

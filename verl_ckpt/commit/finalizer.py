@@ -30,7 +30,7 @@ from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
 from verl_ckpt.store.commit_record import committed_steps
-from verl_ckpt.store.fsio import atomic_write_bytes
+from verl_ckpt.store.fsio import atomic_write_bytes, make_dir
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
 from verl_ckpt.store.recovery import recover_root
 from verl_ckpt.store.signing import Keyring
@@ -69,7 +69,7 @@ class CheckpointFinalizer:
         # megatron-core: nothing the finalizer unpickles or writes needs it (torch_dist_dir).
         import verl_ckpt.format.torch_dist_dir  # noqa: F401
 
-        self._root.mkdir(parents=True, exist_ok=True)
+        make_dir(self._root, parents=True, exist_ok=True)
         # Recovery rolls an interrupted commit forward and deletes nothing (retention runs
         # only after a new commit). The run id is this job's finalizer, whatever its restarts
         # (Ray passes a restarted actor the same arguments): begin_step marks the steps it

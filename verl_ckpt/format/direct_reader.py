@@ -48,6 +48,9 @@ from torch.futures import Future
 
 from verl_ckpt.format.safe_reader import SafeFileSystemReader
 from verl_ckpt.format.torch_format import BlobLayout, whole_tensor_blob_layout
+from verl_ckpt.protocol.errors import CheckpointError
+from verl_ckpt.store.fsio import open_regular
+from verl_ckpt.store.layout import checked_relative_path
 
 __all__ = ["DirectFileSystemReader"]
 
@@ -196,8 +199,13 @@ class DirectFileSystemReader(SafeFileSystemReader):
         # In file order: the plan lists tensors in state-dict order, which the writer's split
         # by size does not keep.
         reads.sort(key=lambda read: read.info.offset)
+        # The name comes from `.metadata`, data from the root: it must stay below the role's
+        # directory, and only a regular file is read (a FIFO would hang the load).
+        checked_relative_path(
+            relative_path, f"{self.path}/.metadata: a storage file name", CheckpointError
+        )
         path = self.fs.concat_path(self.path, relative_path)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             for run in _runs_of_templated_blobs(reads):
                 _read_run(fd, run)

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir
+from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir, write_in_place
 
 __all__ = [
     "BACKEND",
@@ -76,10 +76,9 @@ def complete_role_dir(checkpoint_dir: Path, metadata_file: bytes) -> None:
     """
     # Temporary file, fsync, rename, directory fsync: as DCP's finish writes it, and durable.
     atomic_write_bytes(checkpoint_dir / ".metadata", metadata_file)
-    with open(checkpoint_dir / "metadata.json", "w") as f:
-        json.dump(CHECKPOINTING_CONFIG, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_in_place(
+        checkpoint_dir / "metadata.json", json.dumps(CHECKPOINTING_CONFIG).encode(), fsync=True
+    )
     fsync_dir(checkpoint_dir)
 
 

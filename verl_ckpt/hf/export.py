@@ -44,7 +44,7 @@ from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError, CommitRecordError
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
-from verl_ckpt.store.fsio import fsync_dir
+from verl_ckpt.store.fsio import fsync_dir, make_dir
 from verl_ckpt.store.layout import DRIVER_ROLE
 from verl_ckpt.store.verification import verify_files
 
@@ -117,7 +117,7 @@ def export_role(
         _remove_stale_temporaries(target)
     tmp = target.with_name(f".{target.name}.tmp.{uuid.uuid4().hex[:12]}")
     try:
-        tmp.mkdir(parents=True)
+        make_dir(tmp, parents=True)
         files = _write_weights(tmp, role_dir, tensors, rules, mapping.name, max_shard_bytes)
         dtype = _dominant_dtype(tensors, rules)
         config = json.dumps(mapping.hf_config(spec, dtype), indent=2, sort_keys=True).encode()

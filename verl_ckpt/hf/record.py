@@ -17,12 +17,20 @@ from pathlib import Path
 from verl_ckpt.protocol.errors import CommitRecordError
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.commit_record import FileEntry
-from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, atomic_write_bytes, file_checksum
+from verl_ckpt.store.fsio import (
+    CHECKSUM_ALGORITHM,
+    FileTooLarge,
+    atomic_write_bytes,
+    file_checksum,
+    read_regular,
+)
+from verl_ckpt.store.layout import checked_relative_path
 
 __all__ = [
     "EXPORT_DIRNAME",
     "EXPORT_FORMAT_VERSION",
     "EXPORT_RECORD_FILENAME",
+    "EXPORT_RECORD_MAX_BYTES",
     "ExportRecord",
     "describe_context_length",
     "export_dir",
@@ -34,6 +42,8 @@ __all__ = [
 EXPORT_DIRNAME = "huggingface"
 EXPORT_RECORD_FILENAME = "verl_ckpt_export.json"
 EXPORT_FORMAT_VERSION = 1
+# An export lists a few dozen files: a larger record is refused unread.
+EXPORT_RECORD_MAX_BYTES = 4 << 20
 
 
 @dataclass
@@ -73,22 +83,46 @@ def read_export_record(directory: Path) -> ExportRecord:
     """The record of the export in `directory`; CommitRecordError naming the file."""
     path = Path(directory) / EXPORT_RECORD_FILENAME
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        # Bounded, and a regular file only (never a FIFO or a device planted in its place).
+        data = read_regular(path, EXPORT_RECORD_MAX_BYTES)
+    except FileTooLarge:
         raise CommitRecordError(
-            f"{path} is missing: {directory} is not a complete Hugging Face export "
-            "(run `verl-ckpt export` again)"
+            f"export record {path} is larger than {EXPORT_RECORD_MAX_BYTES} bytes; not read"
         ) from None
     except OSError as exc:
         raise CommitRecordError(f"export record {path} is unreadable: {exc}") from None
+    if data is None:
+        raise CommitRecordError(
+            f"{path} is missing: {directory} is not a complete Hugging Face export "
+            "(run `verl-ckpt export` again)"
+        )
     raw = parse_versioned_json(
         data, f"export record {path}", EXPORT_FORMAT_VERSION, CommitRecordError
     )
     try:
         files = [FileEntry(**entry) for entry in raw.pop("files")]
-        return ExportRecord(files=files, **raw)
+        record = ExportRecord(files=files, **raw)
     except (TypeError, KeyError, AttributeError) as exc:
         raise CommitRecordError(f"export record {path} is malformed: {exc}") from None
+    _check_names(record, path)
+    return record
+
+
+def _check_names(record: ExportRecord, path: Path) -> None:
+    """Every file the record names stays below the export directory, and prints safely: a
+    record is data from a disk, and verify hashes what it names."""
+    for entry in record.files:
+        if not isinstance(entry, FileEntry) or not isinstance(entry.size, int):
+            raise CommitRecordError(f"export record {path} is malformed: file entry {entry!r}")
+        checked_relative_path(
+            entry.path,
+            f"export record {path} is malformed: a file path leaves the export directory or is "
+            "unsafe",
+            CommitRecordError,
+        )
+    checked_relative_path(
+        record.role, f"export record {path} is malformed: the role name", CommitRecordError
+    )
 
 
 def verify_export(directory: Path) -> tuple[ExportRecord | None, list[str]]:

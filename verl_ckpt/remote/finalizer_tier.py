@@ -23,7 +23,7 @@ from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.tier import commit_remote_step, withdraw_other_remote_record
-from verl_ckpt.store.commit_record import committed_steps, is_committed
+from verl_ckpt.store.commit_record import COMMIT_RECORD_MAX_BYTES, committed_steps, is_committed
 from verl_ckpt.store.fsspec_store import call_with_deadline, describe_store_error
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.store.open_store import open_store
@@ -332,7 +332,10 @@ class RemoteTier:
             rel = f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
             try:
                 local, remote = await asyncio.to_thread(
-                    lambda: (record.read_bytes(), self._store.read_bytes(rel))
+                    lambda: (
+                        record.read_bytes(),
+                        self._store.read_bytes(rel, COMMIT_RECORD_MAX_BYTES),
+                    )
                 )
             except Exception:  # noqa: BLE001 - unreadable: upload it again
                 return True

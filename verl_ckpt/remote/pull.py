@@ -31,7 +31,7 @@ from verl_ckpt.store.commit_record import (
     parse_commit_record,
     read_record_bytes,
 )
-from verl_ckpt.store.fsio import fsync_dir
+from verl_ckpt.store.fsio import fsync_dir, make_dir
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import delete_step
@@ -108,13 +108,17 @@ def stage_step(
         )
     # The signature before anything else of the step is read (module docstring).
     check_record_signature(data, keyring, store.uri(target.name))
+    # Its names are checked there (store/layout.py relative_path_problem): every file lands
+    # below the staging directory.
     record = parse_commit_record(data, store.uri(record_rel))
     if record.step != step:
         raise CommitRecordError(f"{store.uri(record_rel)} names step {record.step}, not {step}")
     staging = root / f"{PULLING_PREFIX}{target.name}"
-    if staging.exists():
+    if staging.is_symlink():
+        staging.unlink()  # only the link is the root's: never followed
+    elif staging.exists():
         shutil.rmtree(staging)  # an earlier pull interrupted: never mixed with this one
-    staging.mkdir(parents=True)
+    make_dir(staging, parents=True)
     outcome = copy_files(
         staging,
         store,

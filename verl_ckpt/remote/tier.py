@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from verl_ckpt.protocol.errors import CheckpointError
 from verl_ckpt.remote.transfer import copy_files
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import parse_commit_record, read_record_bytes
+from verl_ckpt.store.commit_record import (
+    COMMIT_RECORD_MAX_BYTES,
+    parse_commit_record,
+    read_record_bytes,
+)
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.tracker import advance_tracker
@@ -101,7 +105,7 @@ def withdraw_other_remote_record(store: Store, step: int, record_bytes: bytes) -
     Its objects are replaced by the upload (or removed by retention). Returns whether it
     removed one."""
     rel = store.step_rel(step, COMMIT_RECORD_FILENAME)
-    remote = store.read_bytes(rel)
+    remote = store.read_bytes(rel, COMMIT_RECORD_MAX_BYTES)
     if remote is None or remote == record_bytes:
         return False
     logger.warning(

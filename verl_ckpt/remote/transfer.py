@@ -63,7 +63,8 @@ def copy_file(
 ) -> None:
     """Copy file `source_rel` (default `rel`) of the store `source`, or the local file
     `source`, to `rel` of `dest`, published only if its bytes match `entry` (else
-    ChecksumMismatch naming the source, and nothing is published). With `parts`
+    ChecksumMismatch naming the source, and nothing is published): exactly `entry.size`
+    bytes are read, a source shorter or longer is refused. With `parts`
     (dest.part_pool), the parts of a large file go in parallel on that pool."""
     if isinstance(source, Store):
         source_rel = rel if source_rel is None else source_rel
@@ -77,10 +78,17 @@ def copy_file(
         target = dest.open_publish(rel, entry.size, PART_SIZE, parts)
         try:
             hasher, size = new_hasher(algorithm), 0
-            while chunk := stream.read(PART_SIZE):
+            # Exactly the recorded size, then one byte more to prove the end: an object
+            # longer than its record (or endless, as a device would be) is never read on.
+            while size < entry.size and (chunk := stream.read(min(PART_SIZE, entry.size - size))):
                 hasher.update(chunk)
                 size += len(chunk)
                 target.write(chunk)
+            if size == entry.size and stream.read(1):
+                raise ChecksumMismatch(
+                    f"{source.uri(source_rel)}: longer than the recorded {entry.size} bytes; "
+                    "not copied"
+                )
             _check(source.uri(source_rel), entry, size, hasher.hexdigest())
             target.publish()
         except BaseException:

@@ -49,7 +49,7 @@ from typing import Protocol
 from verl_ckpt.protocol.config import CheckpointConfig
 from verl_ckpt.protocol.errors import CommitRecordError, ResumeVerificationError, TrackerError
 from verl_ckpt.store.commit_record import read_commit_record
-from verl_ckpt.store.fsio import fsync_dir
+from verl_ckpt.store.fsio import fsync_dir, make_dir
 from verl_ckpt.store.layout import step_dir, step_of_dir
 from verl_ckpt.store.recovery import RootState
 from verl_ckpt.store.signing import Keyring
@@ -178,7 +178,7 @@ def quarantine_step(root: Path, step: int) -> Path:
     atomic rename, made durable; return its new path. Nothing is deleted."""
     source = step_dir(root, step)
     quarantine = root / QUARANTINE_DIRNAME
-    quarantine.mkdir(exist_ok=True)
+    make_dir(quarantine, exist_ok=True)
     stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
     target = quarantine / f"{source.name}.{stamp}"
     suffix = 1

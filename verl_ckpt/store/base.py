@@ -23,14 +23,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import BinaryIO
 
+from verl_ckpt.store.fsio import NotARegularFile
 from verl_ckpt.store.layout import step_name
 
 __all__ = ["NotARegularFile", "PartPool", "Publisher", "Store"]
-
-
-class NotARegularFile(OSError):
-    """A read found something other than a regular file (a FIFO, a device) where a file is
-    expected: never read, since a FIFO would wait for a writer forever."""
 
 
 class Publisher(ABC):
@@ -86,9 +82,11 @@ class Store(ABC):
     # ---- reading -------------------------------------------------------------------------
 
     @abstractmethod
-    def read_bytes(self, rel: str) -> bytes | None:
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         """The whole file `rel`, or None when it does not exist. IsADirectoryError for a
-        directory, NotARegularFile for anything else that is not a file."""
+        directory, NotARegularFile for anything else that is not a file (a link included),
+        fsio.FileTooLarge when it holds more than `max_bytes` (the bound of a record's
+        kind: never read whole)."""
 
     @abstractmethod
     def exists(self, rel: str) -> bool:

@@ -17,20 +17,21 @@ import logging
 import time
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, SignatureError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_name
+from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, FileTooLarge
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, checked_relative_path, step_name
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.signing import SIGNATURE_FIELD, Keyring, signature_problem
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
+    "COMMIT_RECORD_MAX_BYTES",
     "CommitRecord",
     "FileEntry",
     "StepStates",
@@ -53,6 +54,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMMIT_FORMAT_VERSION = 1
+# A record is read only up to this: about 100 bytes per file, so room for 600,000 files
+# (4096 ranks of two roles with dozens of files each); a huge planted file is refused unread.
+COMMIT_RECORD_MAX_BYTES = 64 << 20
 
 
 @dataclass
@@ -125,9 +129,13 @@ def read_record_bytes(where: Where, step: int | None = None) -> bytes | None:
 def _read_bytes(store: Store, rel: str) -> bytes | None:
     name = f"{rel}/{COMMIT_RECORD_FILENAME}"
     try:
-        return store.read_bytes(name)
+        return store.read_bytes(name, COMMIT_RECORD_MAX_BYTES)
     except CheckpointError:
         raise  # a store call past its deadline (CommitTimeoutError): it says so itself
+    except FileTooLarge:
+        raise CommitRecordError(
+            f"{store.uri(name)} is larger than {COMMIT_RECORD_MAX_BYTES} bytes; not read"
+        ) from None
     except OSError as exc:
         raise CommitRecordError(
             f"{store.uri(name)} cannot be read: {exc.strerror or exc}"
@@ -228,7 +236,25 @@ def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
     problem = _type_problem(record)
     if problem:
         raise CommitRecordError(f"commit record {path} is malformed: {problem}")
+    _check_names(record, path)
     return record
+
+
+def _check_names(record: CommitRecord, path: str | Path) -> None:
+    """Every name the record gives (its files, its roles) stays below the step directory and
+    prints safely: a record is data from a disk or a bucket, and its names become file
+    operations (verify, pull, upload, retention, inspect's reads of a role's metadata)."""
+    for role in record.participants:
+        checked_relative_path(
+            role, f"commit record {path} is malformed: a role name is unsafe", CommitRecordError
+        )
+    for entry in record.files:
+        checked_relative_path(
+            entry.path,
+            f"commit record {path} is malformed: a file path leaves the step directory or is "
+            "unsafe",
+            CommitRecordError,
+        )
 
 
 def _is_int(value: object) -> bool:
@@ -259,18 +285,7 @@ def _type_problem(record: CommitRecord) -> str | None:
             and isinstance(entry.checksum, str)
         ):
             return f"file entry {entry!r} is not (path, size, checksum)"
-        if not _inside_the_step(entry.path):
-            return f"file entry path {entry.path!r} leaves the step directory"
     return None
-
-
-def _inside_the_step(path: str) -> bool:
-    """A relative path of files below the step directory: a record is data from a disk or a
-    bucket, and its paths become file operations (verify, pull, upload, retention)."""
-    parts = PurePosixPath(path).parts
-    return (
-        bool(parts) and not path.startswith(("/", "\\")) and ".." not in parts and "\0" not in path
-    )
 
 
 def is_committed(where: Where, step: int | None = None, keyring: Keyring | None = None) -> bool:

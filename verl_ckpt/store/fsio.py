@@ -1,14 +1,23 @@
-"""Durable file primitives: fsync of files and directories, atomic replace, checksums.
+"""Durable file primitives: fsync of files and directories, atomic replace, checksums, and
+files that cannot be redirected.
 
 The commit protocol is only as good as these: a rename is durable only once the directory
 holding it has been fsynced, and a file is durable only once its own bytes were fsynced.
+
+A root may be a filesystem others can write (docs/security.md): every file the project
+creates is created new (O_CREAT|O_EXCL|O_NOFOLLOW) under a random temporary name, with
+FILE_MODE, then renamed; a file opened in place is opened O_NOFOLLOW; a file read from a root
+is read only if it is a regular file (never a FIFO or a device), and records are read only
+up to a bound.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import queue
+import secrets
 import stat
 import sys
 import threading
@@ -23,20 +32,36 @@ from verl_ckpt.protocol.config import DEFAULT_EARLY_WRITEBACK_MB
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "DIR_MODE",
+    "FILE_MODE",
     "MAX_PAUSE_S",
     "SUPPORTED_CHECKSUMS",
     "ChecksummingWriter",
     "EarlyWriteback",
+    "FileTooLarge",
     "Gate",
+    "NotARegularFile",
     "RenameNotDurable",
     "WRITEBACK_EVERY",
     "atomic_write_bytes",
+    "create_new_file",
     "file_checksum",
     "fsync_dir",
+    "make_dir",
     "new_hasher",
+    "open_no_follow",
+    "open_regular",
+    "read_regular",
     "remove_stale_temporaries",
     "start_writeback",
+    "temporary_name",
+    "write_in_place",
 ]
+
+# Owner and group, never world-writable (nor world-readable: a checkpoint is a model). The
+# umask can only take more away.
+FILE_MODE = 0o640
+DIR_MODE = 0o750
 
 # The checksum detects truncation and bit flips; it is no defence against tampering. xxh3_64
 # runs at memory speed (several times zlib.crc32) and releases the GIL, so checksumming
@@ -88,6 +113,114 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+class NotARegularFile(OSError):
+    """A read found something other than a regular file (a FIFO, a device, a symbolic link)
+    where a file is expected: never read, since a FIFO would wait for a writer forever and
+    a device never end."""
+
+
+class FileTooLarge(OSError):
+    """A record is larger than its kind's bound: never read whole (a huge file planted in a
+    root must not cost minutes and the memory of every start)."""
+
+
+def temporary_name(path: str | os.PathLike, tag: str | None = None) -> Path:
+    """A fresh temporary name beside `path`: `.<name>.tmp.[<tag>.]<random>`. Random, so that
+    nobody can plant a file or a link there in advance; `remove_stale_temporaries` knows it."""
+    path = Path(path)
+    middle = f"{tag}." if tag else ""
+    return path.with_name(f".{path.name}.tmp.{middle}{secrets.token_hex(8)}")
+
+
+def open_no_follow(path: str | os.PathLike, flags: int, mode: int = FILE_MODE) -> int:
+    """os.open with O_NOFOLLOW and O_CLOEXEC: a symbolic link planted at `path` is refused
+    (ELOOP) rather than followed to the file it names. For files opened in place (the root
+    lock); a created file gets `mode`."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def create_new_file(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
+    """A descriptor, open for writing, of a file created new at `path` (FileExistsError when
+    anything, a link included, is there already)."""
+    return open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+
+
+def write_in_place(path: str | os.PathLike, data: bytes, fsync: bool = False) -> None:
+    """Write `data` as the whole file `path`, opened in place without following a link
+    (for small files whose readers tolerate a partial one: markers, metadata.json); fsynced
+    with `fsync`."""
+    with open(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def make_dir(path: str | os.PathLike, parents: bool = False, exist_ok: bool = False) -> None:
+    """Create the directory `path` with DIR_MODE, and its missing parents too with `parents`
+    (Path.mkdir would give those the default mode, as `mkdir -p` does)."""
+    path = Path(path)
+    if parents and not path.parent.is_dir() and path.parent != path:
+        make_dir(path.parent, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=DIR_MODE)
+    except FileExistsError:
+        if not (exist_ok and path.is_dir()):
+            raise
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of the regular file at `path`, never of anything else.
+
+    Opened O_NOFOLLOW|O_NONBLOCK and checked with fstat before any read: opening a FIFO
+    without O_NONBLOCK would wait for a writer forever, and a link could lead anywhere (a
+    device, a file outside the root). FileNotFoundError when absent, IsADirectoryError for a
+    directory, NotARegularFile for anything else.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotARegularFile(exc.errno, "a symbolic link, not followed", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(0, "not a regular file", str(path))
+        # A regular file: reads block as usual again (some network filesystems honour it).
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int | None = None) -> bytes | None:
+    """The bytes of the regular file at `path` (open_regular), None when it does not exist;
+    FileTooLarge naming it when it holds more than `max_bytes`."""
+    try:
+        fd = open_regular(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        return read_bounded(fd, max_bytes, str(path))
+    finally:
+        os.close(fd)
+
+
+def read_bounded(fd: int, max_bytes: int | None, name: str) -> bytes:
+    """Read `fd` to its end, or raise FileTooLarge naming `name` past `max_bytes`."""
+    chunks, total = [], 0
+    while chunk := os.read(fd, 1 << 20 if max_bytes is None else min(1 << 20, max_bytes + 1)):
+        chunks.append(chunk)
+        total += len(chunk)
+        if max_bytes is not None and total > max_bytes:
+            raise FileTooLarge(errno.EFBIG, f"larger than {max_bytes} bytes", name)
+    return b"".join(chunks)
+
+
 class RenameNotDurable(OSError):
     """The new content replaced the old (readers see it now), but the directory fsync after
     the rename failed, so a power loss might bring the old content back. Distinct from a
@@ -104,16 +237,18 @@ def atomic_write_bytes(
 
     Order matters: the temporary file is fsynced before the rename (else a crash could leave
     the new name pointing at an empty file), and the directory is fsynced after the rename
-    (else the rename itself may be lost and the old content come back). A temporary file
-    left by a crash is named `.<name>.tmp.<tmp_tag or pid>`: `remove_stale_temporaries` clears
-    them. Writers on several nodes (where two processes can share a pid) pass a unique tag.
-    An error after the rename is raised as RenameNotDurable: callers whose protocol hinges
-    on the rename (the tracker: nothing un-commits a step after it) tell the two apart.
+    (else the rename itself may be lost and the old content come back). The temporary file
+    is created new under a random name (temporary_name, with `tmp_tag` in it), so that a
+    link planted in advance is never followed; one left by a crash is cleared by
+    `remove_stale_temporaries`. An error after the rename is raised as RenameNotDurable:
+    callers whose protocol hinges on the rename (the tracker: nothing un-commits a step
+    after it) tell the two apart.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{tmp_tag or os.getpid()}")
+    tmp = temporary_name(path, tmp_tag)
+    fd = create_new_file(tmp)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -346,7 +481,8 @@ def file_checksum(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM) 
     """Return (size, checksum) of the file at `path`, read back from disk."""
     hasher = new_hasher(algorithm)
     size = 0
-    with open(path, "rb") as f:
+    # A regular file only: a FIFO or a device named by a record must not hang the check.
+    with open(open_regular(path), "rb") as f:
         while chunk := f.read(_READ_CHUNK):
             hasher.update(chunk)
             size += len(chunk)
@@ -354,7 +490,8 @@ def file_checksum(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM) 
 
 
 def remove_stale_temporaries(directory: str | os.PathLike, name: str) -> list[Path]:
-    """Remove the temporary files that a crash inside `atomic_write_bytes(name)` left."""
+    """Remove the temporary files that a crash inside `atomic_write_bytes(name)` left: the
+    random names of temporary_name and the `.<name>.tmp.<pid>` of older versions alike."""
     removed = []
     for tmp in Path(directory).glob(f".{name}.tmp.*"):
         tmp.unlink(missing_ok=True)

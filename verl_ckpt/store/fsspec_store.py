@@ -21,6 +21,8 @@ checked, else aborted (an incomplete multipart upload is no object).
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import threading
 import uuid
@@ -30,9 +32,21 @@ from typing import Any, BinaryIO, TypeVar
 
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.store.base import PartPool, Publisher, Store
-from verl_ckpt.store.fsio import atomic_write_bytes
+from verl_ckpt.store.fsio import (
+    FileTooLarge,
+    atomic_write_bytes,
+    make_dir,
+    open_regular,
+    read_regular,
+)
 from verl_ckpt.store.fsspec_publish import MultipartUpload, OnePut, S3PartPool, StreamedObject
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_name, step_of_dir
+from verl_ckpt.store.layout import (
+    COMMIT_RECORD_FILENAME,
+    printable,
+    relative_path_problem,
+    step_name,
+    step_of_dir,
+)
 
 __all__ = [
     "FsspecStore",
@@ -43,6 +57,12 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger(__name__)
+
+# A listing is data from the bucket: past this many objects under one prefix it is refused
+# rather than held in memory (a step of 4096 ranks has tens of thousands).
+MAX_LISTED_OBJECTS = 10_000_000
 
 # s3 defaults when storage_options' config_kwargs do not say: an unreachable endpoint fails
 # a connection after 10 s (botocore: 60 s), a stopped one a request after 60 s, with 3
@@ -107,14 +127,22 @@ class FsspecStore(Store):
 
     # ---- objects -------------------------------------------------------------------------
 
-    def read_bytes(self, rel: str) -> bytes | None:
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes | None:
         def read() -> bytes | None:
+            if self.is_local:  # file://: a regular file only, as on a local root
+                return read_regular(self.key(rel), max_bytes)
             try:
-                return self.fs.cat_file(self.key(rel))
+                if max_bytes is None:
+                    return self.fs.cat_file(self.key(rel))
+                # One byte more than the bound: a ranged GET never fetches a huge object.
+                return self.fs.cat_file(self.key(rel), start=0, end=max_bytes + 1)
             except FileNotFoundError:
                 return None
 
-        return self._bounded(read, rel)
+        data = self._bounded(read, rel)
+        if data is not None and max_bytes is not None and len(data) > max_bytes:
+            raise FileTooLarge(errno.EFBIG, f"larger than {max_bytes} bytes", self.uri(rel))
+        return data
 
     def exists(self, rel: str) -> bool:
         return self._bounded(lambda: self.fs.exists(self.key(rel)), rel)
@@ -127,7 +155,7 @@ class FsspecStore(Store):
 
         def put() -> None:
             if self.is_local:
-                os.makedirs(os.path.dirname(self.key(rel)), exist_ok=True)
+                make_dir(os.path.dirname(self.key(rel)), parents=True, exist_ok=True)
                 atomic_write_bytes(self.key(rel), data, before_replace=before_replace)
                 return
             if before_replace is not None:
@@ -167,14 +195,18 @@ class FsspecStore(Store):
         prefix = self.key(rel) + "/"
         return {
             name[len(prefix) :]: int(info.get("size") or 0)
-            for name, info in self._bounded(find, rel).items()
-            if info.get("type") != "directory" and name.startswith(prefix)
+            for name, info in _bounded_listing(self._bounded(find, rel), self.uri(rel)).items()
+            if info.get("type") != "directory"
+            and name.startswith(prefix)
+            and _listed_name_ok(name[len(prefix) :], self.uri(rel))
         }
 
     def retire_step(self, step: int) -> str | None:
         return step_name(step)  # no cheap rename: the record goes first (retention.py)
 
     def open_read(self, rel: str) -> BinaryIO:
+        if self.is_local:  # file://: a regular file only (a FIFO would hang the transfer)
+            return open(open_regular(self.key(rel)), "rb")
         return self.fs.open(self.key(rel), "rb", block_size=_READ_BLOCK)
 
     def open_publish(
@@ -205,7 +237,7 @@ class FsspecStore(Store):
             except FileNotFoundError:
                 return {}
 
-        return self._listing_of(self._bounded(find, ""))
+        return self._listing_of(_bounded_listing(self._bounded(find, ""), self.url))
 
     def _listing_of(self, found: dict[str, Any]) -> RemoteListing:
         steps: dict[int, dict[str, int]] = {}
@@ -215,7 +247,7 @@ class FsspecStore(Store):
                 continue
             parts = name[len(prefix) :].split("/", 1)
             step = step_of_dir(parts[0])
-            if step is None or len(parts) != 2:
+            if step is None or len(parts) != 2 or not _listed_name_ok(parts[1], self.url):
                 continue
             steps.setdefault(step, {})[parts[1]] = int(info.get("size") or 0)
         return RemoteListing(steps)
@@ -240,7 +272,7 @@ def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> 
 
     def write_and_remove() -> None:
         if store.is_local:
-            os.makedirs(store.path, exist_ok=True)
+            make_dir(store.path, parents=True, exist_ok=True)
         store.fs.pipe_file(store.key(probe), b"probe")
         store.remove(probe)
 
@@ -288,6 +320,23 @@ def call_with_deadline(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def _bounded_listing(found: dict[str, Any], where: str) -> dict[str, Any]:
+    if len(found) > MAX_LISTED_OBJECTS:
+        raise FileTooLarge(
+            errno.EFBIG, f"lists more than {MAX_LISTED_OBJECTS} objects; refused", where
+        )
+    return found
+
+
+def _listed_name_ok(name: str, where: str) -> bool:
+    """Whether an object name of a listing may stand for a file of a step; one that may not
+    (`..`, control characters: anyone may write the bucket) is skipped with a warning."""
+    problem = relative_path_problem(name)
+    if problem is not None:
+        logger.warning("skipping object %s under %s: %s", printable(name), where, problem)
+    return problem is None
 
 
 def _with_defaults(protocol: str, options: dict[str, Any]) -> dict[str, Any]:

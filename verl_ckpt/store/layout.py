@@ -18,8 +18,12 @@ __all__ = [
     "DRIVER_STATE_FILENAME",
     "ROOT_MARKER_FILENAME",
     "RUN_MARKER_FILENAME",
+    "MAX_RECORDED_PATH",
     "TRACKER_FILENAME",
+    "checked_relative_path",
     "list_step_dirs",
+    "printable",
+    "relative_path_problem",
     "role_dir",
     "role_name_problem",
     "step_dir",
@@ -72,6 +76,58 @@ def role_name_problem(role: object) -> str | None:
             "and '.', not first)"
         )
     return None
+
+
+# A name read from a record or a listing (a file of a step, a role) is at most this long:
+# PATH_MAX, and NAME_MAX per part (in UTF-8 bytes, as the filesystem counts).
+MAX_RECORDED_PATH = 4096
+_MAX_PART_BYTES = 255
+_SHOWN_CHARS = 120
+
+
+def relative_path_problem(name: object) -> str | None:
+    """Why `name`, read from a record or a listing (data anyone who can write the root or the
+    bucket wrote), cannot name a file or directory below the directory the record speaks
+    for, if it cannot: the one check of such names (commit and export records, the rollback
+    journal, remote listings). Its answer is a reason, without the name."""
+    if not isinstance(name, str):
+        return f"is a {type(name).__name__}, not a string"
+    if not name:
+        return "is empty"
+    if len(name) > MAX_RECORDED_PATH:
+        return f"is longer than {MAX_RECORDED_PATH} characters"
+    if not name.replace("\t", " ").isprintable():
+        # NUL ends a path in the kernel; terminal escapes would rewrite a screen printing it.
+        # A tab is let through: it moves no cursor anywhere harmful, and names holding one
+        # have always been recorded (tests/test_units.py); printing escapes it anyway.
+        return "holds a control character"
+    if name.startswith(("/", "\\")):
+        return "is absolute"
+    parts = name.split("/")
+    if "" in parts:
+        return "has an empty part (a doubled or trailing '/')"
+    if ".." in parts or "." in parts:
+        return "has a '.' or '..' part"
+    if any(len(part.encode("utf-8", "surrogateescape")) > _MAX_PART_BYTES for part in parts):
+        return f"has a part longer than {_MAX_PART_BYTES} bytes"
+    return None
+
+
+def checked_relative_path(name: object, context: str, error: type[Exception]) -> str:
+    """`name` when relative_path_problem finds nothing; else `error` in one line: `context`
+    (which names the record it was read from), then the name, escaped, and why."""
+    problem = relative_path_problem(name)
+    if problem is not None:
+        raise error(f"{context}: {printable(name)} is refused, it {problem}")
+    return name  # type: ignore[return-value]
+
+
+def printable(name: object) -> str:
+    """`name` quoted with its control characters escaped (repr's escapes), cut to a readable
+    length: for names read from a root, printed or logged (terminal escapes in a role name
+    must not rewrite the terminal)."""
+    text = repr(name)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}...(cut)"
 
 
 def step_of_dir(path: str | Path) -> int | None:

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from verl_ckpt.store.base import NotARegularFile, PartPool, Publisher, Store
+from verl_ckpt.store.base import PartPool, Publisher, Store
 from verl_ckpt.store.fsio import (
     RenameNotDurable,
     atomic_write_bytes,
+    create_new_file,
     fsync_dir,
+    make_dir,
+    open_regular,
+    read_regular,
     remove_stale_temporaries,
+    temporary_name,
 )
 from verl_ckpt.store.layout import DELETING_PREFIX, list_step_dirs, step_name
 
@@ -50,26 +53,10 @@ class LocalStore(Store):
 
     # ---- reading -------------------------------------------------------------------------
 
-    def read_bytes(self, rel: str) -> bytes | None:
-        path = self.path(rel)
-        try:
-            # Opened without blocking, and read only if it is a regular file: a FIFO in its
-            # place would wait for a writer forever, a link to a device never end.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(21, "Is a directory", str(path))
-            if not stat.S_ISREG(mode):
-                raise NotARegularFile(0, "not a regular file", str(path))
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+    def read_bytes(self, rel: str, max_bytes: int | None = None) -> bytes | None:
+        # Read only if it is a regular file: a FIFO in its place would wait for a writer
+        # forever, a link to a device never end (fsio.open_regular).
+        return read_regular(self.path(rel), max_bytes)
 
     def exists(self, rel: str) -> bool:
         return self.path(rel).exists()
@@ -97,8 +84,9 @@ class LocalStore(Store):
             return None
 
     def open_read(self, rel: str) -> BinaryIO:
-        # Unbuffered: readers read large chunks with readinto (verification.py).
-        return open(self.path(rel), "rb", buffering=0)
+        # Unbuffered: readers read large chunks with readinto (verification.py). A regular
+        # file only: a FIFO or a device named by a record must not hang a check or a copy.
+        return open(open_regular(self.path(rel)), "rb", buffering=0)
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -159,10 +147,11 @@ class _RenamedIntoPlace(Publisher):
     """A temporary file beside the target, fsynced and renamed into place on publish."""
 
     def __init__(self, target: Path) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(target.parent, parents=True, exist_ok=True)
         self._target = target
-        self._tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}.{threading.get_ident()}")
-        self._file = open(self._tmp, "wb")
+        # Created new under a random name: a link planted beside the target is never followed.
+        self._tmp = temporary_name(target)
+        self._file = open(create_new_file(self._tmp), "wb")
 
     def write(self, data: bytes) -> None:
         self._file.write(data)

@@ -57,9 +57,9 @@ from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, Tracke
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import is_committed, read_commit_record
-from verl_ckpt.store.fsio import fsync_dir
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
+from verl_ckpt.store.commit_record import is_committed, read_commit_record, read_record_bytes
+from verl_ckpt.store.fsio import FileTooLarge, fsync_dir, make_dir
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, checked_relative_path, step_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.retention import delete_step
@@ -70,6 +70,7 @@ __all__ = [
     "ARCHIVE_PREFIX",
     "INTENT_FILENAME",
     "ROLLBACK_FORMAT_VERSION",
+    "ROLLBACK_RECORD_MAX_BYTES",
     "ROLLED_BACK_FILENAME",
     "RolledBackStep",
     "RollbackError",
@@ -92,6 +93,9 @@ INTENT_FILENAME = ".verl_ckpt_rollback.json"
 ROLLED_BACK_FILENAME = ".verl_ckpt_rolled_back.json"
 ARCHIVE_PREFIX = "rolled_back_"
 ROLLBACK_FORMAT_VERSION = 1
+# The intent and the record of rolled-back steps are read only up to this (the record gains
+# about 200 bytes per rolled-back step): a huge planted file is refused unread.
+ROLLBACK_RECORD_MAX_BYTES = 16 << 20
 # The archive is removed recursively with `delete`: a damaged intent must never name
 # anything but a plain directory of the root that a rollback created.
 _ARCHIVE_NAME = re.compile(rf"^{ARCHIVE_PREFIX}[0-9A-Za-z_]+$")
@@ -132,7 +136,7 @@ def read_rolled_back(where: Where) -> tuple[RolledBackStep, ...]:
     when none did. A damaged record is a RollbackError naming it (never taken as "none")."""
     store = as_store(where)
     path = store.uri(ROLLED_BACK_FILENAME)
-    data = store.read_bytes(ROLLED_BACK_FILENAME)
+    data = _read_journal(store, ROLLED_BACK_FILENAME, "record of rolled-back steps")
     if data is None:
         return ()
     raw = parse_versioned_json(
@@ -144,7 +148,26 @@ def read_rolled_back(where: Where) -> tuple[RolledBackStep, ...]:
         raise RollbackError(f"record of rolled-back steps {path} is malformed: {exc}") from None
     if not all(type(e.step) is int and isinstance(e.record_sha256, str) for e in steps):
         raise RollbackError(f"record of rolled-back steps {path} is malformed: {raw!r}")
+    for entry in steps:
+        checked_relative_path(
+            entry.archive, f"record of rolled-back steps {path}: an archive name", RollbackError
+        )
     return steps
+
+
+def _read_journal(store: Store, rel: str, what: str) -> bytes | None:
+    """The bytes of the rollback file `rel` (None when absent), read up to its bound; a
+    RollbackError naming it when it cannot be read."""
+    try:
+        return store.read_bytes(rel, ROLLBACK_RECORD_MAX_BYTES)
+    except CheckpointError:
+        raise  # a store call past its deadline: it names the object itself
+    except FileTooLarge:
+        raise RollbackError(
+            f"{what} {store.uri(rel)} is larger than {ROLLBACK_RECORD_MAX_BYTES} bytes; not read"
+        ) from None
+    except OSError as exc:
+        raise RollbackError(f"{what} {store.uri(rel)} cannot be read: {exc}") from None
 
 
 def find_rolled_back(root: str | os.PathLike, step: int, record: bytes) -> RolledBackStep | None:
@@ -163,7 +186,7 @@ def read_rollback_intent(where: Where) -> RollbackIntent | None:
     """The pending rollback of the root, None when there is none. Reads only."""
     store = as_store(where)
     path = store.uri(INTENT_FILENAME)
-    data = store.read_bytes(INTENT_FILENAME) if store.can_rename else None
+    data = _read_journal(store, INTENT_FILENAME, "rollback intent") if store.can_rename else None
     if data is None:
         return None
     raw = parse_versioned_json(
@@ -337,7 +360,7 @@ def _check_target(root: Path, intent: RollbackIntent, journaled: bool) -> None:
 def _finish(root: Path, intent: RollbackIntent) -> None:
     """Steps 2-5 of the module docstring; each is skipped where a previous run did it."""
     archive = root / intent.archive
-    archive.mkdir(exist_ok=True)
+    make_dir(archive, exist_ok=True)
     for step in sorted(intent.steps, reverse=True):
         source = step_dir(root, step)
         target = archive / source.name
@@ -378,7 +401,7 @@ def _record_rolled_back(root: Path, intent: RollbackIntent) -> None:
     for step in intent.steps:
         moved = archive / step_dir(root, step).name
         try:
-            data = (moved / COMMIT_RECORD_FILENAME).read_bytes()
+            data = read_record_bytes(moved)  # bounded, a regular file only
             read_commit_record(moved)
         except (OSError, CommitRecordError):
             continue  # an uncommitted leftover (or recorded by the interrupted run)

@@ -13,13 +13,13 @@ from pathlib import Path
 from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.errors import CheckpointError, TrackerError
 from verl_ckpt.protocol.phases import Phase
-from verl_ckpt.store.base import NotARegularFile
 from verl_ckpt.store.commit_record import locate_step
-from verl_ckpt.store.fsio import RenameNotDurable
+from verl_ckpt.store.fsio import FileTooLarge, NotARegularFile, RenameNotDurable
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME
 from verl_ckpt.store.open_store import Where, as_store
 
 __all__ = [
+    "TRACKER_MAX_BYTES",
     "CommitPhaseError",
     "advance_tracker",
     "parse_tracker",
@@ -33,6 +33,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _ASCII_WHITESPACE = " \t\n\r\v\f"
+# A tracker is at most 18 digits and some whitespace: a larger one is refused unread (a huge
+# file planted in a root must not cost every start its size in memory and time).
+TRACKER_MAX_BYTES = 64
 
 
 class CommitPhaseError(CheckpointError):
@@ -58,7 +61,12 @@ def read_tracker(where: Where) -> int | None:
     store = as_store(where)
     where_text = store.uri(TRACKER_FILENAME)
     try:
-        raw = store.read_bytes(TRACKER_FILENAME)
+        raw = store.read_bytes(TRACKER_FILENAME, TRACKER_MAX_BYTES)
+    except FileTooLarge:
+        raise TrackerError(
+            f"tracker {where_text} is larger than {TRACKER_MAX_BYTES} bytes, not a file holding "
+            "a step"
+        ) from None
     except IsADirectoryError:
         raise TrackerError(
             f"tracker {where_text} is a directory, not a file holding a step"

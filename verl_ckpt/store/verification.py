@@ -16,6 +16,7 @@ not end up alone at the end.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -209,7 +210,10 @@ def _check_sizes(store: Store, rel: str, entries: list[FileEntry]) -> list[FileP
         sizes: dict[str, int | str] = {}
         for entry in entries:  # one stat per file: cheaper than a walk of the whole step
             try:
-                sizes[entry.path] = os.stat(store.path(f"{rel}/{entry.path}")).st_size
+                # lstat: a link in a step is not its file (it could name anything).
+                info = os.lstat(store.path(f"{rel}/{entry.path}"))
+                regular = stat.S_ISREG(info.st_mode)
+                sizes[entry.path] = info.st_size if regular else "not a regular file"
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -232,7 +236,9 @@ def _check_sizes(store: Store, rel: str, entries: list[FileEntry]) -> list[FileP
 def _check_checksum(
     store: Store, rel: str, entry: FileEntry, algorithm: str, chunk: bytearray
 ) -> tuple[int, FileProblem | None]:
-    """(bytes read, problem) for one file, read through the thread's reused buffer."""
+    """(bytes read, problem) for one file, read through the thread's reused buffer. A local
+    file is read only if it is a regular file (LocalStore.open_read): a FIFO or /dev/zero
+    named by a record is a problem, never a hang."""
     path = _name(store, f"{rel}/{entry.path}")
     hasher = new_hasher(algorithm)
     size = 0
@@ -242,10 +248,14 @@ def _check_checksum(
             while n := f.readinto(view):
                 hasher.update(view[:n])
                 size += n
+                if size > entry.size:
+                    break  # longer than recorded: a problem already, not worth reading on
     except FileNotFoundError:
         return 0, FileProblem(path, "missing")
     except OSError as exc:
         return size, FileProblem(path, f"unreadable: {exc.strerror or exc}")
+    if size > entry.size:
+        return size, FileProblem(path, f"size over {entry.size}, expected {entry.size}")
     if size != entry.size:
         return size, FileProblem(path, f"size {size}, expected {entry.size}")
     checksum = hasher.hexdigest()

@@ -1,0 +1,447 @@
+"""A root (or a bucket) that others can write (issue 45 items 3 and 6): files the project
+creates cannot be redirected by a planted link; names read from a record are checked by the
+one validator (store/layout.py relative_path_problem) before anything is opened; names are
+printed escaped; records are read only up to a bound, and only from regular files; a
+download reads exactly the recorded size.
+
+Every test plants what an attacker would, with a timeout: a FIFO or /dev/zero named by a
+record must be refused, never waited on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from verl_ckpt.cli.main import main
+from verl_ckpt.cli.output import escaped, print_table
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.hf.record import (
+    EXPORT_FORMAT_VERSION,
+    EXPORT_RECORD_FILENAME,
+    ExportRecord,
+    verify_export,
+    write_export_record,
+)
+from verl_ckpt.protocol.errors import CommitRecordError, TrackerError
+from verl_ckpt.remote.pull import pull_step
+from verl_ckpt.store.commit_record import (
+    COMMIT_RECORD_MAX_BYTES,
+    CommitRecord,
+    FileEntry,
+    read_commit_record,
+    write_commit_record,
+)
+from verl_ckpt.store.fsio import (
+    DIR_MODE,
+    FILE_MODE,
+    atomic_write_bytes,
+    file_checksum,
+    make_dir,
+    remove_stale_temporaries,
+    temporary_name,
+)
+from verl_ckpt.store.fsspec_store import FsspecStore
+from verl_ckpt.store.layout import (
+    COMMIT_RECORD_FILENAME,
+    TRACKER_FILENAME,
+    relative_path_problem,
+    step_dir,
+)
+from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.recovery import recover_root
+from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, RollbackError, read_rolled_back
+from verl_ckpt.store.tracker import read_tracker, write_tracker
+from verl_ckpt.store.verification import check_step_files
+
+ESCAPE = "\x1b[2J"
+PRECIOUS = b"precious\n"
+
+
+@pytest.fixture(autouse=True)
+def _usual_umask():
+    # Modes are checked under the usual umask: the project's own mode must be what shows.
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def committed_step(root: Path, step: int) -> CommitRecord:
+    """A local committed step: two files of some bytes and their commit record."""
+    path = step_dir(root, step)
+    files = []
+    for rel, size in (("actor/__0_0.distcp", 3000), ("driver_state.pt", 10)):
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(bytes((step + i) % 251 for i in range(size)))
+        files.append(FileEntry(rel, *file_checksum(path / rel)))
+    record = CommitRecord(step=step, participants={"actor": 1, "driver": 1}, files=files)
+    write_commit_record(path, record)
+    write_tracker(root, step)
+    return record
+
+
+def plant_record(path: Path, record: CommitRecord) -> None:
+    """Write `record` as the step's commit record, as anyone could (matching checksums)."""
+    write_commit_record(path, record)
+
+
+def outside_file(tmp_path: Path) -> tuple[Path, FileEntry]:
+    """A file outside the root, and an entry whose size and checksum match it: were it read,
+    a check would pass."""
+    victim = tmp_path / "outside.bin"
+    victim.write_bytes(PRECIOUS)
+    return victim, FileEntry("x", *file_checksum(victim))
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_naming(err: str, *parts: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for part in parts:
+        assert part in lines[0], (part, err)
+    assert "\x1b" not in err
+
+
+# ---- files that cannot be redirected --------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_link_planted_at_the_old_temporary_name_of_the_tracker_is_not_followed(tmp_path):
+    """Before: the tracker's temporary was `.<name>.tmp.<pid>`, opened with open("wb"): a
+    link planted there made the next write truncate and fill the file it names."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(PRECIOUS)
+    (root / f".{TRACKER_FILENAME}.tmp.{os.getpid()}").symlink_to(victim)
+    write_tracker(root, 7)
+    assert victim.read_bytes() == PRECIOUS
+    assert read_tracker(root) == 7
+    assert not (root / TRACKER_FILENAME).is_symlink()
+
+
+@pytest.mark.timeout(30)
+def test_a_link_planted_where_a_published_file_goes_is_not_followed(tmp_path):
+    """A download's temporary file (LocalStore.open_publish) is created new, under a random
+    name: links planted at the old predictable names are left alone."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(PRECIOUS)
+    target = tmp_path / "root" / "global_step_1" / "a.bin"
+    target.parent.mkdir(parents=True)
+    for tag in (f"{os.getpid()}", f"{os.getpid()}.{__import__('threading').get_ident()}"):
+        (target.parent / f".a.bin.tmp.{tag}").symlink_to(victim)
+    publisher = LocalStore(tmp_path / "root").open_publish("global_step_1/a.bin", 3, 1 << 20)
+    publisher.write(b"new")
+    publisher.publish()
+    assert target.read_bytes() == b"new"
+    assert victim.read_bytes() == PRECIOUS
+
+
+@pytest.mark.timeout(30)
+def test_a_link_planted_at_a_rank_file_is_not_followed(tmp_path):
+    """A rank's file is opened in place O_NOFOLLOW: a link in its place is an error naming
+    the file, and the file it names is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(PRECIOUS)
+    path = tmp_path / "__0_0.distcp"
+    path.symlink_to(victim)
+    with pytest.raises(OSError, match="__0_0.distcp"):
+        write_checksummed(path, lambda stream: stream.write(b"rank bytes"))
+    assert victim.read_bytes() == PRECIOUS
+
+
+@pytest.mark.timeout(30)
+def test_created_files_and_directories_get_owner_and_group_modes(tmp_path):
+    """FILE_MODE for files, DIR_MODE for directories: never world-writable (nor readable)."""
+    assert (FILE_MODE, DIR_MODE) == (0o640, 0o750)
+    root = tmp_path / "ckpt"
+    make_dir(root)
+    committed_step(root, 3)
+    written = write_checksummed(root / "rank.bin", lambda stream: stream.write(b"x"))
+    assert written.size == 1
+    publisher = LocalStore(root).open_publish("global_step_9/actor/f.bin", 1, 1 << 20)
+    publisher.write(b"y")
+    publisher.publish()
+    for path in (
+        root / TRACKER_FILENAME,
+        step_dir(root, 3) / COMMIT_RECORD_FILENAME,
+        root / "rank.bin",
+        root / "global_step_9/actor/f.bin",
+    ):
+        assert stat.S_IMODE(path.stat().st_mode) == FILE_MODE, path
+    for path in (root, root / "global_step_9", root / "global_step_9/actor"):
+        assert stat.S_IMODE(path.stat().st_mode) == DIR_MODE, path
+
+
+@pytest.mark.timeout(30)
+def test_temporary_names_are_random_and_leftovers_of_both_patterns_are_cleared(tmp_path):
+    target = tmp_path / TRACKER_FILENAME
+    first, second = temporary_name(target), temporary_name(target)
+    assert first != second and first.name.startswith(f".{TRACKER_FILENAME}.tmp.")
+    old = tmp_path / f".{TRACKER_FILENAME}.tmp.{os.getpid()}"
+    for leftover in (first, old):
+        leftover.write_bytes(b"half")
+    removed = remove_stale_temporaries(tmp_path, TRACKER_FILENAME)
+    assert sorted(removed) == sorted([first, old])
+    atomic_write_bytes(target, b"1\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [TRACKER_FILENAME]
+
+
+# ---- names read from records ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../x", "/etc/passwd", "/dev/zero", f"actor/{ESCAPE}", "actor//x", "a/./b", "", "x" * 5000],
+)
+def test_the_one_validator_refuses_names_that_leave_or_print_badly(name):
+    assert relative_path_problem(name) is not None
+
+
+@pytest.mark.parametrize("name", ["actor/__0_0.distcp", "actor/.metadata", "driver_state.pt"])
+def test_the_one_validator_admits_the_names_a_step_holds(name):
+    assert relative_path_problem(name) is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["../../outside.bin", "OUTSIDE", f"actor/{ESCAPE}"])
+def test_verify_refuses_a_record_naming_a_file_outside_the_step_in_one_line(tmp_path, capsys, bad):
+    """A planted record whose entry names a file outside the root, with the size and checksum
+    of that file: verify must refuse the record, never read (and so pass) the file."""
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 2)
+    victim, entry = outside_file(tmp_path)
+    name = str(victim) if bad == "OUTSIDE" else bad
+    plant_record(
+        step_dir(root, 2), replace(record, files=[*record.files, replace(entry, path=name)])
+    )
+    code, out, err = cli(capsys, "verify", root, "--step", 2)
+    assert code == 1 and "OK" not in out
+    one_line_naming(err, f"global_step_2/{COMMIT_RECORD_FILENAME}", escaped(repr(name))[:40])
+    with pytest.raises(CommitRecordError):
+        read_commit_record(root, 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("role", ["../x", f"ev{ESCAPE}il", "/etc"])
+def test_a_role_name_read_from_a_record_is_checked(tmp_path, capsys, role):
+    """Before: a role `../x` read back from a record was inspected (its `.metadata`
+    unpickled) outside the root; a role with terminal escapes was printed raw."""
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 2)
+    plant_record(step_dir(root, 2), replace(record, participants={role: 1, "driver": 1}))
+    for command in ("verify", "inspect"):
+        code, out, err = cli(capsys, command, root, "--step", 2)
+        assert code == 1, (command, out, err)
+        one_line_naming(err, f"global_step_2/{COMMIT_RECORD_FILENAME}", "role name")
+    code, out, err = cli(capsys, "ls", root)
+    assert code == 0 and "\x1b" not in out + err
+    assert "corrupt" in out
+
+
+@pytest.mark.timeout(60)
+def test_start_up_never_rolls_forward_to_a_planted_step_with_a_bad_name(tmp_path):
+    """A step newer than the tracker with a record naming `../x` is no committed step: the
+    tracker stays where it was."""
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 2)
+    planted = step_dir(root, 3)
+    planted.mkdir()
+    plant_record(planted, replace(record, step=3, participants={"../x": 1, "driver": 1}))
+    state = recover_root(root)
+    assert read_tracker(root) == 2
+    assert state.committed == (2,)
+
+
+@pytest.mark.timeout(30)
+def test_verify_of_a_fifo_or_a_link_to_dev_zero_in_a_step_never_hangs(tmp_path, capsys):
+    """Regular files only: the record names files of the step that are a FIFO (which would
+    wait for a writer forever) and a link to /dev/zero (which never ends)."""
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 2)
+    path = step_dir(root, 2)
+    os.mkfifo(path / "actor/fifo")
+    (path / "actor/zero").symlink_to("/dev/zero")
+    extra = [FileEntry("actor/fifo", 10, "0" * 16), FileEntry("actor/zero", 10, "0" * 16)]
+    plant_record(path, replace(record, files=[*record.files, *extra]))
+    for checksums in (True, False):
+        result = check_step_files(root, 2, [*record.files, *extra], "xxh3_64", 2, 20, checksums)
+        reasons = {Path(p.path).name: p.reason for p in result.problems}
+        assert set(reasons) == {"fifo", "zero"}, reasons
+        assert all("regular file" in reason or "link" in reason for reason in reasons.values())
+    code, out, _ = cli(capsys, "verify", root, "--step", 2)
+    assert code == 1 and "FAILED step 2: 2 problem(s)" in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["../../../outside.bin", "OUTSIDE", "fifo", "zero", ESCAPE])
+def test_an_export_record_naming_a_bad_file_is_refused_without_reading_it(tmp_path, bad):
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    directory = step_dir(root, 2) / "actor" / "huggingface"
+    directory.mkdir(parents=True)
+    victim, entry = outside_file(tmp_path)
+    os.mkfifo(directory / "fifo")
+    (directory / "zero").symlink_to("/dev/zero")
+    name = {"OUTSIDE": str(victim)}.get(bad, bad)
+    write_export_record(
+        directory, ExportRecord(2, "actor", "GPT2LMHeadModel", [replace(entry, path=name)])
+    )
+    record, problems = verify_export(directory)
+    assert len(problems) == 1, problems
+    assert "\x1b" not in problems[0] and "\n" not in problems[0]
+    if bad in ("fifo", "zero"):
+        assert "regular file" in problems[0] or "link" in problems[0]
+    else:
+        assert record is None and EXPORT_RECORD_FILENAME in problems[0]
+    assert victim.read_bytes() == PRECIOUS
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("archive", ["../x", "/etc", f"rolled_back_{ESCAPE}"])
+def test_a_rolled_back_record_naming_a_bad_archive_is_refused(tmp_path, archive):
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    entry = {"step": 3, "record_sha256": "0" * 64, "to": 2, "archive": archive}
+    (root / ROLLED_BACK_FILENAME).write_text(json.dumps({"format_version": 1, "steps": [entry]}))
+    with pytest.raises(RollbackError) as caught:
+        read_rolled_back(root)
+    text = str(caught.value)
+    assert ROLLED_BACK_FILENAME in text and "\x1b" not in text and "\n" not in text
+
+
+@pytest.mark.timeout(30)
+def test_names_printed_by_the_cli_are_escaped(tmp_path, capsys):
+    """A role directory of an uncommitted step named with terminal escapes: `ls` shows it
+    escaped."""
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    (step_dir(root, 3) / f"ev{ESCAPE}il").mkdir(parents=True)
+    (step_dir(root, 3) / f"ev{ESCAPE}il" / "f").write_bytes(b"x")
+    code, out, err = cli(capsys, "ls", root)
+    assert code == 0 and "\x1b" not in out + err
+    assert escaped(f"ev{ESCAPE}il") in out
+    print_table([("a", f"b{ESCAPE}")])
+    assert "\x1b" not in capsys.readouterr().out
+
+
+# ---- limits ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_tracker_is_refused_quickly(tmp_path):
+    """A 1 GiB tracker (sparse: costs no disk) is refused after reading a few bytes."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    with open(root / TRACKER_FILENAME, "wb") as f:
+        f.write(b"5")
+        f.truncate(1 << 30)
+    started = time.monotonic()
+    with pytest.raises(TrackerError, match="larger than"):
+        read_tracker(root)
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_commit_record_is_refused_quickly(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    with open(step_dir(root, 2) / COMMIT_RECORD_FILENAME, "r+b") as f:
+        f.truncate(COMMIT_RECORD_MAX_BYTES + 1)
+    started = time.monotonic()
+    with pytest.raises(CommitRecordError, match="larger than"):
+        read_commit_record(root, 2)
+    assert time.monotonic() - started < 2.0
+    code, _, err = cli(capsys, "verify", root, "--step", 2)
+    assert code == 1
+    one_line_naming(err, "larger than")
+
+
+@pytest.mark.timeout(30)
+def test_a_tracker_or_record_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    root = tmp_path / "ckpt"
+    committed_step(root, 2)
+    (root / TRACKER_FILENAME).unlink()
+    os.mkfifo(root / TRACKER_FILENAME)
+    with pytest.raises(TrackerError, match="regular file"):
+        read_tracker(root)
+    (step_dir(root, 2) / COMMIT_RECORD_FILENAME).unlink()
+    (step_dir(root, 2) / COMMIT_RECORD_FILENAME).symlink_to("/dev/zero")
+    with pytest.raises(CommitRecordError):
+        read_commit_record(root, 2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", ["longer", "shorter"])
+def test_a_download_reads_exactly_the_recorded_size(tmp_path, change):
+    """A remote object longer than its record (its first bytes matching the record's size
+    and checksum) or shorter is refused, and nothing is installed."""
+    tier = FsspecStore(f"file://{tmp_path / 'remote'}")
+    source = tmp_path / "source"
+    record = committed_step(source, 5)
+    remote = tmp_path / "remote" / "global_step_5"
+    remote.mkdir(parents=True)
+    for entry in record.files:
+        data = (step_dir(source, 5) / entry.path).read_bytes()
+        if entry.path == "actor/__0_0.distcp":
+            data = data + b"more" if change == "longer" else data[:-1]
+        (remote / entry.path).parent.mkdir(parents=True, exist_ok=True)
+        (remote / entry.path).write_bytes(data)
+    (remote / COMMIT_RECORD_FILENAME).write_bytes(
+        (step_dir(source, 5) / COMMIT_RECORD_FILENAME).read_bytes()
+    )
+    dest = tmp_path / "dest"
+    with pytest.raises(Exception, match="longer than" if change == "longer" else "size 2999"):
+        pull_step(tier, 5, dest, 2, 30)
+    assert not step_dir(dest, 5).exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_remote_listing_skips_names_the_validator_refuses(tmp_path):
+    tier = FsspecStore(f"file://{tmp_path / 'remote'}")
+    step = tmp_path / "remote" / "global_step_1"
+    step.mkdir(parents=True)
+    (step / "good.bin").write_bytes(b"1")
+    (step / f"bad{ESCAPE}.bin").write_bytes(b"2")
+    assert tier.list_files("global_step_1") == {"good.bin": 1}
+    assert tier.listing().steps == {1: {"good.bin": 1}}
+
+
+@pytest.mark.timeout(30)
+def test_an_export_record_of_the_usual_shape_still_verifies(tmp_path):
+    directory = tmp_path / "huggingface"
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes(b"weights")
+    entry = FileEntry("model.safetensors", *file_checksum(directory / "model.safetensors"))
+    write_export_record(directory, ExportRecord(2, "actor", "GPT2LMHeadModel", [entry]))
+    record, problems = verify_export(directory)
+    assert problems == [] and record is not None and record.format_version == EXPORT_FORMAT_VERSION
+
+
+@pytest.mark.timeout(30)
+def test_a_download_of_a_fifo_in_a_file_tier_is_refused_not_waited_on(tmp_path):
+    tier = FsspecStore(f"file://{tmp_path / 'remote'}")
+    source = tmp_path / "source"
+    record = committed_step(source, 5)
+    remote = tmp_path / "remote" / "global_step_5"
+    (remote / "actor").mkdir(parents=True)
+    os.mkfifo(remote / "actor/__0_0.distcp")
+    (remote / "driver_state.pt").write_bytes((step_dir(source, 5) / "driver_state.pt").read_bytes())
+    (remote / COMMIT_RECORD_FILENAME).write_bytes(
+        (step_dir(source, 5) / COMMIT_RECORD_FILENAME).read_bytes()
+    )
+    assert {e.path for e in record.files} == {"actor/__0_0.distcp", "driver_state.pt"}
+    with pytest.raises(Exception, match="regular file"):
+        pull_step(tier, 5, tmp_path / "dest", 2, 20)
+    assert not step_dir(tmp_path / "dest", 5).exists()
