@@ -155,3 +155,135 @@ def test_load_refuses_a_participant_the_step_does_not_hold(ray_local, tmp_path):
             coordinator.participant_handle("replay", 1)
     finally:
         coordinator.close()
+
+
+def commit_steps(coordinator, actor, steps) -> None:
+    for step in steps:
+        coordinator.save_driver_state(step, {"step": step})
+        ray.get(actor.save.remote(step))
+        coordinator.wait_for_commit(step)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    from verl_ckpt.cli.main import main
+
+    code = main([str(a) for a in argv])
+    out, _ = capsys.readouterr()
+    return code, out
+
+
+def test_I3_a_participant_shows_in_ls_verify_inspect_and_leaves_with_its_step(
+    ray_local, tmp_path, capsys
+):
+    import json
+
+    cfg = ckpt_config(tmp_path, max_ckpt_to_keep=1)
+    root = cfg["root_dir"]
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 1)
+        commit_steps(coordinator, actor, [1])
+        code, out = run_cli(capsys, "ls", root)
+        assert code == 0 and "driver:1,replay:1" in out, out
+        code, out = run_cli(capsys, "verify", root)
+        assert code == 0 and "OK participant replay x1: 1 files" in out, out
+        code, out = run_cli(capsys, "inspect", root)
+        assert code == 0 and "declared participants: replay x1" in out, out
+        assert "participant replay x1: 1 state files" in out, out
+        code, out = run_cli(capsys, "inspect", root, "--json")
+        assert code == 0 and json.loads(out)["state_participants"] == {"replay": 1}
+        # A damaged state file is named by verify.
+        state = step_dir(root, 1) / "replay" / "state_0.pt"
+        data = bytearray(state.read_bytes())
+        data[-1] ^= 0xFF
+        state.write_bytes(bytes(data))
+        code, out = run_cli(capsys, "verify", root)
+        assert code != 0 and "replay/state_0.pt" in out, out
+        with pytest.raises(CommitRecordError, match=r"state of replay\[0\] failed verification"):
+            load_participant_state(step_dir(root, 1), "replay", 0)
+        # Retention after step 2's commit deletes step 1 with its participant's state.
+        commit_steps(coordinator, actor, [2])
+        coordinator.drain()
+        assert not step_dir(root, 1).exists()
+        assert (step_dir(root, 2) / "replay" / "state_0.pt").is_file()
+    finally:
+        coordinator.close()
+
+
+def test_I5_a_participant_killed_in_its_save_or_never_saving_is_named_and_the_next_step_commits(
+    ray_local, tmp_path
+):
+    """replay[0] is killed while it writes step 1 (its write hangs, by the fault hook);
+    rollout[0] never saves step 1. The step fails at its deadline naming both; step 2, saved
+    by a new replay actor, commits."""
+    cfg = ckpt_config(tmp_path, timeout_s=3.0)
+    coordinator = coordinator_with(cfg, {"replay": 1, "rollout": 1})
+    try:
+        handle = coordinator.participant_handle("replay", 0)
+        hanging = ReplayBuffer.options(
+            runtime_env={"env_vars": {"VERL_CKPT_FAULT": "write:replay=hang"}}
+        ).remote(handle, 1)
+        rollout = ReplayBuffer.remote(coordinator.participant_handle("rollout", 0), 2)
+        coordinator.save_driver_state(1, {"step": 1})
+        ray.get(hanging.save.remote(1))  # returns: the write runs (and hangs) behind it
+        ray.kill(hanging)
+        with pytest.raises(StepNotCommittedError) as failed:
+            coordinator.wait_for_commit(1, timeout_s=300)
+        assert "no report by the step's deadline from replay[0], rollout[0]" in str(failed.value)
+        replay = ReplayBuffer.remote(handle, 3)
+        coordinator.save_driver_state(2, {"step": 2})
+        ray.get([replay.save.remote(2), rollout.save.remote(2)])
+        coordinator.wait_for_commit(2)
+        assert read_tracker(cfg["root_dir"]) == 2
+        loaded = load_participant_state(step_dir(cfg["root_dir"], 2), "replay", 0)
+        assert loaded["count"] == 3
+    finally:
+        coordinator.close()
+
+
+def test_a_resume_with_other_participants_than_the_step_is_one_line(ray_local, tmp_path):
+    cfg = ckpt_config(tmp_path)
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 1)
+        commit_steps(coordinator, actor, [1])
+    finally:
+        coordinator.close()
+    with pytest.raises(CheckpointError, match="holds the state of participants replay x1 that"):
+        coordinator_with(cfg, {})
+    with pytest.raises(CheckpointError, match="replay was saved by 1, this run declares 2"):
+        coordinator_with(cfg, {"replay": 2})
+    # A participant new to the step is allowed: it starts empty, its load says so.
+    coordinator = coordinator_with(cfg, {"replay": 1, "data": 1})
+    try:
+        assert coordinator.resume_dir() == step_dir(cfg["root_dir"], 1)
+        with pytest.raises(CommitRecordError, match=r"no state of participant data\[0\]"):
+            load_participant_state(coordinator.resume_dir(), "data", 0)
+    finally:
+        coordinator.close()
+
+
+def test_I1_a_step_with_a_participant_is_uploaded_and_restored_from_the_remote_tier(
+    ray_local, s3_server, tmp_path
+):
+    from tests.test_remote_tier import remote_config
+
+    cfg = remote_config(tmp_path, s3_server, s3_server.new_bucket())
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 5)
+        expected = ray.get(actor.state.remote())
+        commit_steps(coordinator, actor, [1])
+        assert coordinator.wait_for_uploads()["status"] == "committed"
+    finally:
+        coordinator.close()
+    # A new machine: an empty root, the same remote tier. Start-up pulls step 1 back.
+    restored = {**cfg, "root_dir": str(tmp_path / "restored")}
+    coordinator = coordinator_with(restored, {"replay": 1})
+    try:
+        assert coordinator.resume_dir() == step_dir(restored["root_dir"], 1)
+        loaded = load_participant_state(coordinator.resume_dir(), "replay", 0)
+        assert torch.equal(loaded["samples"], expected["samples"])
+        assert torch.equal(loaded["rng"], expected["rng"]) and loaded["count"] == 5
+    finally:
+        coordinator.close()

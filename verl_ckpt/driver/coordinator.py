@@ -28,6 +28,7 @@ from verl_ckpt.protocol.errors import (
     CommitRecordError,
 )
 from verl_ckpt.startup.prepare import StartPlan, prepare_start
+from verl_ckpt.startup.resume_fit import check_participants_fit
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME, role_name_problem
 from verl_ckpt.store.verification import verify_files
@@ -67,6 +68,14 @@ class CheckpointCoordinator:
         self.state_participants = _declared_participants(participants or {}, roles)
         self.start = start if start is not None else prepare_start(self.config)
         self.root = self.start.root
+        try:
+            if self.start.resume_dir is not None:
+                # Before the finalizer starts: a resume step holding other participants is
+                # one line now, not a surprise in each actor's load.
+                check_participants_fit(self.start.resume_dir, self.state_participants)
+        except BaseException:
+            self.start.release()
+            raise
         self.participants = dict(roles)
         if save_driver_state:
             self.participants[DRIVER_ROLE] = 1
