@@ -287,3 +287,40 @@ def test_I1_a_step_with_a_participant_is_uploaded_and_restored_from_the_remote_t
         assert torch.equal(loaded["rng"], expected["rng"]) and loaded["count"] == 5
     finally:
         coordinator.close()
+
+
+def test_I5_a_failed_write_fails_the_step_at_once_naming_it_and_is_raised_once(ray_local, tmp_path):
+    cfg = ckpt_config(tmp_path)
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        failing = ReplayBuffer.options(
+            runtime_env={"env_vars": {"VERL_CKPT_FAULT": "write:replay:0=enospc"}}
+        ).remote(coordinator.participant_handle("replay", 0), 1)
+        coordinator.save_driver_state(1, {"step": 1})
+        ray.get(failing.save.remote(1))
+        started = time.monotonic()
+        with pytest.raises(StepNotCommittedError, match=r"replay\[0\] \[write ENOSPC\]"):
+            coordinator.wait_for_commit(1)
+        assert time.monotonic() - started < 30  # at once, not at the step's deadline
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"replay\[0\]: the save of step 1"):
+            ray.get(failing.wait.remote())
+        ray.get(failing.wait.remote())  # raised once
+    finally:
+        coordinator.close()
+
+
+def test_I3_rollback_moves_a_participant_state_with_its_step(ray_local, tmp_path, capsys):
+    cfg = ckpt_config(tmp_path)
+    root = cfg["root_dir"]
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 4)
+        commit_steps(coordinator, actor, [1, 2])
+    finally:
+        coordinator.close()
+    code, out = run_cli(capsys, "rollback", root, "--to", 1)
+    assert code == 0 and read_tracker(root) == 1, out
+    assert not step_dir(root, 2).exists()
+    (archive,) = tmp_path.glob("ckpt/rolled_back_*")
+    assert (step_dir(archive, 2) / "replay" / "state_0.pt").is_file()
+    assert load_participant_state(step_dir(root, 1), "replay", 0)["count"] == 4
