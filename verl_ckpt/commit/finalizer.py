@@ -24,7 +24,7 @@ from verl_ckpt.commit.admission import Admission, steps_lost_in_a_restart
 from verl_ckpt.commit.committer import Committer
 from verl_ckpt.commit.ledger import StepLedger, StepStatus
 from verl_ckpt.commit.metadata_forecast import MetadataForecast
-from verl_ckpt.commit.waiters import Waiters, describe_participants
+from verl_ckpt.commit.waiters import Waiters
 from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
@@ -35,7 +35,7 @@ from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
 from verl_ckpt.store.recovery import recover_root
 from verl_ckpt.store.tracker import read_tracker
 
-__all__ = ["CheckpointFinalizer", "describe_participants"]
+__all__ = ["CheckpointFinalizer"]
 
 logger = logging.getLogger(__name__)
 
