@@ -324,3 +324,49 @@ def test_I3_rollback_moves_a_participant_state_with_its_step(ray_local, tmp_path
     (archive,) = tmp_path.glob("ckpt/rolled_back_*")
     assert (step_dir(archive, 2) / "replay" / "state_0.pt").is_file()
     assert load_participant_state(step_dir(root, 1), "replay", 0)["count"] == 4
+
+
+# ---- the pieces, without Ray ---------------------------------------------------------------
+
+
+def test_the_commit_record_lists_state_participants_only_when_there_are_some():
+    from verl_ckpt.store.commit_record import (
+        CommitRecord,
+        encode_commit_record,
+        parse_commit_record,
+    )
+
+    plain = CommitRecord(step=1, participants={"driver": 1}, files=[])
+    assert b"state_participants" not in encode_commit_record(plain)
+    assert parse_commit_record(encode_commit_record(plain), "x").state_participants == {}
+    record = CommitRecord(step=1, participants={"driver": 1}, files=[], state_participants={"r": 2})
+    assert parse_commit_record(encode_commit_record(record), "x").state_participants == {"r": 2}
+    for bad in ({"r": 0}, {"driver": 1}, {"r": True}):
+        record.state_participants = bad
+        with pytest.raises(CommitRecordError, match="malformed"):
+            parse_commit_record(encode_commit_record(record), "x")
+
+
+def test_staging_copies_plain_state_and_refuses_what_a_safe_load_cannot_read():
+    import numpy as np
+
+    from verl_ckpt.participants.state_copy import stage_state
+
+    tensor = torch.ones(2)
+    staged = stage_state({"t": tensor, "l": [1, (2.0, "s")], "n": None})
+    tensor.add_(1)
+    assert torch.equal(staged["t"], torch.ones(2)) and staged["l"] == [1, (2.0, "s")]
+    with pytest.raises(CheckpointError, match=r"state\['a'\]\[0\] is a numpy.ndarray"):
+        stage_state({"a": [np.zeros(2)]})
+    with pytest.raises(CheckpointError, match="key 3 that is not a str"):
+        stage_state({3: 1})
+
+
+def test_the_ledger_names_declared_participants_by_index():
+    from verl_ckpt.commit.ledger import StepLedger
+
+    ledger = StepLedger({"actor": 2, "driver": 1}, 1, state_participants={"rollout": 2})
+    assert len(ledger.expected) == 5
+    assert ledger.describe(ledger.missing(4)) == (
+        "actor rank 0, actor rank 1, driver rank 0, rollout[0], rollout[1]"
+    )
