@@ -67,12 +67,18 @@ class StateParticipant:
 
     def save(self, step: int, state: Any) -> None:
         """Copy `state` now and save it for `step` in the background (module docstring).
-        Raises the failure of an earlier save, once; a state that cannot be saved (a value
-        that is not a tensor nor plain Python) is refused here and fails the step at once."""
+        Raises the failure of an earlier save, once, or a previous save still running after
+        checkpoint.timeout_s; a state that cannot be saved (a value that is neither a tensor
+        nor plain Python) is refused here. Each of these fails `step` at once."""
         self._check_open()
-        self._raise_failure()
-        self._wait_for_previous(self._timeout_s)
         save_id = new_save_id()
+        try:
+            self._raise_failure()
+            self._wait_for_previous(self._timeout_s)
+        except Exception as exc:
+            # As a rank does: the others save this step, so it fails now, not at its deadline.
+            self._link.report_failure(step, save_id, Phase.PLAN, exc)
+            raise
         # The deadline of this save's write and report, as a rank's (steps 3-4).
         deadline = deadline_in(self._timeout_s)
         try:
