@@ -135,6 +135,8 @@ def test_a_participant_name_must_be_plain_and_not_a_role(ray_local, tmp_path):
     cfg = ckpt_config(tmp_path)
     with pytest.raises(CheckpointError, match="also a role"):
         CheckpointCoordinator(cfg, {"actor": 1}, participants={"actor": 1})
+    with pytest.raises(CheckpointError, match="a file of every step"):
+        CheckpointCoordinator(cfg, {}, participants={"driver_state.pt": 1})
     with pytest.raises(CheckpointError, match="reserved for the driver"):
         CheckpointCoordinator(cfg, {}, participants={"driver": 1})
     with pytest.raises(CheckpointError, match="plain directory name"):

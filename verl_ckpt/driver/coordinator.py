@@ -30,7 +30,12 @@ from verl_ckpt.protocol.errors import (
 from verl_ckpt.startup.prepare import StartPlan, prepare_start
 from verl_ckpt.startup.resume_fit import check_participants_fit
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
-from verl_ckpt.store.layout import DRIVER_ROLE, DRIVER_STATE_FILENAME, role_name_problem
+from verl_ckpt.store.layout import (
+    COMMIT_RECORD_FILENAME,
+    DRIVER_ROLE,
+    DRIVER_STATE_FILENAME,
+    role_name_problem,
+)
 from verl_ckpt.store.verification import verify_files
 
 __all__ = ["CheckpointCoordinator"]
@@ -259,8 +264,10 @@ def _declared_participants(participants: dict[str, int], roles: dict[str, int]) 
         problem = role_name_problem(name)
         if problem:
             raise CheckpointConfigError(f"participant {problem}")
-        if name in roles:
-            raise CheckpointConfigError(f"participant name {name!r} is also a role")
+        if name in roles or name in (DRIVER_STATE_FILENAME, COMMIT_RECORD_FILENAME):
+            raise CheckpointConfigError(
+                f"participant name {name!r} is also a role or a file of every step"
+            )
         if type(count) is not int or count < 1:
             raise CheckpointConfigError(f"participant {name!r}: count {count!r} is not >= 1")
     return dict(participants)
