@@ -17,6 +17,7 @@ from verl_ckpt.cli.output import (
     human_age,
     human_bytes,
     inspection_output,
+    participant_lines,
     print_table,
     print_verify_verdict,
 )
@@ -90,7 +91,9 @@ def step_rows(store: Store, keyring: Keyring | None = None) -> list[StepRow]:
             record, status = None, f"corrupt: {exc}"
         files = store.list_files(rel)
         if record is not None:
-            roles = ",".join(f"{r}:{n}" for r, n in sorted(record.participants.items()))
+            # The roles and the driver, then the declared participants: all of the step.
+            everyone = {**record.participants, **record.state_participants}
+            roles = ",".join(f"{r}:{n}" for r, n in sorted(everyone.items()))
             age = now - record.committed_at
         else:
             roles = ",".join(sorted({f.split("/", 1)[0] for f in files if "/" in f})) or "-"
@@ -190,6 +193,8 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     speed = f" in {result.seconds:.3f} s ({result.gb_per_s:.2f} GB/s, {result.threads} threads)"
     status = print_verify_verdict(step, record, problems, speed)
     if status == 0:
+        for line in participant_lines(record):
+            print(line)
         for line in exports:
             print(escaped(line))  # an export record's architecture is data from the root
     return status

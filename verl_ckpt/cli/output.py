@@ -10,13 +10,14 @@ from dataclasses import asdict
 from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT
 from verl_ckpt.format.inspection import TensorEntry
 from verl_ckpt.store.commit_record import CommitRecord
-from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
+from verl_ckpt.store.layout import DRIVER_STATE_FILENAME, participant_state_file
 
 __all__ = [
     "escaped",
     "human_age",
     "human_bytes",
     "inspection_output",
+    "participant_lines",
     "print_table",
     "print_verify_verdict",
 ]
@@ -89,6 +90,7 @@ def inspection_output(
         "step": record.step,
         "format_version": record.format_version,
         "participants": record.participants,
+        "state_participants": record.state_participants,
         "roles": {
             role: {
                 "path": f"{step_location}/{role}",
@@ -114,6 +116,9 @@ def _print_inspection(
         "participants: "
         + ", ".join(f"{escaped(r)} x{n}" for r, n in sorted(record.participants.items()))
     )
+    if record.state_participants:
+        held = sorted(record.state_participants.items())
+        print("declared participants: " + ", ".join(f"{escaped(r)} x{n}" for r, n in held))
     for role, entries in roles.items():
         print(f"\nrole {escaped(role)} ({escaped(step_location)}/{escaped(role)}):")
         rows = [("  KEY", "DTYPE", "SHAPE", "BYTES")]
@@ -130,3 +135,22 @@ def _print_inspection(
     for entry in record.files:
         if entry.path == DRIVER_STATE_FILENAME:
             print(f"\ndriver state: {escaped(entry.path)}, {entry.size} bytes")
+    for line in participant_lines(record, verified=False):
+        print(line)
+
+
+def participant_lines(record: CommitRecord, verified: bool = True) -> list[str]:
+    """One line per declared participant of the step (its state files), as `verify` (with
+    `verified`) and `inspect` print them."""
+    lines = []
+    for name, count in sorted(record.state_participants.items()):
+        paths = {participant_state_file(name, index) for index in range(count)}
+        entries = [entry for entry in record.files if entry.path in paths]
+        size = sum(entry.size for entry in entries)
+        if verified:
+            lines.append(
+                f"OK participant {name} x{count}: {len(entries)} files, {size} bytes verified"
+            )
+        else:
+            lines.append(f"participant {name} x{count}: {len(entries)} state files, {size} bytes")
+    return lines

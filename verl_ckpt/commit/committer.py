@@ -189,6 +189,7 @@ class Committer:
                     reports,
                     made,
                     self._keyring,
+                    self._ledger.state_participants,
                 )
             except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
                 self._commit_failed(step, exc)

@@ -24,7 +24,7 @@ from verl_ckpt.commit.admission import Admission, steps_lost_in_a_restart
 from verl_ckpt.commit.committer import Committer
 from verl_ckpt.commit.ledger import StepLedger, StepStatus
 from verl_ckpt.commit.metadata_forecast import MetadataForecast
-from verl_ckpt.commit.waiters import Waiters, describe_participants
+from verl_ckpt.commit.waiters import Waiters
 from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
@@ -36,7 +36,7 @@ from verl_ckpt.store.recovery import recover_root
 from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import read_tracker
 
-__all__ = ["CheckpointFinalizer", "describe_participants"]
+__all__ = ["CheckpointFinalizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class CheckpointFinalizer:
         remote: dict[str, Any] | None = None,
         run_id: str | None = None,
         keyring: Keyring | None = None,
+        state_participants: dict[str, int] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
@@ -62,7 +63,11 @@ class CheckpointFinalizer:
         # finalizer writes is signed, and recovery and retention trust only verified ones.
         # Never logged nor in describe() (Keyring's repr names key ids only).
         self._keyring = keyring
+        # The roles' ranks and the driver; the declared participants apart (ledger.py): the
+        # commit expects no `.metadata` of theirs, and the remote tier uploads their files
+        # itself, as the driver's.
         self._participants = dict(participants)
+        self._state_participants = dict(state_participants or {})
         self._keep = max_ckpt_to_keep
         # Reports carry DCP metadata and write results, whose classes live in torch's DCP:
         # import it now, not while unpickling the first report (seconds of no answers). Not
@@ -76,7 +81,9 @@ class CheckpointFinalizer:
         # opens with it (admission.steps_lost_in_a_restart).
         state = recover_root(self._root, keyring)
         lost = steps_lost_in_a_restart(self._root, list(state.uncommitted), run_id)
-        self._ledger = StepLedger(participants, max_in_flight, lost=lost)
+        self._ledger = StepLedger(
+            participants, max_in_flight, lost=lost, state_participants=self._state_participants
+        )
         if state.uncommitted:
             logger.warning(
                 "checkpoint root %s holds uncommitted step directories %s (ignored%s)",
@@ -130,7 +137,7 @@ class CheckpointFinalizer:
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
             self._root,
-            self._participants,
+            {**self._participants, **self._state_participants},
             run_id,
             self._ledger,
             self._waiters,
@@ -145,6 +152,7 @@ class CheckpointFinalizer:
         return {
             "root_dir": str(self._root),
             "participants": dict(self._participants),
+            "state_participants": dict(self._state_participants),
             "max_ckpt_to_keep": self._keep,
             "max_in_flight": self._ledger.max_in_flight,
             "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
@@ -158,7 +166,7 @@ class CheckpointFinalizer:
 
     def status(self) -> dict[str, Any]:
         ledger = self._ledger
-        pending = {step: describe_participants(ledger.missing(step)) for step in ledger.in_flight()}
+        pending = {step: ledger.describe(ledger.missing(step)) for step in ledger.in_flight()}
         return {
             "committed": committed_steps(self._root, self._keyring),
             "tracker": read_tracker(self._root),

@@ -22,15 +22,10 @@ from verl_ckpt.protocol import describe_failures
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.event_loop import Changes
-from verl_ckpt.protocol.messages import Participant
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.layout import step_dir
 
-__all__ = ["Waiters", "describe_participants"]
-
-
-def describe_participants(participants: list[Participant]) -> str:
-    return ", ".join(f"{role} rank {rank}" for role, rank in sorted(participants))
+__all__ = ["Waiters"]
 
 
 class Waiters:
@@ -59,7 +54,7 @@ class Waiters:
             remaining = time_left(deadline)
             if remaining <= 0:
                 missing = self._ledger.missing(step)
-                what = "missing reports from: " + describe_participants(missing)
+                what = "missing reports from: " + self._ledger.describe(missing)
                 if status is StepStatus.COMMITTING:
                     what = "every report arrived; its commit is still running"
                 raise CommitTimeoutError(

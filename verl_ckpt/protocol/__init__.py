@@ -2,7 +2,9 @@
 
 Participants: every rank of every role (a `CheckpointManager` each), the driver (its own
 state, through `CheckpointCoordinator`: it begins, writes and reports like a rank, on its
-own thread) and the finalizer (one Ray actor per root, restarted by Ray). Function names are
+own thread), the participants declared to the coordinator (any Ray actor: a
+`StateParticipant` each; see "Declared participants" below) and the finalizer (one Ray
+actor per root, restarted by Ray). Function names are
 relative to `verl_ckpt.`; tests/test_protocol_page.py imports every one of them and checks
 the phases against `Phase` (protocol/phases.py, the only list). Details and edge cases live
 in the docstrings of the modules named.
@@ -37,8 +39,10 @@ The code that does each step:
  0'   | startup.remote.check_remote_start, startup.remote.fetch_newer_remote_step
  1    | rank.agreement.agree_on_save, format.megatron_compat.validate_sharding,
       | commit.finalizer.CheckpointFinalizer.begin_step, format.megatron_compat.plan_save
- 2    | rank.snapshot_plan.split_live, rank.staging.copy_into
- 3    | format.file_writer.write_checksummed, format.file_writer.write_bucket
+ 2    | rank.snapshot_plan.split_live, rank.staging.copy_into,
+      | participants.state_copy.stage_state
+ 3    | format.file_writer.write_checksummed, format.file_writer.write_bucket,
+      | participants.saver.StateParticipant.save
  4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
       | commit.committer.Committer.take, commit.ledger.StepLedger.record
  5    | commit.steps.commit_step
@@ -98,6 +102,22 @@ Order, as the code runs it:
   deleted once nobody writes into it (commit.ledger.StepLedger.discardable).
 - Steps 5-7 run on the finalizer's commit thread, one step at a time; E and 8 are queued at
   the commit, before retention, which keeps steps being exported or uploaded.
+
+Declared participants (verl_ckpt/participants/, docs/participants.md): the driver declares
+them to the coordinator, `participants={name: count}`, fixed when the finalizer starts (the
+finalizer's `state_participants`, one more entry of its table of expected reports: its
+ledger names them "<name>[<index>]"). Each index saves as a rank does, off its caller's
+path: save() copies the state (2: tensors to the host, containers rebuilt; only what
+torch.load(weights_only=True) reads back) and returns; its save thread calls begin_step
+(1), writes `<step>/<name>/state_<index>.pt` fsynced and checksummed (3) and reports it
+(4), or reports the failure; `skip(step, why)` fails the step at once. The commit (5)
+expects no `.metadata` of theirs; the commit record lists them in `state_participants`
+(name -> count, beside `participants`: the roles and the driver), written only when there
+are some. A step missing one of their reports at its deadline fails naming it. The remote
+tier's finalizer uploads their files with the driver's (8-9); retention, rollback, verify
+and pull treat them as any file of the step. At start-up a resume step holding a
+participant the run does not declare, or another count of one, is refused in one line
+(startup.resume_fit.check_participants_fit); a participant new to the step starts empty.
 
 The commit point is the durable commit record (5): from a crash after it, every restart
 rolls the tracker forward to the step. Until the tracker's rename the finalizer itself may

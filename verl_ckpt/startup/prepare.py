@@ -88,13 +88,17 @@ def prepare_start(
     config: CheckpointConfig | Any,
     purpose: str | None = None,
     roles: Mapping[str, int] | None = None,
+    participants: Mapping[str, int] | None = None,
 ) -> StartPlan:
     """Check, lock and recover the root; decide the resume step (see the module docstring).
 
     `roles` (optional): the roles that will load the resume step, each with its number of
     ranks in this run. With it, a resume step they cannot load (a role it does not hold, or
     per-rank extra state saved by another number of ranks while `load_contents` asks for
-    it: resume_fit.py) is refused here rather than in the ranks' `load()`.
+    it: resume_fit.py) is refused here rather than in the ranks' `load()`. `participants`
+    (optional): the participants the run declares to the coordinator (name -> count),
+    checked the same way (resume_fit.check_participants_fit); the coordinator checks them
+    again in any case.
 
     Raises a CheckpointError subclass naming the key or path: CheckpointConfigError,
     TrackerError, CommitRecordError (ResumeVerificationError), ResumeConflictError or
@@ -103,7 +107,7 @@ def prepare_start(
     config = to_checkpoint_config(config)
     root = Path(config.root_dir).resolve()
     try:
-        return _prepare_start(config, root, purpose, roles)
+        return _prepare_start(config, root, purpose, roles, participants)
     except CheckpointError:
         raise  # already one line naming what failed (a CommitTimeoutError is an OSError too)
     except OSError as exc:
@@ -121,6 +125,7 @@ def _prepare_start(
     root: Path,
     purpose: str | None,
     roles: Mapping[str, int] | None,
+    participants: Mapping[str, int] | None = None,
 ) -> StartPlan:
     check_root_dir(root)
     check_export_config(config)  # an unknown Hugging Face mapping name, before Ray starts
@@ -133,7 +138,7 @@ def _prepare_start(
     before = read_root_state(root, keyring)
     # Read-only, before the lock: a step the roles cannot load is refused with nothing
     # written. Checked again below on the step settled under the lock.
-    check_resume_before_lock(config, before, _loadable_resume_dir(roles))
+    check_resume_before_lock(config, before, _loadable_resume_dir(roles, participants))
     if remote is not None:
         check_remote_against_root(config, remote, before)
     lock = RootLock.acquire(root, purpose or _this_job())
@@ -146,8 +151,8 @@ def _prepare_start(
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root, keyring)  # the fallback moved steps and the tracker
         # Again on the step settled: recovery, a download or a fallback may have changed it.
-        if resume is not None and roles is not None:
-            check_resume_fits(resume, roles, config.load_contents)
+        if resume is not None and (roles is not None or participants is not None):
+            check_resume_fits(resume, roles or {}, config.load_contents, participants)
     except BaseException:
         lock.release()
         raise
@@ -222,15 +227,18 @@ def choose_resume_dir(config: CheckpointConfig, state: RootState) -> Path | None
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def _loadable_resume_dir(roles: Mapping[str, int] | None):
-    """choose_resume_dir, refusing (given the roles) a step their ranks cannot load."""
-    if roles is None:
+def _loadable_resume_dir(
+    roles: Mapping[str, int] | None, participants: Mapping[str, int] | None = None
+):
+    """choose_resume_dir, refusing (given the roles, the declared participants) a step
+    they cannot load."""
+    if roles is None and participants is None:
         return choose_resume_dir
 
     def choose(config: CheckpointConfig, state: RootState) -> Path | None:
         resume = choose_resume_dir(config, state)
         if resume is not None:
-            check_resume_fits(resume, roles, config.load_contents)
+            check_resume_fits(resume, roles or {}, config.load_contents, participants)
         return resume
 
     return choose

@@ -7,6 +7,12 @@ optimizer, but a rank's own state has no counterpart in a world of another size.
 record's rank counts and, only when a role's rank count changed, the names in its DCP
 `.metadata`: a run started with another world size then fails in one line naming the step
 and the key, instead of in every rank's load once the workers are up.
+
+The participants declared to the coordinator (a rollout worker, a replay buffer) are
+checked the same way (check_participants_fit): a step holding a participant the run does
+not declare, or with another count of one, is refused in one line (its state would be lost,
+or is per index and cannot be re-split); a participant the step does not hold is allowed
+(it starts empty: its load raises CommitRecordError naming it).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from verl_ckpt.store.commit_record import CommitRecord, read_commit_record
 
 __all__ = [
     "EXTRA_STATE_KEY",
+    "check_participants_fit",
     "check_resume_fits",
     "extra_reshard_error",
     "missing_role_error",
@@ -42,11 +49,19 @@ def extra_reshard_error(path: Path, role: str, saved: int, loading: int) -> Chec
     )
 
 
-def check_resume_fits(path: Path, roles: Mapping[str, int], load_contents: Iterable[str]) -> None:
+def check_resume_fits(
+    path: Path,
+    roles: Mapping[str, int],
+    load_contents: Iterable[str],
+    participants: Mapping[str, int] | None = None,
+) -> None:
     """Raise what `load()` would raise in the ranks of `roles` (role -> ranks) loading the
     committed step `path` with `load_contents`: a role the step does not hold, or a role
-    whose rank count changed while it saved extra state that `load_contents` asks for."""
+    whose rank count changed while it saved extra state that `load_contents` asks for.
+    With `participants` (the declared ones, name -> count), check_participants_fit too."""
     record = read_commit_record(path)
+    if participants is not None:
+        _check_participants(path, record, participants)
     wants_extra = "extra" in load_contents
     for role, ranks in roles.items():
         saved = record.role_world_size(role)
@@ -54,6 +69,29 @@ def check_resume_fits(path: Path, roles: Mapping[str, int], load_contents: Itera
             raise missing_role_error(path, role, record)
         if saved != ranks and wants_extra and _holds_extra_state(path / role):
             raise extra_reshard_error(path, role, saved, ranks)
+
+
+def check_participants_fit(path: Path, participants: Mapping[str, int]) -> None:
+    """Raise CheckpointError, one line, unless a run declaring `participants` (name ->
+    count) can resume from the committed step `path` (module docstring)."""
+    _check_participants(path, read_commit_record(path), participants)
+
+
+def _check_participants(path: Path, record: CommitRecord, participants: Mapping[str, int]) -> None:
+    saved = record.state_participants
+    dropped = sorted(set(saved) - set(participants))
+    if dropped:
+        held = ", ".join(f"{name} x{saved[name]}" for name in dropped)
+        raise CheckpointError(
+            f"{path} holds the state of participants {held} that this run does not declare: "
+            "resuming would lose it (declare them: CheckpointCoordinator(participants=...))"
+        )
+    for name, count in sorted(participants.items()):
+        if name in saved and saved[name] != count:
+            raise CheckpointError(
+                f"{path}: participant {name} was saved by {saved[name]}, this run declares "
+                f"{count}; a participant's state is per index and cannot be re-split"
+            )
 
 
 def _holds_extra_state(role_dir: Path) -> bool:

@@ -3,6 +3,7 @@
 <root>/latest_checkpointed_iteration.txt   newest committed step, "N\\n"
 <root>/global_step_<N>/<role>/              megatron-core torch_dist directory per role
 <root>/global_step_<N>/driver_state.pt      the driver's own state
+<root>/global_step_<N>/<name>/state_<i>.pt  a declared participant's state (index i)
 <root>/global_step_<N>/verl_ckpt_commit.json   commit record, written last
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "list_step_dirs",
     "printable",
     "relative_path_problem",
+    "participant_state_file",
     "role_dir",
     "role_name_problem",
     "step_dir",
@@ -128,6 +130,11 @@ def printable(name: object) -> str:
     must not rewrite the terminal)."""
     text = repr(name)
     return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}...(cut)"
+
+
+def participant_state_file(name: str, index: int) -> str:
+    """Where participant `name`[`index`] keeps its state, relative to the step directory."""
+    return f"{name}/state_{index}.pt"
 
 
 def step_of_dir(path: str | Path) -> int | None:
