@@ -1,7 +1,7 @@
 """Reading a declared participant's state back from a committed step (protocol page,
 "Participants"): the step's commit record first (it must list the participant and its
-file), the file's checksum where asked, then the file with weights_only=True (format/safe_load.py): nothing in a
-checkpoint is unpickled as code."""
+file), the file's checksum where asked, then the file with weights_only=True
+(format/safe_load.py): nothing in a checkpoint is unpickled as code."""
 
 from __future__ import annotations
 
