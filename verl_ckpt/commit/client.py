@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from verl_ckpt.hf.scheduler import ExportPlan
     from verl_ckpt.protocol.messages import RankReport
     from verl_ckpt.remote.ledger import UploadReport
+    from verl_ckpt.store.lock_record import LeaseGuard
 
 __all__ = [
     "FINALIZER_NAMESPACE",
@@ -74,11 +75,13 @@ def start_finalizer(
     max_in_flight: int = 1,
     hf_exports: ExportPlan | None = None,
     remote: dict[str, Any] | None = None,
+    lease: LeaseGuard | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
     A running finalizer of the same root with other settings is an error, not silently
-    reused.
+    reused. `lease`: the driver's lease on the root (RootLock.lease_guard()), which the
+    finalizer checks before each step, commit and deletion.
     """
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
@@ -96,6 +99,7 @@ def start_finalizer(
             hf_exports,
             remote,
             uuid.uuid4().hex,  # this job's run id, the same for every restart of the actor
+            lease,
         )
     )
     try:
@@ -187,6 +191,9 @@ class FinalizerClient:
 
     def status(self, *, deadline: float | None = None) -> dict[str, Any]:
         return self._call("status", deadline=deadline)
+
+    def lease_guard(self, *, deadline: float | None = None) -> LeaseGuard | None:
+        return self._call("lease_guard", deadline=deadline)
 
     # ---- a participant's step (steps 1 and 4) --------------------------------------------
 

@@ -32,12 +32,16 @@ from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
 from verl_ckpt.store.commit_record import committed_steps
 from verl_ckpt.store.fsio import atomic_write_bytes
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
+from verl_ckpt.store.lock_record import LeaseGuard
 from verl_ckpt.store.recovery import recover_root
 from verl_ckpt.store.tracker import read_tracker
 
 __all__ = ["CheckpointFinalizer", "describe_participants"]
 
 logger = logging.getLogger(__name__)
+
+# How long a lease found held stays believed for begin_step (see begin_step).
+_LEASE_RECHECK_S = 0.5
 
 
 class CheckpointFinalizer:
@@ -53,9 +57,13 @@ class CheckpointFinalizer:
         hf_exports: ExportPlan | None = None,
         remote: dict[str, Any] | None = None,
         run_id: str | None = None,
+        lease: LeaseGuard | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
+        # The driver's lease on the root (None: a flock, which the kernel keeps): once it is
+        # lost, no step begins, commits or is deleted here (store/lock_record.py).
+        self._lease = lease
         self._participants = dict(participants)
         self._keep = max_ckpt_to_keep
         # Reports carry DCP metadata and write results, whose classes live in torch's DCP:
@@ -113,6 +121,7 @@ class CheckpointFinalizer:
             self._exports,
             self._uploading,
             self._remote.after_local_commit if self._remote is not None else lambda step: None,
+            self._check_lease,
         )
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
@@ -137,6 +146,15 @@ class CheckpointFinalizer:
             "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
             "remote": self._remote_settings,
         }
+
+    def lease_guard(self) -> LeaseGuard | None:
+        """The driver's lease on the root, which ranks check before each save (None: the
+        root is flocked, and the kernel keeps the lock for as long as the driver lives)."""
+        return self._lease
+
+    def _check_lease(self, what: str, fresh_within_s: float = 0.0) -> None:
+        if self._lease is not None:
+            self._lease.check(what, fresh_within_s)
 
     def marker_token(self) -> str:
         """The token this finalizer wrote into the root's marker file at start-up."""
@@ -182,6 +200,9 @@ class CheckpointFinalizer:
         which would overwrite the files it reported. The step must have every report by
         `timeout_s` + slack after the last participant's begin_step.
         """
+        # Every rank calls this at every step: the lease file is read again once per
+        # _LEASE_RECHECK_S at most (a commit and a deletion always read it).
+        self._check_lease(f"step {step} ({role} rank {rank})", _LEASE_RECHECK_S)
         return await self._admission.begin_step(step, role, rank, world_size, timeout_s, save_id)
 
     # ---- protocol steps 4-7: report, commit, retention (committer.py) ---------------------
