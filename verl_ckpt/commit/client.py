@@ -13,7 +13,6 @@ import hashlib
 import os
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +82,7 @@ def start_finalizer(
     reused. `lease`: the driver's lease on the root (RootLock.lease_guard()), which the
     finalizer checks before each step, commit and deletion.
     """
-    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer, finalizer_settings
 
     if not participants or any(size < 1 for size in participants.values()):
         raise CheckpointError(f"participants must map roles to world sizes >= 1: {participants}")
@@ -108,20 +107,26 @@ def start_finalizer(
         raise CommitTimeoutError(
             f"the finalizer of {root} did not start within {timeout_s:.0f}s"
         ) from None
-    wanted = {
-        "root_dir": root,
-        "participants": dict(participants),
-        "max_ckpt_to_keep": max_ckpt_to_keep,
-        "max_in_flight": max_in_flight,
-        "hf_exports": asdict(hf_exports) if hf_exports else None,
-        "remote": dict(remote) if remote else None,
-    }
+    # Both redacted (protocol/redaction.py): the message must not show a secret, and the
+    # digests tell apart settings that differ only in one.
+    wanted = finalizer_settings(
+        root, participants, max_ckpt_to_keep, max_in_flight, hf_exports, remote
+    )
     if found != wanted:
         raise CheckpointError(
-            f"a finalizer for {root} is already running with {found}, but {wanted} was asked "
-            "for; use the same checkpoint config everywhere or stop the other job"
+            f"a finalizer for {root} is already running with other settings "
+            f"({_differences(found, wanted)}); use the same checkpoint config everywhere or "
+            "stop the other job"
         )
     return actor
+
+
+def _differences(found: dict[str, Any], wanted: dict[str, Any]) -> str:
+    """What differs between two describe() answers (both redacted already)."""
+    keys = [key for key in wanted if key != "settings_digest" and found.get(key) != wanted[key]]
+    if not keys:  # only a redacted value differs: say where, not what
+        return "remote.storage_options differ; their values are not shown"
+    return "; ".join(f"{key}: {found.get(key)} running, {wanted[key]} asked for" for key in keys)
 
 
 def get_finalizer(root_dir: str | os.PathLike, timeout_s: float) -> ray.actor.ActorHandle:

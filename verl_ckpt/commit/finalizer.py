@@ -14,6 +14,7 @@ waiter of both tiers; file work runs in a thread, one commit or retention at a t
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import uuid
 from dataclasses import asdict
@@ -29,6 +30,7 @@ from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
+from verl_ckpt.protocol.redaction import redacted, settings_digest
 from verl_ckpt.store.commit_record import committed_steps
 from verl_ckpt.store.fsio import atomic_write_bytes
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
@@ -36,7 +38,7 @@ from verl_ckpt.store.lock_record import LeaseGuard
 from verl_ckpt.store.recovery import recover_root
 from verl_ckpt.store.tracker import read_tracker
 
-__all__ = ["CheckpointFinalizer", "describe_participants"]
+__all__ = ["CheckpointFinalizer", "describe_participants", "finalizer_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,9 @@ class CheckpointFinalizer:
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
-        self._remote_settings = dict(remote) if remote else None
+        # A deep copy, kept as given: botocore rewrites storage_options' nested dicts in place
+        # (config_kwargs.retries), and describe() must answer what start_finalizer asked for.
+        self._remote_settings = copy.deepcopy(remote) if remote else None
         self._connect(participants, remote, run_id)
 
     def _connect(
@@ -138,14 +142,16 @@ class CheckpointFinalizer:
     # ---- queries -------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "root_dir": str(self._root),
-            "participants": dict(self._participants),
-            "max_ckpt_to_keep": self._keep,
-            "max_in_flight": self._ledger.max_in_flight,
-            "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
-            "remote": self._remote_settings,
-        }
+        """The settings this finalizer runs with, secrets redacted (any job can call this on
+        the named actor), and a digest of them all (finalizer_settings)."""
+        return finalizer_settings(
+            str(self._root),
+            self._participants,
+            self._keep,
+            self._ledger.max_in_flight,
+            self._hf_plan,
+            self._remote_settings,
+        )
 
     def lease_guard(self) -> LeaseGuard | None:
         """The driver's lease on the root, which ranks check before each save (None: the
@@ -280,6 +286,28 @@ class CheckpointFinalizer:
 
     def _uploading(self) -> set[int]:
         return set(self._remote.protected()) if self._remote is not None else set()
+
+
+def finalizer_settings(
+    root_dir: str,
+    participants: dict[str, int],
+    max_ckpt_to_keep: int | None,
+    max_in_flight: int,
+    hf_exports: ExportPlan | None,
+    remote: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What `describe()` answers for these settings: each one, with the remote tier's
+    storage_options and anything secret-looking redacted (protocol/redaction.py), and
+    `settings_digest`, which tells settings apart where only a secret differs."""
+    settings = {
+        "root_dir": root_dir,
+        "participants": dict(participants),
+        "max_ckpt_to_keep": max_ckpt_to_keep,
+        "max_in_flight": max_in_flight,
+        "hf_exports": asdict(hf_exports) if hf_exports else None,
+        "remote": dict(remote) if remote else None,
+    }
+    return {**redacted(settings), "settings_digest": settings_digest(settings)}
 
 
 def _open_remote_tier(remote, root, participants, local_status, on_upload_end, changes):
