@@ -288,3 +288,20 @@ def test_a_jobs_purpose_names_its_program_and_never_its_arguments(monkeypatch):
     purpose = this_job()
     assert purpose.startswith("job `/opt/recipes/ppo_toy.py` (arguments sha256 ")
     assert secret not in purpose
+
+
+def test_ls_of_a_held_root_whose_lock_record_is_deeply_nested_is_no_traceback(tmp_path, capsys):
+    """Before: `verl-ckpt ls` raised RecursionError from json.loads of the holder record."""
+    from tests.lock_holder import HolderProcesses
+    from tests.test_cli import run_cli
+
+    root = tmp_path / "ckpt"
+    holders = HolderProcesses()
+    try:
+        holders.start(root)
+        (root / LOCK_FILENAME).write_text(NESTED)  # the holder's flock stays
+        code, out, err = run_cli(capsys, "ls", root)
+    finally:
+        holders.close()
+    assert code == 0 and "Traceback" not in out + err, err
+    assert "in use by: a process that left no name" in out
