@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from tests.helpers import ckpt_config
 from tests.test_finalizer import save_driver_step
@@ -305,3 +306,35 @@ def test_ls_of_a_held_root_whose_lock_record_is_deeply_nested_is_no_traceback(tm
         holders.close()
     assert code == 0 and "Traceback" not in out + err, err
     assert "in use by: a process that left no name" in out
+
+
+def test_a_lost_lease_fails_every_ranks_next_save_naming_the_lock(ranks, tmp_path, monkeypatch):
+    """Real ranks (CheckpointManager in Ray actors) on a root held by a lease: after another
+    job took the lease over, each rank's next save() raises RootLockedError naming the lease
+    file and the new holder, and nothing of the step is committed."""
+    from tests.conftest import ROLES
+    from tests.helpers import close_all, every_rank, open_all, save_everyone
+    from verl_ckpt import CheckpointCoordinator
+
+    def no_flock(root, record):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(root_lock._Flock, "take", no_flock)
+    cfg = ckpt_config(tmp_path)
+    root = Path(cfg["root_dir"])
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    try:
+        open_all(ranks, cfg)
+        save_everyone(ranks, coordinator, 1)
+        coordinator.wait_for_commit(1)
+        take_over_lease(root)
+        for worker in every_rank(ranks):
+            with pytest.raises(ray.exceptions.RayTaskError) as failed:
+                ray.get(worker.save.remote(2))
+            assert isinstance(failed.value.cause, RootLockedError), failed.value
+            message = str(failed.value.cause)
+            assert " rank " in message and ": save of step 2 refused: " in message, message
+            assert_names_lease_and_thief(message, root)
+        assert read_tracker(root) == 1 and not is_committed(step_dir(root, 2))
+    finally:
+        close_all(ranks, coordinator)
