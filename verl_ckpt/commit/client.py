@@ -13,7 +13,6 @@ import hashlib
 import os
 import time
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from verl_ckpt.hf.scheduler import ExportPlan
     from verl_ckpt.protocol.messages import RankReport
     from verl_ckpt.remote.ledger import UploadReport
+    from verl_ckpt.store.lock_record import LeaseGuard
 
 __all__ = [
     "FINALIZER_NAMESPACE",
@@ -77,6 +77,7 @@ def start_finalizer(
     remote: dict[str, Any] | None = None,
     keyring: Keyring | None = None,
     state_participants: dict[str, int] | None = None,
+    lease: LeaseGuard | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
@@ -85,9 +86,11 @@ def start_finalizer(
     finalizer of the same root with other settings is an error, not silently reused.
     `keyring`: checkpoint.signing's keys, read before Ray started; the actor gets them as an
     argument (no environment needed on its node), and they appear nowhere but by key id
-    (describe(), the mismatch error).
+    (describe(), the mismatch error). `lease`: the driver's lease on the root
+    (RootLock.lease_guard()), which the finalizer checks before each step, commit and
+    deletion.
     """
-    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer, finalizer_settings
 
     state_participants = dict(state_participants or {})
     if not participants or any(size < 1 for size in participants.values()):
@@ -108,6 +111,7 @@ def start_finalizer(
             uuid.uuid4().hex,  # this job's run id, the same for every restart of the actor
             keyring,
             state_participants,
+            lease,
         )
     )
     try:
@@ -116,22 +120,33 @@ def start_finalizer(
         raise CommitTimeoutError(
             f"the finalizer of {root} did not start within {timeout_s:.0f}s"
         ) from None
-    wanted = {
-        "root_dir": root,
-        "participants": dict(participants),
-        "state_participants": state_participants,
-        "max_ckpt_to_keep": max_ckpt_to_keep,
-        "max_in_flight": max_in_flight,
-        "hf_exports": asdict(hf_exports) if hf_exports else None,
-        "remote": dict(remote) if remote else None,
-        "signing": list(keyring.key_ids) if keyring is not None else None,
-    }
+    # Both redacted (protocol/redaction.py): the message must not show a secret, and the
+    # digests tell apart settings that differ only in one.
+    wanted = finalizer_settings(
+        root,
+        participants,
+        max_ckpt_to_keep,
+        max_in_flight,
+        hf_exports,
+        remote,
+        state_participants,
+        list(keyring.key_ids) if keyring is not None else None,
+    )
     if found != wanted:
         raise CheckpointError(
-            f"a finalizer for {root} is already running with {found}, but {wanted} was asked "
-            "for; use the same checkpoint config everywhere or stop the other job"
+            f"a finalizer for {root} is already running with other settings "
+            f"({_differences(found, wanted)}); use the same checkpoint config everywhere or "
+            "stop the other job"
         )
     return actor
+
+
+def _differences(found: dict[str, Any], wanted: dict[str, Any]) -> str:
+    """What differs between two describe() answers (both redacted already)."""
+    keys = [key for key in wanted if key != "settings_digest" and found.get(key) != wanted[key]]
+    if not keys:  # only a redacted value differs: say where, not what
+        return "remote.storage_options differ; their values are not shown"
+    return "; ".join(f"{key}: {found.get(key)} running, {wanted[key]} asked for" for key in keys)
 
 
 def get_finalizer(root_dir: str | os.PathLike, timeout_s: float) -> ray.actor.ActorHandle:
@@ -201,6 +216,9 @@ class FinalizerClient:
 
     def status(self, *, deadline: float | None = None) -> dict[str, Any]:
         return self._call("status", deadline=deadline)
+
+    def lease_guard(self, *, deadline: float | None = None) -> LeaseGuard | None:
+        return self._call("lease_guard", deadline=deadline)
 
     # ---- a participant's step (steps 1 and 4) --------------------------------------------
 

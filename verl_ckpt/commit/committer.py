@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 from verl_ckpt.commit.ledger import Recorded, StepLedger
 from verl_ckpt.commit.metadata_forecast import MetadataForecast, role_inputs
@@ -28,7 +29,7 @@ from verl_ckpt.commit.steps import (
 )
 from verl_ckpt.hf.scheduler import ExportQueue
 from verl_ckpt.protocol import Failure, Phase, describe_failures
-from verl_ckpt.protocol.errors import StepNotCommittedError
+from verl_ckpt.protocol.errors import RootLockedError, StepNotCommittedError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store.commit_record import is_committed
@@ -42,6 +43,8 @@ __all__ = ["Committer"]
 logger = logging.getLogger(__name__)
 
 _RECENT_SUMMARIES = 16
+
+T = TypeVar("T")
 
 
 class Committer:
@@ -62,6 +65,7 @@ class Committer:
         uploading: Callable[[], set[int]],
         after_commit: Callable[[int], None],
         keyring: Keyring | None = None,
+        check_lease: Callable[[str], None] = lambda what: None,
     ) -> None:
         self._root = root
         # checkpoint.signing: signs each record; retention counts only records it verifies.
@@ -75,6 +79,9 @@ class Committer:
         self._exports = exports
         self._uploading = uploading
         self._after_commit = after_commit
+        # Raises once the job's lease on the root is lost: checked in the file thread right
+        # before each commit and each deletion, so that none happens after the loss.
+        self._check_lease = check_lease
         # One commit or retention at a time: two would race on the tracker and the listing.
         self.file_work = asyncio.Lock()
         # The summaries of the last commits (with their timings), for waiters that ask after
@@ -158,7 +165,12 @@ class Committer:
     async def _discard(self, steps: list[int]) -> None:
         # Under the lock of commits and retention: one of them lists the step directories.
         async with self.file_work:
-            errors = await asyncio.to_thread(discard_failed_steps, self._root, steps)
+            try:
+                errors = await asyncio.to_thread(
+                    self._guarded, "deleting failed steps", discard_failed_steps, self._root, steps
+                )
+            except RootLockedError as exc:
+                errors = [str(exc)]
         if errors:
             logger.error(
                 "could not delete failed steps %s (removed before the step is saved again): %s",
@@ -182,6 +194,8 @@ class Committer:
             }
             try:
                 summary = await asyncio.to_thread(
+                    self._guarded,
+                    f"the commit of step {step}",
                     commit_step,
                     self._root,
                     step,
@@ -235,7 +249,9 @@ class Committer:
         # that ends while retention runs still finds its step in the spared ones below.
         uploading = self._uploading()
         try:
-            outcome = await asyncio.to_thread(self._retention)
+            outcome = await asyncio.to_thread(
+                self._guarded, f"retention after step {step}", self._retention
+            )
             errors = outcome.errors
             self._spared_for_uploads = uploading.intersection(outcome.spared)
         except Exception as exc:  # noqa: BLE001 - retention never un-commits a step
@@ -252,6 +268,11 @@ class Committer:
         return apply_retention(
             self._root, self._keep, self.retention_keeps(), keyring=self._keyring
         )
+
+    def _guarded(self, what: str, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` in the file thread, unless the lease on the root is lost."""
+        self._check_lease(what)
+        return work(*args)
 
     def retention_keeps(self) -> list[int]:
         """Steps that retention must not delete whatever their age: steps in flight, steps
@@ -274,7 +295,9 @@ class Committer:
             if not self._spared_for_uploads - uploading:
                 return  # no retention of this finalizer waits for an upload that ended
             try:
-                outcome = await asyncio.to_thread(self._retention)
+                outcome = await asyncio.to_thread(
+                    self._guarded, "retention after an upload", self._retention
+                )
             except Exception as exc:  # noqa: BLE001 - a background task: logged, retried later
                 logger.error("retention after an upload failed: %s: %s", type(exc).__name__, exc)
                 return

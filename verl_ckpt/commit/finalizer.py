@@ -14,6 +14,7 @@ waiter of both tiers; file work runs in a thread, one commit or retention at a t
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import uuid
 from dataclasses import asdict
@@ -29,16 +30,21 @@ from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
+from verl_ckpt.protocol.redaction import redacted, settings_digest
 from verl_ckpt.store.commit_record import committed_steps
 from verl_ckpt.store.fsio import atomic_write_bytes, make_dir
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
+from verl_ckpt.store.lock_record import LeaseGuard
 from verl_ckpt.store.recovery import recover_root
 from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import read_tracker
 
-__all__ = ["CheckpointFinalizer"]
+__all__ = ["CheckpointFinalizer", "finalizer_settings"]
 
 logger = logging.getLogger(__name__)
+
+# How long a lease found held stays believed for begin_step (see begin_step).
+_LEASE_RECHECK_S = 0.5
 
 
 class CheckpointFinalizer:
@@ -56,6 +62,7 @@ class CheckpointFinalizer:
         run_id: str | None = None,
         keyring: Keyring | None = None,
         state_participants: dict[str, int] | None = None,
+        lease: LeaseGuard | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
@@ -63,6 +70,9 @@ class CheckpointFinalizer:
         # finalizer writes is signed, and recovery and retention trust only verified ones.
         # Never logged nor in describe() (Keyring's repr names key ids only).
         self._keyring = keyring
+        # The driver's lease on the root (None: a flock, which the kernel keeps): once it is
+        # lost, no step begins, commits or is deleted here (store/lock_record.py).
+        self._lease = lease
         # The roles' ranks and the driver; the declared participants apart (ledger.py): the
         # commit expects no `.metadata` of theirs, and the remote tier uploads their files
         # itself, as the driver's.
@@ -97,7 +107,9 @@ class CheckpointFinalizer:
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())
-        self._remote_settings = dict(remote) if remote else None
+        # A deep copy, kept as given: botocore rewrites storage_options' nested dicts in place
+        # (config_kwargs.retries), and describe() must answer what start_finalizer asked for.
+        self._remote_settings = copy.deepcopy(remote) if remote else None
         self._connect(participants, remote, run_id)
 
     def _connect(
@@ -133,6 +145,7 @@ class CheckpointFinalizer:
             self._uploading,
             self._remote.after_local_commit if self._remote is not None else lambda step: None,
             self._keyring,
+            self._check_lease,
         )
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
@@ -149,16 +162,27 @@ class CheckpointFinalizer:
     # ---- queries -------------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "root_dir": str(self._root),
-            "participants": dict(self._participants),
-            "state_participants": dict(self._state_participants),
-            "max_ckpt_to_keep": self._keep,
-            "max_in_flight": self._ledger.max_in_flight,
-            "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
-            "remote": self._remote_settings,
-            "signing": list(self._keyring.key_ids) if self._keyring is not None else None,
-        }
+        """The settings this finalizer runs with, secrets redacted (any job can call this on
+        the named actor), and a digest of them all (finalizer_settings)."""
+        return finalizer_settings(
+            str(self._root),
+            self._participants,
+            self._keep,
+            self._ledger.max_in_flight,
+            self._hf_plan,
+            self._remote_settings,
+            self._state_participants,
+            list(self._keyring.key_ids) if self._keyring is not None else None,
+        )
+
+    def lease_guard(self) -> LeaseGuard | None:
+        """The driver's lease on the root, which ranks check before each save (None: the
+        root is flocked, and the kernel keeps the lock for as long as the driver lives)."""
+        return self._lease
+
+    def _check_lease(self, what: str, fresh_within_s: float = 0.0) -> None:
+        if self._lease is not None:
+            self._lease.check(what, fresh_within_s)
 
     def marker_token(self) -> str:
         """The token this finalizer wrote into the root's marker file at start-up."""
@@ -204,6 +228,9 @@ class CheckpointFinalizer:
         which would overwrite the files it reported. The step must have every report by
         `timeout_s` + slack after the last participant's begin_step.
         """
+        # Every rank calls this at every step: the lease file is read again once per
+        # _LEASE_RECHECK_S at most (a commit and a deletion always read it).
+        self._check_lease(f"step {step} ({role} rank {rank})", _LEASE_RECHECK_S)
         return await self._admission.begin_step(step, role, rank, world_size, timeout_s, save_id)
 
     # ---- protocol steps 4-7: report, commit, retention (committer.py) ---------------------
@@ -281,6 +308,33 @@ class CheckpointFinalizer:
 
     def _uploading(self) -> set[int]:
         return set(self._remote.protected()) if self._remote is not None else set()
+
+
+def finalizer_settings(
+    root_dir: str,
+    participants: dict[str, int],
+    max_ckpt_to_keep: int | None,
+    max_in_flight: int,
+    hf_exports: ExportPlan | None,
+    remote: dict[str, Any] | None,
+    state_participants: dict[str, int] | None = None,
+    signing: list[str] | None = None,
+) -> dict[str, Any]:
+    """What `describe()` answers for these settings: each one, with the remote tier's
+    storage_options and anything secret-looking redacted (protocol/redaction.py), and
+    `settings_digest`, which tells settings apart where only a secret differs."""
+    settings = {
+        "root_dir": root_dir,
+        "participants": dict(participants),
+        "state_participants": dict(state_participants or {}),
+        "max_ckpt_to_keep": max_ckpt_to_keep,
+        "max_in_flight": max_in_flight,
+        "hf_exports": asdict(hf_exports) if hf_exports else None,
+        "remote": dict(remote) if remote else None,
+        # Key ids only (store/signing.py): never a key.
+        "signing": signing,
+    }
+    return {**redacted(settings), "settings_digest": settings_digest(settings)}
 
 
 def _open_remote_tier(remote, root, participants, local_status, on_upload_end, changes, keyring):

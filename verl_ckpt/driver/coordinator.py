@@ -102,6 +102,7 @@ class CheckpointCoordinator:
                 self._remote_settings(),
                 self.start.keyring,
                 self.state_participants,
+                self.start.lock.lease_guard(),
             )
             check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
             self._client = FinalizerClient(
@@ -141,6 +142,7 @@ class CheckpointCoordinator:
         (max_in_flight); a preemption save passes what is left of its grace period."""
         if DRIVER_ROLE not in self.participants:
             raise CheckpointError("this coordinator was built with save_driver_state=False")
+        self.start.lock.check_held(f"the driver's save of step {step}")
         save_id = new_save_id()
         try:
             directory = self._link.begin(step, save_id, timeout_s)

@@ -24,17 +24,23 @@ Only torch's private pieces here: `_get_default_store` and the gloo backend's op
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import ipaddress
 import os
+import socket
 import threading
 from datetime import timedelta
 from typing import Any
 
+import ray
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
 from torch.distributed.distributed_c10d import _get_default_store
 
-__all__ = ["StoreUnreachable", "open_private_group", "reserve_group_key"]
+from verl_ckpt.protocol.errors import CheckpointError
+
+__all__ = ["StoreUnreachable", "listen_address", "open_private_group", "reserve_group_key"]
 
 _KEY_PREFIX = "verl_ckpt/agreement"
 
@@ -92,8 +98,9 @@ def open_private_group(members: tuple[int, ...], key: str, timeout_s: float) -> 
 def _devices() -> list[Any]:
     """The process's gloo devices for private groups, made at first use, kept for the life
     of the process (each one's thread is the event loop of every private group's sockets).
-    Made as torch makes them for each new gloo group: one per interface GLOO_SOCKET_IFNAME
-    lists, else one on the interface the host name resolves to."""
+    One per interface GLOO_SOCKET_IFNAME lists, as torch makes them; else one listening on
+    `listen_address()`, never on the address the host name resolves to (torch's default),
+    which may be a public interface, or none that the peers can reach."""
     global _shared_devices
     with _device_lock:
         if _shared_devices is None:
@@ -103,5 +110,45 @@ def _devices() -> list[Any]:
                     ProcessGroupGloo.create_device(interface=name) for name in interfaces.split(",")
                 ]
             else:
-                _shared_devices = [ProcessGroupGloo.create_default_device()]
+                _shared_devices = [ProcessGroupGloo.create_device(hostname=listen_address())]
         return _shared_devices
+
+
+def listen_address() -> str:
+    """Where this process's private groups listen: 127.0.0.1 when every rank of the world is
+    on this node (the world's store is on loopback, which no other node can reach, or
+    torchrun says LOCAL_WORLD_SIZE == WORLD_SIZE); otherwise the trainer's interface: the
+    address Ray gives this node, else the local address of the route to the world's store."""
+    host = _store_host(_get_default_store())
+    world = os.environ.get("WORLD_SIZE")
+    if (host is not None and _is_loopback(host)) or (
+        world is not None and os.environ.get("LOCAL_WORLD_SIZE") == world
+    ):
+        return "127.0.0.1"
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    if host is not None:
+        with contextlib.suppress(OSError):
+            # A UDP "connect" sends nothing: it only picks the route, and with it our address.
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))
+                return probe.getsockname()[0]
+    raise CheckpointError(
+        "cannot tell which interface the private gloo groups should listen on (no Ray, and "
+        "torch.distributed's store is not a TCP store): set GLOO_SOCKET_IFNAME"
+    )
+
+
+def _store_host(store: Any) -> str | None:
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return getattr(store, "host", None)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

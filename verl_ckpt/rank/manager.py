@@ -74,6 +74,8 @@ class CheckpointManager:
         self._link = ParticipantLink(
             self._client, role, rank, world_size, self._timeout_s, inject_faults=True
         )
+        # The driver's lease on the root (None: a flock): a lost lease refuses the next save.
+        self._lease = self._client.lease_guard()
         self._loader = RankLoader(self.config, role, rank, world_size, self._root)
         # Where the last load()'s time went on this rank (None before the first load).
         self.last_load: LoadStats | None = None
@@ -248,6 +250,10 @@ class CheckpointManager:
         plan is cached), the save's path, and what must be read now (SaveJob)."""
         statements_before = self._planner.statements_made
         try:
+            # A lost lease on the root (another job took it over): this save is refused,
+            # and withdrawn below like any other failure, so that no peer waits for it.
+            if self._lease is not None:
+                self._lease.check(f"{self.role} rank {self.rank}: save of step {step}")
             deferred = wants_deferred(self.config.snapshot, snapshot, self._runner.has_thread)
             spec_bytes = model_spec_bytes(self.config, self.role, self.rank, model_spec)
             self.fence()  # the previous save's snapshot must be complete

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from verl_ckpt.startup.remote import (
 )
 from verl_ckpt.startup.resume_check import check_resume_before_lock, settle_resume_step
 from verl_ckpt.startup.resume_fit import check_resume_fits
-from verl_ckpt.startup.root_lock import RootLock
+from verl_ckpt.startup.root_lock import RootLock, this_job
 from verl_ckpt.store.commit_record import read_commit_record
 from verl_ckpt.store.layout import step_dir, step_of_dir
 from verl_ckpt.store.recovery import RootState, read_root_state, recover_root
@@ -141,7 +140,7 @@ def _prepare_start(
     check_resume_before_lock(config, before, _loadable_resume_dir(roles, participants))
     if remote is not None:
         check_remote_against_root(config, remote, before)
-    lock = RootLock.acquire(root, purpose or _this_job())
+    lock = RootLock.acquire(root, purpose or this_job())
     try:
         state = recover_root(root, keyring)
         if remote is not None and _fetched(config, remote, state):
@@ -306,8 +305,3 @@ def _name_max(path: Path) -> int:
         return os.pathconf(_nearest_existing(path), "PC_NAME_MAX")
     except (OSError, ValueError):
         return 255
-
-
-def _this_job() -> str:
-    argv = " ".join(sys.argv[:3]) or sys.executable
-    return f"job `{argv}`"

@@ -17,7 +17,16 @@ Two mechanisms behind one interface:
   without `-o flock`, some FUSE filesystems): `<root>/.verl_ckpt.lease`, whose heartbeat a
   daemon thread renews every lease_s/4. A lease is stale when its heartbeat is older than
   lease_s (the nodes' clocks must agree to well within lease_s), or at once when its holder
-  ran on this machine and is dead.
+  ran on this machine and is dead, or asks for the absurd (a heartbeat in the future, a
+  lease_s beyond MAX_LEASE_S: a warning names the holder). A lease is lost once another
+  process took it over or the heartbeat was not renewed within lease_s: from then on the
+  job's saves, commits and deletions are refused (`RootLock.check_held`, and the
+  `LeaseGuard` of store/lock_record.py that the finalizer and the ranks check).
+
+The lock and lease files are opened without following links (a planted link must not
+redirect the holder's writes), created exclusively with mode 0o640, and read as untrusted
+records (store/lock_record.py: bounded, one line naming a file that is no record). A job's
+purpose names its program and a hash of its arguments, never the arguments (`this_job`).
 
 Each taker publishes its own lock first and then checks the other mechanism, so that a
 lease holder and a flock holder exclude each other where both can be seen. A node that
@@ -32,11 +41,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import secrets
 import socket
+import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +62,14 @@ import psutil
 from verl_ckpt.protocol.deadlines import deadline_in
 from verl_ckpt.protocol.errors import RootLockedError
 from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir
+from verl_ckpt.store.lock_record import (
+    MAX_LEASE_S,
+    LeaseGuard,
+    LockHolder,
+    LockRead,
+    lease_window,
+    read_lock_record,
+)
 
 __all__ = [
     "LEASE_FILENAME",
@@ -58,6 +78,7 @@ __all__ = [
     "RootLock",
     "is_locked",
     "read_holder",
+    "this_job",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,19 +96,9 @@ _RETRY_S = 0.02
 _SETTLE_S = 0.2
 # Process start times read twice through psutil differ by rounding only.
 _START_TIME_SLACK_S = 1.0
-
-
-@dataclass(frozen=True)
-class LockHolder:
-    """Who holds a root: written into the lock (or lease) file by the holder."""
-
-    host: str
-    pid: int
-    since: str  # ISO-8601 local time with its UTC offset
-    purpose: str  # e.g. "job `python -m recipes.ppo_toy`", "verl-ckpt rollback"
-
-    def describe(self) -> str:
-        return f"{self.purpose} on host {self.host} (pid {self.pid}, since {self.since})"
+# Lock and lease files: the owner and the group (the jobs sharing a root) read them, nobody
+# else writes them.
+_FILE_MODE = 0o640
 
 
 # ---- holder records ------------------------------------------------------------------------
@@ -108,6 +119,15 @@ def _machine() -> str:
     return "/".join(parts)
 
 
+def this_job() -> str:
+    """The purpose a job's lock names: its program, and a hash of its arguments, never the
+    arguments themselves (a Hydra override may carry a secret, and everyone who can read the
+    root can read the lock file)."""
+    program = sys.argv[0] if sys.argv and sys.argv[0] else sys.executable
+    args = "\0".join(sys.argv[1:]).encode("utf-8", "surrogateescape")
+    return f"job `{program}` (arguments sha256 {hashlib.sha256(args).hexdigest()[:12]})"
+
+
 def _new_record(purpose: str) -> dict[str, Any]:
     holder = LockHolder(
         host=socket.gethostname(),
@@ -118,26 +138,6 @@ def _new_record(purpose: str) -> dict[str, Any]:
     # The start time tells our pid from a later process that reuses it.
     started = psutil.Process().create_time()
     return {**asdict(holder), "machine": _machine(), "pid_started": started}
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """The holder record in `path`; None when the file is missing, empty or not a record."""
-    try:
-        record = json.loads(path.read_bytes())
-    except (OSError, ValueError):  # missing, or written this very moment, or damaged
-        return None
-    if not isinstance(record, dict):
-        return None
-    types = {"host": str, "pid": int, "since": str, "purpose": str}
-    if not all(isinstance(record.get(key), kind) for key, kind in types.items()):
-        return None
-    return record
-
-
-def _holder_of(record: dict[str, Any] | None) -> LockHolder | None:
-    if record is None:
-        return None
-    return LockHolder(record["host"], record["pid"], record["since"], record["purpose"])
 
 
 def _holder_is_dead(record: dict[str, Any]) -> bool:
@@ -155,15 +155,23 @@ def _holder_is_dead(record: dict[str, Any]) -> bool:
         return reused
     except psutil.NoSuchProcess:
         return True
-    except psutil.AccessDenied:
-        return False  # it exists; someone else's process, but alive
+    except (psutil.AccessDenied, ValueError, OverflowError):
+        # It exists (someone else's process, but alive), or the record's pid is no pid:
+        # nothing tells that the holder is dead, and the heartbeat's age decides.
+        return False
 
 
-def _locked_error(root: Path, path: Path, holder: LockHolder | None) -> RootLockedError:
-    who = holder.describe() if holder else "another process (no holder info in the file yet)"
+def _locked_error(root: Path, path: Path, read: LockRead) -> RootLockedError:
     return RootLockedError(
-        f"checkpoint root {root} is in use by {who}; stop it, or use another "
+        f"checkpoint root {root} is in use by {read.who()}; stop it, or use another "
         f"checkpoint.root_dir (lock {path})"
+    )
+
+
+def _unusable_lock_file(root: Path, path: Path, what: str) -> RootLockedError:
+    return RootLockedError(
+        f"checkpoint root {root} cannot be locked: {path} is {what}, not a lock file that "
+        "verl_ckpt made; remove it"
     )
 
 
@@ -173,13 +181,21 @@ def _locked_error(root: Path, path: Path, holder: LockHolder | None) -> RootLock
 def _flock_held(root: Path) -> bool:
     """Whether some open file (of any process, ours included) holds the root's flock.
 
-    Probes with a shared lock that is dropped at once; False where flock is unsupported.
+    Probes with a shared lock that is dropped at once; False where flock is unsupported,
+    and for anything but a regular file (a planted link or FIFO is no lock of a job).
     """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        fd = os.open(root / LOCK_FILENAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(root / LOCK_FILENAME, flags)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return False
+        raise
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
@@ -190,6 +206,33 @@ def _flock_held(root: Path) -> bool:
     finally:
         os.close(fd)  # also drops the probe's shared lock
     return False
+
+
+def _open_lock_file(root: Path, path: Path) -> int:
+    """The lock file, opened for writing: created exclusively with _FILE_MODE when missing,
+    else opened as it is; never through a link (a planted `.verl_ckpt.lock` link would have
+    the holder truncate the file it points to) and never anything but a regular file."""
+    # O_CLOEXEC: a child that exec()s must not inherit the lock and keep it alive.
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    while True:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+            break
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, flags)
+            break
+        except FileNotFoundError:
+            continue  # removed between the two opens: create it
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _unusable_lock_file(root, path, "a symbolic link") from None
+            raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _unusable_lock_file(root, path, "not a regular file")
+    return fd
 
 
 class _Flock:
@@ -203,8 +246,7 @@ class _Flock:
     @classmethod
     def take(cls, root: Path, record: dict[str, Any]) -> _Flock:
         path = root / LOCK_FILENAME
-        # O_CLOEXEC: a child that exec()s must not inherit the lock and keep it alive.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_lock_file(root, path)
         try:
             deadline = deadline_in(_CONTENDED_GRACE_S)
             while True:
@@ -213,13 +255,13 @@ class _Flock:
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        raise _locked_error(root, path, _holder_of(_read_record(path))) from None
+                        raise _locked_error(root, path, read_lock_record(path)) from None
                     time.sleep(_RETRY_S)
             # Published (the flock), now check the other mechanism: a lease taker does the
             # same in the opposite order, so of two simultaneous takers one sees the other.
             live, lease = _lease_state(root / LEASE_FILENAME, 0.0)
             if live:
-                raise _locked_error(root, root / LEASE_FILENAME, _holder_of(lease))
+                raise _locked_error(root, root / LEASE_FILENAME, lease)
             try:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -230,6 +272,12 @@ class _Flock:
             os.close(fd)  # the only descriptor of this open file: closing drops the flock
             raise
         return cls(path, fd)
+
+    def guard(self) -> LeaseGuard | None:
+        return None  # the kernel keeps a flock for as long as its holder lives
+
+    def check(self, what: str) -> None:
+        pass
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -252,24 +300,25 @@ class _Flock:
 # ---- lease ---------------------------------------------------------------------------------
 
 
-def _lease_state(path: Path, lease_s: float) -> tuple[bool, dict[str, Any] | None]:
-    """(whether the lease in `path` is live, its record). Fresh means a heartbeat younger than
-    the larger of `lease_s` and the holder's own lease_s (the holder decides how often it
-    renews, so it decides when its silence means death)."""
-    record = _read_record(path)
-    try:
-        mtime = path.stat().st_mtime
-    except FileNotFoundError:
-        return False, None
-    if record is None:
+def _lease_state(path: Path, lease_s: float) -> tuple[bool, LockRead]:
+    """(whether the lease in `path` is live, what the file held). Fresh means a heartbeat
+    younger than the larger of `lease_s` and the holder's own lease_s (the holder decides
+    how often it renews, so it decides when its silence means death); a record asking for
+    the absurd (lease_window) is stale at once, with a warning naming its holder."""
+    read = read_lock_record(path)
+    if read.mtime is None:
+        return False, read  # no file (or one that is no regular file: no lease of a job)
+    if read.record is None:
         # Created with O_EXCL and not yet written, or damaged: its age is the file's.
-        return time.time() - mtime < lease_s, None
-    heartbeat = record.get("heartbeat")
-    heartbeat = heartbeat if isinstance(heartbeat, (int, float)) else mtime
-    own = record.get("lease_s")
-    window = max(lease_s, own if isinstance(own, (int, float)) else 0.0)
+        return time.time() - read.mtime < lease_s, read
+    window = lease_window(read.record, lease_s)
+    if isinstance(window, str):
+        logger.warning("the lease %s of %s is stale: %s", path, read.who(), window)
+        return False, read
+    heartbeat = read.record.get("heartbeat")
+    heartbeat = read.mtime if heartbeat is None else heartbeat
     fresh = time.time() - heartbeat < window
-    return fresh and not _holder_is_dead(record), record
+    return fresh and not _holder_is_dead(read.record), read
 
 
 class _LeaseLost(Exception):
@@ -286,9 +335,10 @@ def _write_lease(
 
 
 def _create_lease(path: Path, record: dict[str, Any]) -> bool:
-    """Create the lease file if there is none; False when one exists."""
+    """Create the lease file if there is none; False when one exists (a link included)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, flags, _FILE_MODE)
     except FileExistsError:
         return False
     try:
@@ -308,6 +358,8 @@ class _Lease:
         self._record = record
         self._lease_s = lease_s
         self._pid = os.getpid()
+        self._guard = LeaseGuard(path, record["token"], lease_s)
+        self._renewed_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._heartbeat, name=f"verl-ckpt lease {path.parent}", daemon=True
@@ -327,7 +379,7 @@ class _Lease:
         if _flock_held(root):
             lease.release()
             lock_path = root / LOCK_FILENAME
-            raise _locked_error(root, lock_path, _holder_of(_read_record(lock_path)))
+            raise _locked_error(root, lock_path, read_lock_record(lock_path))
         lease._thread.start()
         return lease
 
@@ -336,43 +388,62 @@ class _Lease:
         def refuse_if_live() -> None:
             live, current = _lease_state(path, lease_s)
             if live:
-                raise _locked_error(root, path, _holder_of(current))
+                raise _locked_error(root, path, current)
 
         refuse_if_live()
         # Judged once more right before the rename: between judgement and rename there is
-        # then one read, not a write and an fsync, for another taker to slip into.
+        # then one read, not a write and an fsync, for another taker to slip into. The
+        # rename replaces a planted link itself, never the file it points to.
         _write_lease(path, record, before_replace=refuse_if_live)
         # Two takers that both judged the lease stale both rename, and the last rename wins:
         # after a moment, whoever no longer finds its own token has lost.
         time.sleep(min(_SETTLE_S, lease_s / 4))
-        winner = _read_record(path)
-        if winner is None or winner.get("token") != record["token"]:
-            raise _locked_error(root, path, _holder_of(winner))
+        winner = read_lock_record(path)
+        if winner.record is None or winner.record.get("token") != record["token"]:
+            raise _locked_error(root, path, winner)
         logger.warning("took over the stale lease %s", path)
+
+    def guard(self) -> LeaseGuard:
+        return self._guard
+
+    def check(self, what: str) -> None:
+        self._guard.check(what)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self._lease_s / 4):
+            # Silent for lease_s (a stalled process, or renewals failing): anyone may have
+            # judged the lease stale and taken the root, and the guards of the finalizer and
+            # the ranks judge it lost. It is: renewing now could let two jobs believe they
+            # hold the root.
+            if time.monotonic() - self._renewed_at >= self._lease_s:
+                self._lost(
+                    f"the lease {self.path} was not renewed for {self._lease_s:g} s (this "
+                    "process stalled or cannot write the root): another job may take the root"
+                )
+                return
             try:
                 self._renew()
             except _LeaseLost:
-                logger.error(
-                    "lost the lease %s to another process (this one stalled for more than "
-                    "%.1f s?): two jobs may now be using the checkpoint root",
-                    self.path,
-                    self._lease_s,
-                )
+                self._lost(f"lost the lease {self.path} to {read_lock_record(self.path).who()}")
                 return
             except OSError as exc:  # a transient NFS error; the lease has lease_s of slack
                 logger.warning("could not renew the lease %s: %s", self.path, exc)
 
+    def _lost(self, why: str) -> None:
+        """Saves stop here: every later check of the guard (this job's saves, commits and
+        deletions) refuses, naming `why`."""
+        self._guard.mark_lost(why)
+        logger.error("%s: this job's saves are stopped", why)
+
     def _renew(self) -> None:
         def still_ours() -> None:
-            current = _read_record(self.path)
+            current = read_lock_record(self.path).record
             if current is None or current.get("token") != self._record["token"]:
                 raise _LeaseLost
 
         self._record = {**self._record, "heartbeat": time.time()}
         _write_lease(self.path, self._record, before_replace=still_ours)
+        self._renewed_at = time.monotonic()
 
     def release(self) -> None:
         if self._stop.is_set():
@@ -382,7 +453,7 @@ class _Lease:
             self._thread.join(timeout=self._lease_s)  # one renewal at most is under way
         if os.getpid() != self._pid:
             return  # a forked child's copy: the lease is its parent's
-        current = _read_record(self.path)
+        current = read_lock_record(self.path).record
         if current is not None and current.get("token") == self._record["token"]:
             self.path.unlink(missing_ok=True)
             fsync_dir(self.path.parent)
@@ -443,8 +514,8 @@ class RootLock:
         lock, whatever `purpose` and `mode` say."""
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {', '.join(_MODES)}, got {mode!r}")
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        if not 0 < lease_s <= MAX_LEASE_S:
+            raise ValueError(f"lease_s must be > 0 and <= {MAX_LEASE_S:.0f}, got {lease_s}")
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         key = root.resolve()
@@ -470,6 +541,17 @@ class RootLock:
                 del _HELD[self._key]
             self._held.lock.release()
 
+    def check_held(self, what: str) -> None:
+        """Raise RootLockedError, naming the lease file and its new holder, once a lease was
+        lost (another process took the root over, or the heartbeat could not be renewed
+        within lease_s); `what` names the refused action. A flock is never lost."""
+        self._held.lock.check(what)
+
+    def lease_guard(self) -> LeaseGuard | None:
+        """What the job's other processes check before they save, commit or delete (a
+        lease's guard, which pickles); None for a flock, which the kernel keeps."""
+        return self._held.lock.guard()
+
     def __enter__(self) -> RootLock:
         return self
 
@@ -492,17 +574,16 @@ def read_holder(root: str | os.PathLike) -> LockHolder | None:
 
     It may be a holder that died: a killed process cannot clear its info. Whether the root
     is held now is `is_locked`. Where both files name a holder, the newer file wins: a
-    holder writes its file when it takes the lock.
+    holder writes its file when it takes the lock. A file that is not a holder record is
+    one warning naming it.
     """
     found = []
     for name in (LOCK_FILENAME, LEASE_FILENAME):
-        path = Path(root) / name
-        holder = _holder_of(_read_record(path))
-        if holder is not None:
-            try:
-                found.append((path.stat().st_mtime, holder))
-            except FileNotFoundError:
-                continue
+        read = read_lock_record(Path(root) / name)
+        if read.problem is not None:
+            logger.warning("%s", read.problem)
+        if read.holder is not None:
+            found.append((read.mtime, read.holder))
     return max(found, key=lambda pair: pair[0])[1] if found else None
 
 
