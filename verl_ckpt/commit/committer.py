@@ -105,17 +105,24 @@ class Committer:
         the finalizer's intake grows with the number of batches, not of ranks."""
         errors: list[CheckpointError | None] = []
         settle = False
-        # Whether a step the ledger no longer knows is committed (a late report): one look
-        # at the disk per step of the batch, not per report.
-        retired: dict[int, bool] = {}
+        # The step's directory and state, looked up once per step of the batch (a node's
+        # reports are of one step), not per report: pathlib alone was most of a report's cost.
+        steps: dict[int, tuple[str, bool]] = {}
         for report in reports:
-            outcome = self._record(report, retired)
+            step = report.step
+            if step not in steps:
+                path = step_dir(self._root, step)
+                # A step the ledger no longer knows may be committed and forgotten already.
+                late = self._ledger.status(step) is None and is_committed(path)
+                steps[step] = (str(path), late)
+            base, late = steps[step]
+            outcome = None if late else self._record(report, base)
             if outcome is Recorded.REFUSED_LOST:
                 errors.append(
                     StepNotCommittedError(
-                        f"step {report.step}: report of {report.role} rank {report.rank} "
-                        "refused, the finalizer restarted while the step was in flight and "
-                        "lost the other reports"
+                        f"step {step}: report of {report.role} rank {report.rank} refused, "
+                        "the finalizer restarted while the step was in flight and lost the "
+                        "other reports"
                     )
                 )
                 continue
@@ -128,22 +135,16 @@ class Committer:
         self._changes.notify()
         return errors
 
-    def _record(self, report: RankReport, retired: dict[int, bool]) -> Recorded | None:
+    def _record(self, report: RankReport, step_path: str) -> Recorded:
         """One report of take_batch: check its files, count it, start the commit if it was
-        the last; None for a late report of a step committed and forgotten already."""
+        the last."""
         step = report.step
-        path = step_dir(self._root, step)
-        if self._ledger.status(step) is None:
-            if step not in retired:
-                retired[step] = is_committed(path)
-            if retired[step]:
-                return None  # late: committed (and forgotten) already
         # Each report's files are checked as it arrives, not all of them at the commit: with
         # thousands of ranks their stats were most of the commit's time after the last
         # report. A reported file is final (the rank wrote and closed it before reporting,
         # and a second save of a reported step is refused at begin_step); a problem found
         # here fails the commit, as one found at the commit does.
-        report.files_on_arrival = reported_files_problem(path, report)
+        report.files_on_arrival = reported_files_problem(step_path, report)
         outcome = self._ledger.record(report)
         if outcome is Recorded.STALE:
             logger.warning(
