@@ -166,6 +166,27 @@ def test_I5_a_lost_batch_fails_the_step_at_its_deadline_naming_the_missing_ranks
     _committed_and_verified(tmp_path, 4)
 
 
+def test_a_batch_whose_node_never_completes_leaves_after_its_linger(tmp_path):
+    """A rank of the node that never reports (dead, or moved to another node's aggregator)
+    keeps its node's batch only for the linger: the others' reports are delivered, and the
+    step then misses only that rank."""
+
+    async def run() -> tuple[list, _Node, dict]:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        node = _Node(finalizer, range(WORLD))
+        node.batcher = NodeBatcher(node._forward, linger_s=0.01)
+        for rank in range(WORLD):
+            node.batcher.join((ROLE, rank))
+        reports = [await _written(finalizer, 7, r, f"s{r}") for r in range(WORLD)]
+        answers = await asyncio.gather(*(node.batcher.report(r) for r in reports[:-1]))
+        return answers, node, finalizer.status()["pending"]
+
+    answers, node, pending = asyncio.run(run())
+    assert answers == [None] * (WORLD - 1)
+    assert node.calls == [[0, 1, 2]]
+    assert pending == {7: "driver rank 3"}
+
+
 def test_I1_duplicate_and_replayed_reports_in_batches_are_ignored(tmp_path):
     """A batch holding a rank's report twice (a retried call), the replay of a whole batch
     after it was delivered (an aggregator restarted mid-answer, its ranks reporting again),
