@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import cProfile
 import functools
+import gc
 import inspect
 import io
+import logging
 import os
 import pickle
 import pstats
@@ -196,18 +198,13 @@ class _NodeGroup:
     """Plays the ranks of some nodes: begin_step, the ranks' files, then their reports, all
     at once, through one NodeBatcher per node (or one `report` call per rank)."""
 
-    def __init__(self, finalizer: Any, world: int, nodes: list[int]) -> None:
-        from verl_ckpt.commit.aggregator import NodeBatcher
-
+    def __init__(self, finalizer: Any, world: int, nodes: list[int], sink: Any) -> None:
         self._finalizer = finalizer
+        self._sink = sink
         self._world = world
         self._ranks = [r for n in nodes for r in range(n * NODE_SIZE, (n + 1) * NODE_SIZE)]
-        self._batchers = {}
-        for node in nodes:
-            batcher = NodeBatcher(self._forward)
-            for rank in range(node * NODE_SIZE, (node + 1) * NODE_SIZE):
-                batcher.join((ROLE, rank))
-            self._batchers[node] = batcher
+        self._batchers = _batchers(nodes, self._forward)
+        self._floor_batchers = _batchers(nodes, self._to_sink)
         self._reports: list[RankReport] = []
         self._directory: Path | None = None
 
@@ -221,11 +218,13 @@ class _NodeGroup:
     async def write(self, step: int) -> None:
         self._reports = _reports(step, self._world, self._directory, self._ranks)
 
-    async def finish(self, at: float, batched: bool) -> float:
-        """At the instant `at`, every rank of these nodes reports; when the last answer came."""
+    async def finish(self, at: float, batched: bool, floor: bool = False) -> float:
+        """At the instant `at`, every rank of these nodes reports; when the last answer came.
+        `floor`: the same batches to an actor that does nothing with them (Ray's own cost)."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
+        batchers = self._floor_batchers if floor else self._batchers
         if batched:
-            calls = [self._batchers[r.rank // NODE_SIZE].report(r) for r in self._reports]
+            calls = [batchers[r.rank // NODE_SIZE].report(r) for r in self._reports]
         else:
             calls = [self._finalizer.report.remote(r) for r in self._reports]
         answers = await asyncio.gather(*calls)
@@ -237,6 +236,31 @@ class _NodeGroup:
 
     async def _forward(self, reports: list[RankReport]) -> list:
         return await self._finalizer.report_batch.remote(reports)
+
+    async def _to_sink(self, reports: list[RankReport]) -> list:
+        return await self._sink.report_batch.remote(reports)
+
+
+def _batchers(nodes: list[int], forward: Any) -> dict[int, Any]:
+    """One NodeBatcher per node, its ranks joined."""
+    from verl_ckpt.commit.aggregator import NodeBatcher
+
+    batchers = {}
+    for node in nodes:
+        batcher = NodeBatcher(forward)
+        for rank in range(node * NODE_SIZE, (node + 1) * NODE_SIZE):
+            batcher.join((ROLE, rank))
+        batchers[node] = batcher
+    return batchers
+
+
+@ray.remote(num_cpus=0)
+class _Sink:
+    """An async actor that takes report batches and does nothing with them: what Ray's calls
+    alone cost the receiver."""
+
+    async def report_batch(self, reports: list[RankReport]) -> list:
+        return [None] * len(reports)
 
 
 def _cpu_s(pid: int) -> float:
@@ -259,8 +283,10 @@ def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str
     nodes = world // NODE_SIZE
     finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=2, timeout_s=300.0)
     pid = ray.get(finalizer.__ray_call__.remote(lambda self: os.getpid()))
+    sink = _Sink.remote()
+    sink_pid = ray.get(sink.__ray_call__.remote(lambda self: os.getpid()))
     groups = [
-        _NodeGroup.remote(finalizer, world, list(range(g, nodes, GROUPS)))
+        _NodeGroup.remote(finalizer, world, list(range(g, nodes, GROUPS)), sink)
         for g in range(min(GROUPS, nodes))
     ]
     figures = []
@@ -295,11 +321,17 @@ def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str
             )
         forecasts = ray.get(finalizer.status.remote())["metadata_forecasts"]
         figures[-1]["forecasts"] = forecasts
+        if batched:
+            # Ray's floor: the last step's batches again, to an actor that only answers.
+            cpu = _cpu_s(sink_pid)
+            at = time.monotonic() + _START_IN_S
+            answered = ray.get([g.finish.remote(at, True, True) for g in groups])
+            figures[-1]["floor_s"] = max(answered) - at
+            figures[-1]["floor_cpu_s"] = _cpu_s(sink_pid) - cpu
         _check_loadable(root, steps + 1, world)
     finally:
-        for group in groups:
-            ray.kill(group, no_restart=True)
-        ray.kill(finalizer, no_restart=True)
+        for actor in [*groups, sink, finalizer]:
+            ray.kill(actor, no_restart=True)
     return figures
 
 
@@ -422,6 +454,49 @@ class _Profiler:
     def run(self, world: int, root: Path) -> str:
         return _profile_in_process(world, root)
 
+    def memory(self, world: int, root: Path, steps: int) -> list[tuple[int, float, int]]:
+        return _memory_over_steps(world, root, steps)
+
+
+MEMORY_STEPS = 20
+_MEMORY_MARKS = (1, 5, 10, 15, 20)
+
+
+def _memory_over_steps(world: int, root: Path, steps: int) -> list[tuple[int, float, int]]:
+    """The finalizer class in-process (its own helper process), `world` driver-role ranks
+    (plain files: no DCP `.metadata`, so that a step takes a second, not a minute), one
+    tiny file each, keep 2: `steps` steps, each begin_step x N, the reports in node batches,
+    wait_for_commit. At each mark: (step, the process's RSS in MiB, the ledger's size)."""
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+
+    logging.getLogger("verl_ckpt").setLevel(logging.WARNING)
+    finalizer = CheckpointFinalizer(str(root), {"driver": world}, 2)
+    marks = []
+
+    async def one_step(step: int) -> None:
+        directory = Path(await finalizer.begin_step(step, "driver", 0, world, 60.0))
+        reports = []
+        for rank in range(world):
+            if rank:
+                await finalizer.begin_step(step, "driver", rank, world, 60.0)
+            name = f"part{rank}.bin"
+            (directory / name).write_bytes(b"x")
+            entry = FileEntry(name, 1, "0")
+            reports.append(RankReport(step, "driver", rank, world, "s", files=[entry]))
+        for i in range(0, world, NODE_SIZE):
+            await finalizer.report_batch(reports[i : i + NODE_SIZE])
+        await finalizer.wait_for_commit(step, 60.0)
+
+    async def all_steps() -> None:
+        for step in range(1, steps + 1):
+            await one_step(step)
+            if step in _MEMORY_MARKS:
+                gc.collect()
+                marks.append((step, _rss_mib(os.getpid()), finalizer.status()["ledger_size"]))
+
+    asyncio.run(all_steps())
+    return marks
+
 
 def _median(values: list[float]) -> float:
     return statistics.median(values)
@@ -440,7 +515,8 @@ def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
                 shutil.rmtree(workdir / f"n{world}", ignore_errors=True)
                 row = {k: _median([f[k] for f in figures]) for k in figures[0] if k != "forecasts"}
                 row["rss"] = [f["rss_mib"] for f in figures]
-                row["forecasts"] = figures[-1]["forecasts"]
+                for key in ("forecasts", "floor_s", "floor_cpu_s"):
+                    row[key] = figures[-1].get(key)
                 rows.append((world, batched, row))
                 log(f"    {_verdict(world, batched, row)}")
         # Inside a Ray actor: the finalizer class asks Ray's runtime context whether its
@@ -449,6 +525,14 @@ def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
         try:
             profile = ray.get(
                 profiler.run.remote(max(rank_counts), workdir / "profile"), timeout=900
+            )
+            memory = ray.get(
+                profiler.memory.remote(max(rank_counts), workdir / "memory", MEMORY_STEPS),
+                timeout=900,
+            )
+            log(
+                f"    finalizer memory over {MEMORY_STEPS} steps of N={max(rank_counts)}: "
+                + ", ".join(f"step {s}: {m:.0f} MiB" for s, m, _ in memory)
             )
         finally:
             ray.kill(profiler, no_restart=True)
@@ -464,7 +548,23 @@ def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
         log("\n" + soak)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return _markdown(rows, profile, max(rank_counts), kept, kept_n) + "\n\n" + soak
+    return (
+        _markdown(rows, profile, max(rank_counts), kept, kept_n)
+        + "\n\n"
+        + _memory_table(memory, max(rank_counts))
+        + "\n\n"
+        + soak
+    )
+
+
+def _memory_table(memory: list[tuple[int, float, int]], world: int) -> str:
+    rows = "\n".join(f"| {s} | {m:.0f} | {n} |" for s, m, n in memory)
+    return (
+        f"Finalizer memory across steps: the finalizer class in a helper process, N={world} "
+        f"driver-role ranks (a tiny plain file each), reports in batches of {NODE_SIZE}, keep 2, "
+        f"{MEMORY_STEPS} steps; the process's RSS after each marked step (after gc):\n\n"
+        "| step | RSS MiB | steps in the ledger |\n|---|---|---|\n" + rows
+    )
 
 
 def _verdict(world: int, batched: bool, row: dict[str, Any]) -> str:
@@ -477,6 +577,12 @@ def _verdict(world: int, batched: bool, row: dict[str, Any]) -> str:
         f" (finalizer CPU {row['finalizer_cpu_s'] * 1e3:.0f} ms; RSS {min(rss):.0f}-"
         f"{max(rss):.0f} MiB over the timed steps)"
     )
+    if row.get("floor_s") is not None:
+        work += (
+            f"; Ray's floor, the same calls to an actor that only answers: every report "
+            f"answered after {row['floor_s'] * 1e3:.0f} ms, its CPU "
+            f"{row['floor_cpu_s'] * 1e3:.0f} ms"
+        )
     target = TARGETS.get(world)
     if not batched or target is None:
         return line + work + ", no target"

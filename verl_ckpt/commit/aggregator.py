@@ -141,8 +141,13 @@ class NodeBatcher:
     async def _send(self, batch: _Batch) -> None:
         try:
             answers = list(await self._forward(batch.reports))
+            if len(answers) != len(batch.reports):
+                raise CheckpointError(
+                    f"the finalizer answered {len(answers)} of a batch of {len(batch.reports)}"
+                )
         except Exception as exc:  # noqa: BLE001 - every rank of the batch hears it
             answers = [exc] * len(batch.reports)
+        # Every waiting rank is answered, whatever happened: none waits to its deadline.
         for waiting, answer in zip(batch.waiting, answers, strict=True):
             if not waiting.done():
                 waiting.set_result(answer)

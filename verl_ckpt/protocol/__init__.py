@@ -40,7 +40,9 @@ The code that does each step:
  2    | rank.snapshot_plan.split_live, rank.staging.copy_into
  3    | format.file_writer.write_checksummed, format.file_writer.write_bucket
  4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
-      | commit.committer.Committer.take, commit.ledger.StepLedger.record
+      | commit.committer.Committer.take, commit.ledger.StepLedger.record,
+      | commit.aggregator.NodeBatcher.report, commit.finalizer.CheckpointFinalizer.report_batch,
+      | commit.committer.Committer.take_batch
  5    | commit.steps.commit_step
  6    | store.tracker.advance_tracker
  7    | store.retention.apply_retention, store.retention.delete_step
