@@ -3,7 +3,7 @@
     python -m benchmarks.run                      # full run: 1 GiB state, 4 saves per system
     python -m benchmarks.run --quick              # smoke run (~1-2 min): small state, 3 saves
     python -m benchmarks.run --size-gib 0.5 --saves 6 --systems "verl_ckpt thread,torch.save"
-    python -m benchmarks.run --finalizer-scale    # only the finalizer scale benchmark (8..4096)
+    python -m benchmarks.run --finalizer-scale    # only the finalizer benchmark (4096, 16,384)
     python -m benchmarks.run --recipe             # also: recipe step time with/without saves
 
 Writes benchmarks/results.md and benchmarks/results.png (or --out-dir). Starts its own Ray
@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ranks",
         default=None,
-        help="simulated rank counts of the finalizer benchmark (default 8,64,512,4096; "
-        "with --finalizer-scale 8,64,512,2048,4096; quick 8,64,512)",
+        help="simulated rank counts of the finalizer benchmark, multiples of 8 (default "
+        "4096,16384; quick 512,4096); the smallest is also measured without batching",
     )
     parser.add_argument(
         "--sizes",
@@ -87,11 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ranks:
         args.rank_counts = [int(x) for x in args.ranks.split(",")]
     elif args.quick:
-        args.rank_counts = [8, 64, 512]
-    elif args.finalizer_scale:
-        args.rank_counts = [8, 64, 512, 2048, 4096]
+        args.rank_counts = [512, 4096]
     else:
-        args.rank_counts = [8, 64, 512, 4096]
+        args.rank_counts = [4096, 16_384]
+    if any(n < 8 or n % 8 for n in args.rank_counts):
+        parser.error("--ranks: the finalizer benchmark simulates nodes of 8 ranks")
     return args
 
 

@@ -242,6 +242,13 @@ class FinalizerClient:
     def report(self, report: RankReport, *, deadline: float | None = None) -> None:
         self._call("report", report, deadline=deadline)
 
+    def report_batch(
+        self, reports: list[RankReport], *, deadline: float | None = None
+    ) -> list[CheckpointError | None]:
+        """Several participants' reports in one call (a node's, commit/aggregator.py): each
+        one's refusal, or None, in order."""
+        return self._call("report_batch", reports, deadline=deadline)
+
     # ---- commits and exports (the driver) -----------------------------------------------
 
     def wait_for_commit(

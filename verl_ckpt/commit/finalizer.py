@@ -241,6 +241,24 @@ class CheckpointFinalizer:
         self._admission.check_participant(report.role, report.rank, report.world_size)
         self._committer.take(report)
 
+    async def report_batch(self, reports: list[RankReport]) -> list[CheckpointError | None]:
+        """Record the reports of one node's ranks in one call (commit/aggregator.py), in one
+        pass; start a commit when a step's last report arrives. Each report's refusal (what
+        `report` would raise for it), or None, in order: one bad report refuses itself only."""
+        accepted: list[RankReport] = []
+        errors: list[CheckpointError | None] = []
+        for report in reports:
+            try:
+                report.unpack(self._metadata_cache)
+                self._admission.check_participant(report.role, report.rank, report.world_size)
+            except CheckpointError as exc:
+                errors.append(exc)
+                continue
+            errors.append(None)
+            accepted.append(report)
+        taken = iter(self._committer.take_batch(accepted))
+        return [error if error is not None else next(taken) for error in errors]
+
     # ---- waiting (waiters.py) ------------------------------------------------------------
 
     async def wait_for_commit(self, step: int, timeout_s: float) -> dict[str, Any]:

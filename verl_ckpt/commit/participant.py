@@ -14,6 +14,10 @@ not at its deadline. Who writes the files, and when, is the caller's; the order 
                               the outcome, once. A failure before 1 or during 2 is reported
                               too (report_failure, withdraw): the finalizer learns
                               completion from reports only (I6).
+
+With a node aggregator (commit/aggregator.py), step 3 goes through the node's batch: the
+call returns once the finalizer recorded the report, as a direct report does, and falls
+back to a direct report when the aggregator is gone.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import uuid
 from pathlib import Path
 
+from verl_ckpt.commit.aggregator import AggregatorLost, NodeAggregator
 from verl_ckpt.commit.client import FinalizerClient
 from verl_ckpt.protocol import Failure, Phase, faults
 from verl_ckpt.protocol.deadlines import call_deadline
@@ -44,6 +49,8 @@ class ParticipantLink:
     `inject_faults`: the report runs the `report` fault phase first (VERL_CKPT_FAULT, as
     ranks do); the driver's report has no fault phase of its own. `label`: how its failures
     name it, where not "<role> rank <rank>" (a declared participant: "rollout[1]").
+    `aggregator`: reports go through the node's batch (commit/aggregator.py); None sends
+    each straight to the finalizer.
     """
 
     def __init__(
@@ -55,12 +62,14 @@ class ParticipantLink:
         timeout_s: float,
         inject_faults: bool = False,
         label: str | None = None,
+        aggregator: NodeAggregator | None = None,
     ) -> None:
         self.client = client
         self.role, self.rank, self.world_size = role, rank, world_size
         self._timeout_s = timeout_s
         self._inject_faults = inject_faults
         self._label = label
+        self._aggregator = aggregator
 
     def begin(self, step: int, save_id: str, timeout_s: float | None = None) -> Path:
         """Step 1's begin_step: this participant's directory of `step`. `timeout_s`
@@ -89,7 +98,18 @@ class ParticipantLink:
         """Step 4: send `report` (its write results packed); raise if it was not delivered."""
         if self._inject_faults:
             faults.inject(Phase.REPORT, self.role, self.rank)
-        self.client.report(report.pack(), deadline=deadline)
+        self._send(report.pack(), deadline)
+
+    def _send(self, report: RankReport, deadline: float | None) -> None:
+        if self._aggregator is not None:
+            try:
+                self._aggregator.report(report, deadline or call_deadline(self._timeout_s))
+                return
+            except AggregatorLost as exc:
+                # Its batch may have been delivered before it died: then this report is a
+                # duplicate, which the finalizer ignores.
+                logger.warning("%s; reporting step %d directly", exc, report.step)
+        self.client.report(report, deadline=deadline)
 
     def deliver(self, report: RankReport, deadline: float | None = None) -> Failure | None:
         """Step 4, never raising: send `report` and return this participant's failure of the
@@ -110,7 +130,7 @@ class ParticipantLink:
         report = self.new_report(step, save_id)
         report.failure = self.failure(phase, exc)
         try:
-            self.client.report(report)
+            self._send(report, None)
         except Exception as error:  # noqa: BLE001 - the original failure is what matters
             logger.warning(
                 "%s: could not report the failure of step %d: %s", self.client.who, step, error

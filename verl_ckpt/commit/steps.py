@@ -164,7 +164,7 @@ def _reported_files(path: Path, reports: list[RankReport]) -> list[FileEntry]:
     return files
 
 
-def reported_files_problem(path: Path, report: RankReport) -> str:
+def reported_files_problem(path: Path | str, report: RankReport) -> str:
     """What is wrong on disk with the files `report` names under the step directory `path`
     (the first missing file or file of another size), or "" when nothing."""
     base = str(path)  # plain strings: thousands of ranks' files are checked per step

@@ -26,6 +26,7 @@ __all__ = [
     "RESUME_MODES",
     "RESUME_VERIFY_MODES",
     "SAVE_CONTENTS",
+    "REPORT_BATCHING",
     "SNAPSHOT_MODES",
     "RemoteConfig",
     "SigningConfig",
@@ -44,6 +45,7 @@ HF_MODEL = "hf_model"
 SAVE_CONTENTS = (*CONTENTS, HF_MODEL)
 RESUME_MODES = ("auto", "disable", "resume_path")
 SNAPSHOT_MODES = ("now", "deferred")
+REPORT_BATCHING = ("auto", "node", "off")
 WRITER_MODES = ("thread", "process", "inline")
 RESUME_VERIFY_MODES = ("record", "checksums")
 RESUME_FALLBACKS = ("error", "previous")
@@ -301,6 +303,10 @@ class CheckpointConfig:
     # Spread the writing of replicated shards over the role's data-parallel ranks instead of
     # having the first replica write them all.
     fully_parallel_save: bool = False
+    # How ranks report a step to the finalizer: node (the reports of a node's ranks go as one
+    # call, through a small aggregator actor per node: commit/aggregator.py), off (one call
+    # per rank), auto (node for a role of 64 ranks or more).
+    report_batching: str = "auto"
     writer: WriterConfig = field(default_factory=WriterConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
@@ -359,6 +365,8 @@ class CheckpointConfig:
             )
         if isinstance(self.hf_export, dict):
             self.hf_export = HFExportConfig(**self.hf_export)
+        if self.report_batching not in REPORT_BATCHING:
+            _fail("report_batching", self.report_batching, "choose auto, node or off")
         if self.resume_verify not in RESUME_VERIFY_MODES:
             _fail("resume_verify", self.resume_verify, "choose record or checksums")
         if self.resume_fallback not in RESUME_FALLBACKS:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from verl_ckpt.commit.aggregator import batches_reports, open_node_aggregator
 from verl_ckpt.commit.client import FinalizerClient, check_shared_root, get_finalizer
 from verl_ckpt.commit.participant import ParticipantLink
 from verl_ckpt.format.load_stats import LoadStats, PhaseClock
@@ -71,8 +72,19 @@ class CheckpointManager:
         self._client = FinalizerClient(
             handle, f"{role} rank {rank} of {self._root}", self._timeout_s
         )
+        aggregator = None
+        if batches_reports(self.config.report_batching, world_size):
+            aggregator = open_node_aggregator(
+                self._root, handle, role, rank, self._timeout_s, self._client.who
+            )
         self._link = ParticipantLink(
-            self._client, role, rank, world_size, self._timeout_s, inject_faults=True
+            self._client,
+            role,
+            rank,
+            world_size,
+            self._timeout_s,
+            inject_faults=True,
+            aggregator=aggregator,
         )
         # The driver's lease on the root (None: a flock): a lost lease refuses the next save.
         self._lease = self._client.lease_guard()

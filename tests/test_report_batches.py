@@ -1,0 +1,315 @@
+"""Reports batched per node (commit/aggregator.py) into the finalizer's `report_batch`.
+
+In-process (no Ray) where the batching itself is checked: the NodeBatcher of each node
+forwards straight into a CheckpointFinalizer. With a real local Ray where an aggregator
+actor dies. I1: a batch commits exactly what a report per rank commits, duplicates and
+replays included. I5: a failure in a batch fails the step at once naming the rank, and a
+lost batch fails the step at its deadline naming the ranks whose reports never came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from verl_ckpt.commit.aggregator import (
+    AggregatorLost,
+    NodeBatcher,
+    batches_reports,
+    open_node_aggregator,
+)
+from verl_ckpt.commit.client import (
+    FINALIZER_NAMESPACE,
+    FinalizerClient,
+    finalizer_name,
+    start_finalizer,
+)
+from verl_ckpt.commit.finalizer import CheckpointFinalizer
+from verl_ckpt.commit.participant import ParticipantLink
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.protocol import Failure, Phase
+from verl_ckpt.protocol.deadlines import call_deadline
+from verl_ckpt.protocol.errors import CheckpointError, StepNotCommittedError
+from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.store.commit_record import FileEntry, read_commit_record
+from verl_ckpt.store.layout import step_dir
+from verl_ckpt.store.tracker import read_tracker
+from verl_ckpt.store.verification import verify_files
+
+# The driver role: its ranks write plain files (no DCP `.metadata` to make at the commit).
+ROLE = "driver"
+WORLD = 4
+PER_NODE = 2
+# Long enough that a batch leaves only when its node is complete or holds a failure: a
+# test passing with it never depended on the linger.
+NEVER_S = 3600.0
+
+
+class _Node:
+    """One simulated node: its ranks' batcher, forwarding into `finalizer`, counting calls."""
+
+    def __init__(self, finalizer: CheckpointFinalizer, ranks: range) -> None:
+        self.calls: list[list[int]] = []
+        self.batcher = NodeBatcher(self._forward, linger_s=NEVER_S)
+        self._finalizer = finalizer
+        for rank in ranks:
+            self.batcher.join((ROLE, rank))
+
+    async def _forward(self, reports: list[RankReport]) -> list:
+        self.calls.append([r.rank for r in reports])
+        return await self._finalizer.report_batch(reports)
+
+
+def _nodes(finalizer: CheckpointFinalizer) -> list[_Node]:
+    return [_Node(finalizer, range(n, n + PER_NODE)) for n in range(0, WORLD, PER_NODE)]
+
+
+async def _written(
+    finalizer: CheckpointFinalizer, step: int, rank: int, save_id: str, timeout_s: float = 10.0
+) -> RankReport:
+    """Rank `rank`'s save of `step`: begin_step and its file; its report, not sent."""
+    directory = Path(await finalizer.begin_step(step, ROLE, rank, WORLD, timeout_s, save_id))
+    written = write_checksummed(directory / f"part{rank}.bin", lambda s: s.write(b"r" * 64))
+    entry = FileEntry(f"part{rank}.bin", written.size, written.checksum)
+    return RankReport(step, ROLE, rank, WORLD, save_id, files=[entry])
+
+
+async def _report_all(nodes: list[_Node], reports: list[RankReport]) -> list:
+    """Every rank reports at once through its node's batcher."""
+    node_of = {rank: nodes[rank // PER_NODE] for rank in range(WORLD)}
+    return await asyncio.gather(*(node_of[r.rank].batcher.report(r) for r in reports))
+
+
+def _committed_and_verified(root: Path, step: int) -> None:
+    path = step_dir(root, step)
+    assert read_tracker(root) == step
+    record = read_commit_record(path)
+    assert sorted(f.path for f in record.files) == [f"part{r}.bin" for r in range(WORLD)]
+    assert verify_files(path, record) == []
+
+
+def test_I1_a_step_reported_in_one_batch_per_node_commits(tmp_path):
+    """Every rank reports through its node: one finalizer call per node, and the step
+    commits the files of every rank."""
+
+    async def run() -> list[_Node]:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        nodes = _nodes(finalizer)
+        reports = [await _written(finalizer, 1, r, f"s{r}") for r in range(WORLD)]
+        assert await _report_all(nodes, reports) == [None] * WORLD
+        await finalizer.wait_for_commit(1, 10.0)
+        return nodes
+
+    nodes = asyncio.run(run())
+    assert [node.calls for node in nodes] == [[[0, 1]], [[2, 3]]]
+    _committed_and_verified(tmp_path, 1)
+
+
+def test_I5_a_failure_in_a_batch_fails_the_step_at_once_naming_the_rank(tmp_path):
+    """A rank's failure leaves its node at once, without waiting for the node's other
+    rank (which never reports here, and the batch would linger for an hour): the step
+    fails, naming the rank and its failure, for the waiter and for a later begin_step."""
+
+    async def run() -> tuple[StepNotCommittedError, _Node]:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        nodes = _nodes(finalizer)
+        report = await _written(finalizer, 2, 0, "broken")
+        report.files = []
+        report.failure = Failure(ROLE, 0, Phase.WRITE, "OSError: disk on fire", 5)
+        assert await nodes[0].batcher.report(report) is None
+        with pytest.raises(StepNotCommittedError) as caught:
+            await finalizer.wait_for_commit(2, 10.0)
+        return caught.value, nodes[0]
+
+    error, node = asyncio.run(run())
+    assert "driver rank 0" in str(error) and "disk on fire" in str(error), error
+    assert node.calls == [[0]]
+    assert read_tracker(tmp_path) is None
+
+
+def test_I5_a_lost_batch_fails_the_step_at_its_deadline_naming_the_missing_ranks(
+    tmp_path, monkeypatch
+):
+    """A node's aggregator that dies holding its batch (here: one node's batch never
+    leaves, a rank of the node never reporting) does not hang the step: it fails at its
+    deadline (the report slack is shortened here) naming exactly the ranks whose reports
+    never reached the finalizer, and the next step starts."""
+    monkeypatch.setattr("verl_ckpt.commit.admission.RPC_SLACK_S", 0.1)
+
+    async def run() -> StepNotCommittedError:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        nodes = _nodes(finalizer)
+        reports = [await _written(finalizer, 3, r, f"s{r}", timeout_s=0.2) for r in range(WORLD)]
+        # Node 1 delivers; node 0's batch holds rank 0 and waits for rank 1, which is lost.
+        assert await asyncio.gather(*(nodes[1].batcher.report(r) for r in reports[2:])) == [
+            None,
+            None,
+        ]
+        held = asyncio.ensure_future(nodes[0].batcher.report(reports[0]))
+        with pytest.raises(StepNotCommittedError) as caught:
+            await finalizer.wait_for_commit(3, 10.0)
+        assert nodes[0].batcher.pending() == 1 and not held.done()
+        held.cancel()
+        # Room for the next step: the failed one no longer holds back-pressure.
+        later = [await _written(finalizer, 4, r, f"t{r}") for r in range(WORLD)]
+        assert await asyncio.gather(*(finalizer.report(r) for r in later)) == [None] * WORLD
+        await finalizer.wait_for_commit(4, 10.0)
+        return caught.value
+
+    error = asyncio.run(run())
+    assert "no report by the step's deadline from driver rank 0, driver rank 1" in str(error), error
+    assert "rank 2" not in str(error) and "rank 3" not in str(error)
+    _committed_and_verified(tmp_path, 4)
+
+
+def test_a_batch_whose_node_never_completes_leaves_after_its_linger(tmp_path):
+    """A rank of the node that never reports (dead, or moved to another node's aggregator)
+    keeps its node's batch only for the linger: the others' reports are delivered, and the
+    step then misses only that rank."""
+
+    async def run() -> tuple[list, _Node, dict]:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        node = _Node(finalizer, range(WORLD))
+        node.batcher = NodeBatcher(node._forward, linger_s=0.01)
+        for rank in range(WORLD):
+            node.batcher.join((ROLE, rank))
+        reports = [await _written(finalizer, 7, r, f"s{r}") for r in range(WORLD)]
+        answers = await asyncio.gather(*(node.batcher.report(r) for r in reports[:-1]))
+        return answers, node, finalizer.status()["pending"]
+
+    answers, node, pending = asyncio.run(run())
+    assert answers == [None] * (WORLD - 1)
+    assert node.calls == [[0, 1, 2]]
+    assert pending == {7: "driver rank 3"}
+
+
+def test_I1_duplicate_and_replayed_reports_in_batches_are_ignored(tmp_path):
+    """A batch holding a rank's report twice (a retried call), the replay of a whole batch
+    after it was delivered (an aggregator restarted mid-answer, its ranks reporting again),
+    and the report of a save the rank replaced: each is ignored as a direct report is, and
+    the step commits the registered saves' files."""
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        await finalizer.begin_step(5, ROLE, 0, WORLD, 10.0, "replaced")
+        reports = [await _written(finalizer, 5, r, f"s{r}") for r in range(WORLD)]
+        stale = RankReport(5, ROLE, 0, WORLD, "replaced", files=[FileEntry("x", 9, "0")])
+        first = [reports[0], reports[0], stale, reports[1]]
+        assert await finalizer.report_batch(first) == [None] * 4
+        assert await finalizer.report_batch(first) == [None] * 4  # replayed
+        assert await finalizer.report_batch(reports[2:]) == [None, None]
+        await finalizer.wait_for_commit(5, 10.0)
+        # A replay after the commit (and after the step was retired) is late, and ignored.
+        assert await finalizer.report_batch(reports) == [None] * WORLD
+
+    asyncio.run(run())
+    _committed_and_verified(tmp_path, 5)
+
+
+def test_a_batch_refuses_only_the_reports_of_non_participants(tmp_path):
+    """A report from outside the root's participants is refused in the answer for it; the
+    other reports of its batch count."""
+
+    async def run() -> list:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        reports = [await _written(finalizer, 6, r, f"s{r}") for r in range(WORLD)]
+        intruder = RankReport(6, ROLE, 9, 16, "x")
+        answers = await finalizer.report_batch([reports[0], intruder, *reports[1:]])
+        await finalizer.wait_for_commit(6, 10.0)
+        return answers
+
+    answers = asyncio.run(run())
+    assert answers[0] is None and answers[2:] == [None] * (WORLD - 1)
+    assert isinstance(answers[1], CheckpointError) and "rank 9 of world size 16" in str(answers[1])
+    _committed_and_verified(tmp_path, 6)
+
+
+def test_report_batching_auto_batches_large_roles_only():
+    assert not batches_reports("auto", 8) and batches_reports("auto", 64)
+    assert batches_reports("node", 1) and not batches_reports("off", 4096)
+
+
+# ---- with Ray: the aggregator actor ------------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class _Rank:
+    """A rank's process: its link reports through its node's aggregator."""
+
+    def __init__(self, root: str, rank: int) -> None:
+        handle = ray.get_actor(finalizer_name(root), namespace=FINALIZER_NAMESPACE)
+        who = f"{ROLE} rank {rank}"
+        self.aggregator = open_node_aggregator(root, handle, ROLE, rank, 30.0, who)
+        client = FinalizerClient(handle, who, 30.0)
+        self.link = ParticipantLink(client, ROLE, rank, 2, 30.0, aggregator=self.aggregator)
+        self.rank = rank
+
+    def aggregator_handle(self) -> ray.actor.ActorHandle:
+        return self.aggregator.handle
+
+    def write(self, step: int, save_id: str) -> RankReport:
+        directory = self.link.begin(step, save_id)
+        name = f"part{self.rank}.bin"
+        written = write_checksummed(directory / name, lambda s: s.write(b"z" * 32))
+        report = self.link.new_report(step, save_id)
+        report.files = [FileEntry(name, written.size, written.checksum)]
+        return report
+
+    def save(self, step: int, save_id: str) -> str | None:
+        """A save through ParticipantLink: its failure, or None."""
+        failure = self.link.deliver(self.write(step, save_id), call_deadline(30.0))
+        return None if failure is None else failure.describe()
+
+    def report_through_aggregator_only(self, step: int, save_id: str) -> str:
+        """A report handed to the aggregator alone (no fallback): what the rank hears."""
+        try:
+            self.aggregator.report(self.write(step, save_id).pack(), call_deadline(30.0))
+        except AggregatorLost as exc:
+            return f"lost: {exc}"
+        return "delivered"
+
+
+def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray_local, tmp_path):
+    """The node's aggregator actor is killed while it holds rank 0's report of step 1 (its
+    batch waits for rank 1): rank 0 hears at once that its aggregator is gone, nothing
+    hangs. Then the aggregator is killed for good: a save through ParticipantLink falls back
+    to a direct report, and step 2 commits."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(
+        root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0, max_in_flight=2
+    )
+    ranks = [_Rank.remote(root, r) for r in (0, 1)]
+    try:
+        aggregator = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
+        held = ranks[0].report_through_aggregator_only.remote(1, "a0")
+        _until(lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1)
+        ray.kill(aggregator, no_restart=False)
+        assert ray.get(held, timeout=60).startswith("lost: driver rank 0: the node's report")
+        ray.kill(aggregator, no_restart=True)
+        saves = [rank.save.remote(2, f"b{i}") for i, rank in enumerate(ranks)]
+        assert ray.get(saves, timeout=120) == [None, None]
+        ray.get(finalizer.wait_for_commit.remote(2, 60.0), timeout=90)
+        status = ray.get(finalizer.status.remote(), timeout=60)
+        assert status["pending"] == {1: "driver rank 0, driver rank 1"}
+    finally:
+        for rank in ranks:
+            ray.kill(rank, no_restart=True)
+        ray.kill(finalizer, no_restart=True)
+    _committed_and_verified_two(Path(root), 2)
+
+
+def _committed_and_verified_two(root: Path, step: int) -> None:
+    path = step_dir(root, step)
+    assert read_tracker(root) == step
+    assert verify_files(path, read_commit_record(path)) == []
+
+
+def _until(ready, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
