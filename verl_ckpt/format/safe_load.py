@@ -61,11 +61,12 @@ def safe_state_bytes(obj: Any, what: str) -> bytes:
     torch.save(obj, buffer)
     data = buffer.getvalue()
     try:
-        load_state_bytes(data, what)
-    except UnsafeCheckpointError as exc:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
         raise CheckpointError(
-            f"{exc}: save {_ALLOWED} instead (e.g. numpy arrays as tensors, "
-            "random.getstate() as it is, numpy's RNG state as a dict of lists and ints)"
+            f"{what} holds {_asked_for(str(exc))}, which a resume would refuse to load "
+            f"(nothing from a checkpoint is unpickled but {_ALLOWED}): save those instead, "
+            "e.g. a NumPy array as a tensor"
         ) from None
     return data
 
