@@ -26,13 +26,11 @@ embedded Ray bound to 127.0.0.1 and shuts it down at the end.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +53,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 # The driver never imports megatron-core: only the rank processes do (recipes.workers).
 import verl_ckpt
+from recipes.data import DataCursor, PromptSet
+from recipes.groups import RoleGroup, data_parallel_parts, describe_snapshot, mean_loss
+from recipes.metrics import MetricsLog
 from recipes.ppo_config import (
     ROLES,
     PPOToyConfig,
@@ -66,128 +67,22 @@ from recipes.ppo_config import (
 )
 from recipes.ppo_math import gae, token_rewards, whiten
 from recipes.resume_plan import dropped_state, nothing_to_do
-from recipes.workers import (
-    ActorWorker,
-    CriticWorker,
-    WorkerStartupError,
-    WorkerStartupTimeout,
-    process_died,
-)
+from recipes.rollout import RolloutGroup
+from recipes.rollout_worker import ROLLOUT_PARTICIPANT
+from recipes.workers import WorkerStartupError, WorkerStartupTimeout, process_died
 
 log = logging.getLogger("ppo_toy")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DRIVER_STATE_FORMAT = 1
+# 2: the data cursor at the trained frontier (1 held the generator of random prompts).
+DRIVER_STATE_FORMAT = 2
+
+__all__ = ["DRIVER_STATE_FORMAT", "PPOToyTrainer", "RoleGroup", "describe_snapshot", "run"]
 
 
-# ---- metrics -----------------------------------------------------------------------------
-
-
-class MetricsLog:
-    """Per-step JSON Lines, in step order, one object per step.
-
-    The line of a save step also carries that save's background write figures
-    (`ckpt_write_s`, `ckpt_bytes`), so it is held back until they are known: usually at the
-    next step, for the last save at shutdown. Lines after a held one wait behind it.
-    """
-
-    def __init__(self, path: str | None) -> None:
-        self._file = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._queue: deque[dict[str, Any]] = deque()
-        self._held: dict[int, dict[str, Any]] = {}
-
-    def add(self, record: dict[str, Any], hold_for_write: bool = False) -> None:
-        self._queue.append(record)
-        if hold_for_write:
-            self._held[record["step"]] = record
-        self._flush()
-
-    def set_write_figures(self, step: int, write_s: float, nbytes: int) -> None:
-        record = self._held.pop(step, None)
-        if record is not None:
-            record.update(ckpt_write_s=write_s, ckpt_bytes=nbytes)
-            self._flush()
-
-    def close(self) -> None:
-        """Write everything still held; a save whose figures never came gets nulls."""
-        for record in self._held.values():
-            record.setdefault("ckpt_write_s", None)
-            record.setdefault("ckpt_bytes", None)
-        self._held.clear()
-        self._flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def _flush(self) -> None:
-        while self._queue and self._queue[0]["step"] not in self._held:
-            record = self._queue.popleft()
-            if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
-
-
-# ---- worker groups -----------------------------------------------------------------------
-
-
-class RoleGroup:
-    """The ranks of one role, each a Ray actor; calls fan out to every rank."""
-
-    def __init__(self, name: str, cfg: PPOToyConfig) -> None:
-        worker_cls = {"actor": ActorWorker, "critic": CriticWorker}[name]
-        remote_cls = ray.remote(worker_cls).options(
-            num_cpus=cfg.trainer.cpus_per_worker, max_restarts=0
-        )
-        self.name = name
-        self.ranks = [remote_cls.remote(cfg, rank) for rank in range(cfg.role(name).world_size)]
-
-    def call(self, method: str, *args: Any) -> list[ray.ObjectRef]:
-        return [getattr(rank, method).remote(*args) for rank in self.ranks]
-
-    def describe(self, index: int) -> str:
-        return f"{self.name} rank {index}"
-
-
-def data_parallel_parts(results: list[dict[str, Any]], key: str) -> torch.Tensor:
-    """Concatenate one result per data-parallel slice (from its TP rank 0), in slice order.
-
-    The other TP ranks must have computed the same values: a difference means the ranks
-    of a slice diverged, which would corrupt training silently, so it fails here.
-    """
-    by_slice: dict[int, torch.Tensor] = {}
-    for result in results:
-        first = by_slice.setdefault(result["dp_rank"], result[key])
-        if not torch.equal(first, result[key]):
-            raise RuntimeError(
-                f"tensor-parallel ranks of data-parallel slice {result['dp_rank']} disagree "
-                f"on {key!r}"
-            )
-    return torch.cat([by_slice[i] for i in sorted(by_slice)], dim=0)
-
-
-def mean_loss(results: list[dict[str, Any]]) -> float:
-    losses = {r["dp_rank"]: r["loss"] for r in results if r["tp_rank"] == 0}
-    return sum(losses.values()) / len(losses)
-
-
-def describe_snapshot(stats: list[dict[str, Any]], in_background: bool) -> str:
-    """What the ranks' snapshot did with the state: copied (or the copy deferred), offloaded
-    optimizer state referenced without a copy (only when there was some), then written or
-    writing."""
-    if any(s["snapshot"] == "deferred" for s in stats):
-        parts = ["copy deferred to the background (the next optimizer step waits for it)"]
-    else:
-        parts = [f"{sum(s['bytes_staged'] for s in stats) / 1e6:.2f} MB copied"]
-    referenced = sum(s["bytes_zero_copy"] for s in stats)
-    if referenced:
-        parts.append(
-            f"{referenced / 1e6:.2f} MB of offloaded optimizer state referenced without a copy"
-        )
-    parts.append("writing in the background" if in_background else "written")
-    return ", ".join(parts[:-1]) + "; " + parts[-1]
+def participants(cfg: PPOToyConfig) -> dict[str, int]:
+    """The participants of each step besides the roles' ranks and the driver."""
+    return {ROLLOUT_PARTICIPANT: cfg.rollout.num_workers} if cfg.rollout.mode == "async" else {}
 
 
 # ---- the trainer -------------------------------------------------------------------------
@@ -208,10 +103,25 @@ class PPOToyTrainer:
         self.roles = {name: cfg.role(name).world_size for name in ROLES}
         # The coordinator starts the finalizer; the ranks' managers look it up in setup().
         # `start` was decided before Ray started (root checked and locked, resume step).
-        self.coordinator = verl_ckpt.CheckpointCoordinator(cfg.checkpoint, self.roles, start=start)
+        self.coordinator = verl_ckpt.CheckpointCoordinator(
+            cfg.checkpoint, self.roles, participants=participants(cfg), start=start
+        )
         self.groups = {name: RoleGroup(name, cfg) for name in ROLES}
-        self.prompt_generator = torch.Generator().manual_seed(
-            derive_seed(cfg.trainer.seed, "prompts")
+        self.data = PromptSet(
+            cfg.data.num_prompts,
+            cfg.rollout.prompt_length,
+            cfg.model.vocab_size,
+            prompt_seed=derive_seed(cfg.trainer.seed, "prompts"),
+            seed=cfg.trainer.seed,
+        )
+        # What the updates consumed (saved with each step), and, in async mode, what the
+        # rollout workers were handed: a batch ahead.
+        self.trained = DataCursor()
+        self.drawn = DataCursor()
+        self.rollout = (
+            RolloutGroup(cfg, self.coordinator, self.groups["actor"])
+            if cfg.rollout.mode == "async"
+            else None
         )
         self.metrics = MetricsLog(cfg.trainer.metrics_path)
         # step -> {(role, rank): (write_s, bytes)} for saves whose writes are not all known.
@@ -325,21 +235,54 @@ class PPOToyTrainer:
         return None
 
     def resume(self) -> int:
-        """Load the committed step `checkpoint.resume_mode` picks; the step to continue after."""
+        """Load the committed step `checkpoint.resume_mode` picks; the step to continue after.
+        Async mode: the rollout workers get the weights of that step and the batch ahead
+        of it (restored from their part of the step, or generated on a fresh start)."""
         path = self.coordinator.resume_dir()
         if path is None:
             log.info("starting fresh (checkpoint root %s)", self.coordinator.root)
+            if self.rollout is not None:
+                self.rollout.sync(0)
+                self._draw(1)
             return 0
         start = time.perf_counter()
         ray.get(self._call_all("load", str(path)))
         state = self.coordinator.load_driver_state(path)
         if state.get("format") != DRIVER_STATE_FORMAT:
             raise RuntimeError(f"{path}: driver state of unknown format {state.get('format')!r}")
-        self.prompt_generator.set_state(state["prompt_generator"])
+        step = state["step"]
+        self.trained = self.drawn = DataCursor.from_state(state["data_cursor"])
+        if self.rollout is not None:
+            self._resume_rollout(str(path), step)
+        log.info("resumed from %s (step %d) in %.2f s", path, step, time.perf_counter() - start)
         log.info(
-            "resumed from %s (step %d) in %.2f s", path, state["step"], time.perf_counter() - start
+            "data cursor at the trained frontier: epoch %d, position %d of %d prompts",
+            self.trained.epoch,
+            self.trained.position,
+            len(self.data),
         )
-        return state["step"]
+        return step
+
+    def _resume_rollout(self, path: str, step: int) -> None:
+        """The rollout workers' buffers of the committed step: each buffered batch must be
+        the next one of the prompt stream (none skipped, none repeated); the drawn cursor
+        moves past them."""
+        held = self.rollout.load(path, step)
+        self.rollout.sync(step)
+        for ahead, ids in held.items():
+            expected, self.drawn = self.data.next_batch(self.drawn, self.cfg.rollout.batch_size)
+            if not torch.equal(ids, expected):
+                raise RuntimeError(
+                    f"{path}: the rollout buffer's batch of step {ahead} is not the next one "
+                    "of the prompt stream after the saved data cursor"
+                )
+        if not held:
+            self._draw(step + 1)
+
+    def _draw(self, step: int) -> None:
+        """Async mode: hand the rollout workers the next batch of prompts, for `step`."""
+        ids, self.drawn = self.data.next_batch(self.drawn, self.cfg.rollout.batch_size)
+        self.rollout.generate(step, ids, self.data.tokens(ids))
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -364,6 +307,10 @@ class PPOToyTrainer:
             if saving:
                 record.update(self.save(step))
                 last_saved = step
+            if self.rollout is not None:
+                # After the save: each worker saves step+1's samples before it loads the
+                # weights of this update (it serves its calls in order).
+                self.rollout.sync(step)
             record["step_s"] = time.perf_counter() - begin
             log.info(
                 "step %d/%d reward %.3f actor_loss %.4f critic_loss %.4f (%.2f s)",
@@ -378,6 +325,8 @@ class PPOToyTrainer:
             # (sync saves) releases its line right away.
             self.metrics.add(record, hold_for_write=saving)
             self.collect_write_figures(ray.get(self._call_all("finished_writes")))
+            if self.rollout is not None:
+                self.rollout.save_figures()  # logs a failed save (that step does not commit)
             if stopping:
                 self.commit_before_exit(step)
                 break
@@ -385,16 +334,9 @@ class PPOToyTrainer:
 
     def train_step(self, step: int) -> dict[str, Any]:
         r, a = self.cfg.rollout, self.cfg.algorithm
-        prompts = torch.randint(
-            0,
-            self.cfg.model.vocab_size,
-            (r.batch_size, r.prompt_length),
-            generator=self.prompt_generator,
-        )
+        batch = self.rollout_batch(step)
+        tokens, old_log_probs = batch["tokens"], batch["log_probs"]
         actor, critic = self.groups["actor"], self.groups["critic"]
-        rollout = ray.get(actor.call("generate", prompts))
-        tokens = data_parallel_parts(rollout, "tokens")
-        old_log_probs = data_parallel_parts(rollout, "log_probs")
         tokens_ref = ray.put(tokens)
         values = data_parallel_parts(ray.get(critic.call("compute_values", tokens_ref)), "values")
 
@@ -404,13 +346,44 @@ class PPOToyTrainer:
 
         actor_refs = actor.call("update", tokens_ref, old_log_probs, advantages)
         critic_refs = critic.call("update", tokens_ref, returns)
-        return {
+        record = {
             "step": step,
             "reward": rewards.mean().item(),
             "actor_loss": mean_loss(ray.get(actor_refs)),
             "critic_loss": mean_loss(ray.get(critic_refs)),
             "value_mean": values.mean().item(),
+            "epoch": batch["epoch"],
+            "policy_version": batch["policy_version"],
+            "prompt_ids": batch["prompt_ids"].tolist(),
         }
+        # The update consumed the batch: the trained frontier moves past it.
+        self.trained = batch["cursor_after"]
+        return record
+
+    def rollout_batch(self, step: int) -> dict[str, Any]:
+        """Step `step`'s batch: the next prompts after the trained frontier, generated now by
+        the actor ranks (sync mode, the weights after update step-1), or taken from the
+        rollout workers (async mode, the weights after update step-2), whose next batch is
+        queued first so that it is generated while this one trains."""
+        expected, after = self.data.next_batch(self.trained, self.cfg.rollout.batch_size)
+        if self.rollout is None:
+            prompts = self.data.tokens(expected)
+            generated = ray.get(self.groups["actor"].call("generate", prompts))
+            batch = {
+                "prompt_ids": expected,
+                "tokens": data_parallel_parts(generated, "tokens"),
+                "log_probs": data_parallel_parts(generated, "log_probs"),
+                "policy_version": step - 1,
+            }
+        else:
+            self._draw(step + 1)
+            batch = self.rollout.take(step)
+            if not torch.equal(batch["prompt_ids"], expected):
+                raise RuntimeError(
+                    f"step {step}: the rollout workers' batch is not the next one of the "
+                    "prompt stream (a prompt would be skipped or repeated)"
+                )
+        return {**batch, "cursor_after": after, "epoch": self.trained.epoch}
 
     # ---- checkpoints ---------------------------------------------------------------------
 
@@ -438,7 +411,9 @@ class PPOToyTrainer:
                 {
                     "format": DRIVER_STATE_FORMAT,
                     "step": step,
-                    "prompt_generator": self.prompt_generator.get_state(),
+                    # At the trained frontier: what the updates consumed, not what the
+                    # rollout workers were handed ahead (their buffer holds that).
+                    "data_cursor": self.trained.to_state(),
                 },
                 timeout_s=timeout,
             )
@@ -447,6 +422,8 @@ class PPOToyTrainer:
                 raise
             raise verl_ckpt.preemption_failure(step, self.stop, exc) from None
         refs = self._call_all("save", step)
+        if self.rollout is not None:
+            self.rollout.save(step)  # not waited for: off the trainer's path
         if self.stop is not None:
             who = [self.groups[role].describe(index) for role, index, _ in self.all_ranks]
             verl_ckpt.wait_before_deadline(refs, who, step, self.stop)
@@ -508,6 +485,8 @@ class PPOToyTrainer:
         """Finish every rank's writes, wait for the last save to commit, then for the
         Hugging Face exports of committed steps (save_contents with hf_model)."""
         self.collect_write_figures(ray.get(self._call_all("close")))
+        if self.rollout is not None:
+            self.rollout.close()
         if last_saved is not None:
             summary = self.coordinator.wait_for_commit(last_saved)
             log.info(
@@ -578,6 +557,8 @@ class PPOToyTrainer:
         self.metrics.close()
         for _, _, worker in self.all_ranks:
             ray.kill(worker, no_restart=True)
+        if self.rollout is not None:
+            self.rollout.kill()
         if self.stop is None:
             self.coordinator.close()
             return
@@ -604,6 +585,7 @@ def connect_ray(cfg: PPOToyConfig) -> bool:
         log.info("connected to the Ray cluster at %s", address)
         return False
     ranks = sum(cfg.role(name).world_size for name in ROLES)
+    ranks += sum(participants(cfg).values())  # the rollout workers
     num_cpus = max(os.cpu_count() or 1, math.ceil(ranks * cfg.trainer.cpus_per_worker))
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(
@@ -630,6 +612,8 @@ def run(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> verl_ckpt.StopRequest 
         guard = verl_ckpt.PreemptionGuard(cfg.checkpoint.preemption, start.root).install()
         trainer = PPOToyTrainer(cfg, start, guard)
         trainer.start_workers()
+        if trainer.rollout is not None:
+            trainer.rollout.start(cfg.trainer.startup_timeout_s)
         trainer.fit()
         log.info("done in %.1f s", time.perf_counter() - begin)
         return trainer.stop
