@@ -4,6 +4,9 @@ Users import from here only:
 - driver: `prepare_start` (before Ray starts: checks the config and root, locks the root,
   recovers it, decides the resume step), `CheckpointCoordinator` (starts the finalizer, saves
   the driver's state, waits for commits);
+- any other Ray actor with state of the step (a rollout worker, a replay buffer):
+  `StateParticipant` (save / skip / wait / load, from the coordinator's
+  `participant_handle`), `load_participant_state`;
 - each rank: `CheckpointManager` (save / wait / load / close), `describe_gpt_model` (the
   model description saved with each step, for Hugging Face exports);
 - Hugging Face weights: `export_role`, `verify_export`, mappings (`HFMapping`, `TensorRule`,
@@ -31,6 +34,9 @@ _EXPORTS = {
     "to_checkpoint_config": "verl_ckpt.protocol.config",
     "unknown_keys": "verl_ckpt.protocol.config_keys",
     "CheckpointCoordinator": "verl_ckpt.driver.coordinator",
+    "ParticipantHandle": "verl_ckpt.commit.participant_handle",
+    "StateParticipant": "verl_ckpt.participants.saver",
+    "load_participant_state": "verl_ckpt.participants.loader",
     "CheckpointConfigError": "verl_ckpt.protocol.errors",
     "CheckpointError": "verl_ckpt.protocol.errors",
     "CheckpointWriteError": "verl_ckpt.protocol.errors",
@@ -86,6 +92,7 @@ __all__ = [
     "HFExportConfig",
     "HFMapping",
     "LoadStats",
+    "ParticipantHandle",
     "PreemptionConfig",
     "PreemptionError",
     "PreemptionGuard",
@@ -95,6 +102,7 @@ __all__ = [
     "RootLockedError",
     "SaveStats",
     "StagingConfig",
+    "StateParticipant",
     "StartPlan",
     "StepNotCommittedError",
     "TensorRule",
@@ -105,6 +113,7 @@ __all__ = [
     "WriterConfig",
     "describe_gpt_model",
     "export_role",
+    "load_participant_state",
     "commit_before_deadline",
     "preemption_failure",
     "read_commit_record",

@@ -14,7 +14,7 @@ from pathlib import Path
 from verl_ckpt.commit.committer import Committer
 from verl_ckpt.commit.ledger import Begun, StepLedger, StepStatus
 from verl_ckpt.commit.metadata_forecast import MetadataForecast
-from verl_ckpt.commit.waiters import Waiters, describe_participants
+from verl_ckpt.commit.waiters import Waiters
 from verl_ckpt.protocol import RPC_SLACK_S, describe_failures
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
@@ -106,7 +106,7 @@ class Admission:
             _mark_run(path, self._run_id)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
         target.mkdir(parents=True, exist_ok=True)
-        if role != DRIVER_ROLE:
+        if role != DRIVER_ROLE and role not in self._ledger.state_participants:
             # The role's `.metadata` is made now, while its ranks write, if it can be
             # foreseen; the commit checks it against what the ranks then report.
             self._forecast.begin(step, role, target)
@@ -162,7 +162,7 @@ class Admission:
 
     def _no_room_message(self, step: int, timeout_s: float) -> str:
         pending = "; ".join(
-            f"step {s}: " + describe_participants(self._ledger.missing(s))
+            f"step {s}: " + self._ledger.describe(self._ledger.missing(s))
             for s in self._ledger.in_flight()
         )
         return (
@@ -176,7 +176,8 @@ class Admission:
         where = f"step {step} under {self._root}"
         if begun is Begun.ALREADY_REPORTED:
             return (
-                f"{role} rank {rank} already reported {where} from another save: a second save "
+                f"{self._ledger.label((role, rank))} already reported {where} from another "
+                "save: a second save "
                 "would overwrite the files it reported; refused"
             )
         if begun is Begun.FAILED:

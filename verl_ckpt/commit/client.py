@@ -74,16 +74,21 @@ def start_finalizer(
     max_in_flight: int = 1,
     hf_exports: ExportPlan | None = None,
     remote: dict[str, Any] | None = None,
+    state_participants: dict[str, int] | None = None,
 ) -> ray.actor.ActorHandle:
     """Start the finalizer of `root_dir`, or reconnect to the one already running.
 
-    A running finalizer of the same root with other settings is an error, not silently
-    reused.
+    `participants`: the roles' ranks and the driver; `state_participants`: the participants
+    declared to the coordinator (CheckpointCoordinator's `participants`). A running
+    finalizer of the same root with other settings is an error, not silently reused.
     """
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
+    state_participants = dict(state_participants or {})
     if not participants or any(size < 1 for size in participants.values()):
         raise CheckpointError(f"participants must map roles to world sizes >= 1: {participants}")
+    if any(size < 1 for size in state_participants.values()):
+        raise CheckpointError(f"participants must map names to counts >= 1: {state_participants}")
     root = str(Path(root_dir).resolve())
     actor = (
         ray.remote(CheckpointFinalizer)
@@ -96,6 +101,7 @@ def start_finalizer(
             hf_exports,
             remote,
             uuid.uuid4().hex,  # this job's run id, the same for every restart of the actor
+            state_participants,
         )
     )
     try:
@@ -107,6 +113,7 @@ def start_finalizer(
     wanted = {
         "root_dir": root,
         "participants": dict(participants),
+        "state_participants": state_participants,
         "max_ckpt_to_keep": max_ckpt_to_keep,
         "max_in_flight": max_in_flight,
         "hf_exports": asdict(hf_exports) if hf_exports else None,

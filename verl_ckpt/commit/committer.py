@@ -178,7 +178,13 @@ class Committer:
             }
             try:
                 summary = await asyncio.to_thread(
-                    commit_step, self._root, step, self._participants, reports, made
+                    commit_step,
+                    self._root,
+                    step,
+                    self._participants,
+                    reports,
+                    made,
+                    self._ledger.state_participants,
                 )
             except Exception as exc:  # noqa: BLE001 - any failure means "not committed"
                 self._commit_failed(step, exc)

@@ -53,10 +53,15 @@ class CheckpointFinalizer:
         hf_exports: ExportPlan | None = None,
         remote: dict[str, Any] | None = None,
         run_id: str | None = None,
+        state_participants: dict[str, int] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO)
         self._root = Path(root_dir)
+        # The roles' ranks and the driver; the declared participants apart (ledger.py): the
+        # commit expects no `.metadata` of theirs, and the remote tier uploads their files
+        # itself, as the driver's.
         self._participants = dict(participants)
+        self._state_participants = dict(state_participants or {})
         self._keep = max_ckpt_to_keep
         # Reports carry DCP metadata and write results, whose classes live in torch's DCP:
         # import it now, not while unpickling the first report (seconds of no answers). Not
@@ -70,7 +75,9 @@ class CheckpointFinalizer:
         # opens with it (admission.steps_lost_in_a_restart).
         state = recover_root(self._root)
         lost = steps_lost_in_a_restart(self._root, list(state.uncommitted), run_id)
-        self._ledger = StepLedger(participants, max_in_flight, lost=lost)
+        self._ledger = StepLedger(
+            participants, max_in_flight, lost=lost, state_participants=self._state_participants
+        )
         if state.uncommitted:
             logger.warning(
                 "checkpoint root %s holds uncommitted step directories %s (ignored%s)",
@@ -117,7 +124,7 @@ class CheckpointFinalizer:
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
             self._root,
-            self._participants,
+            {**self._participants, **self._state_participants},
             run_id,
             self._ledger,
             self._waiters,
@@ -132,6 +139,7 @@ class CheckpointFinalizer:
         return {
             "root_dir": str(self._root),
             "participants": dict(self._participants),
+            "state_participants": dict(self._state_participants),
             "max_ckpt_to_keep": self._keep,
             "max_in_flight": self._ledger.max_in_flight,
             "hf_exports": asdict(self._hf_plan) if self._hf_plan else None,
@@ -144,7 +152,7 @@ class CheckpointFinalizer:
 
     def status(self) -> dict[str, Any]:
         ledger = self._ledger
-        pending = {step: describe_participants(ledger.missing(step)) for step in ledger.in_flight()}
+        pending = {step: ledger.describe(ledger.missing(step)) for step in ledger.in_flight()}
         return {
             "committed": committed_steps(self._root),
             "tracker": read_tracker(self._root),

@@ -38,6 +38,7 @@ from typing import Any
 
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.messages import Participant, RankReport, StepStatus
+from verl_ckpt.protocol.phases import participant_label
 from verl_ckpt.protocol.step_table import StepTable, unreported
 
 __all__ = ["Begun", "Recorded", "StepEntry", "StepLedger", "StepStatus"]
@@ -98,9 +99,16 @@ class StepLedger:
         max_in_flight: int,
         lost: Iterable[int] = (),
         remembered_outcomes: int = 256,
+        state_participants: dict[str, int] | None = None,
     ) -> None:
+        # Two kinds of participant, one table of expected reports: the roles' ranks and the
+        # driver (`participants`), and those declared to the coordinator
+        # (`state_participants`: one state file per index, no `.metadata`, named
+        # "<name>[<index>]").
+        self.state_participants = dict(state_participants or {})
+        everyone = {**participants, **self.state_participants}
         self.expected: tuple[Participant, ...] = tuple(
-            (role, rank) for role, size in sorted(participants.items()) for rank in range(size)
+            (role, rank) for role, size in sorted(everyone.items()) for rank in range(size)
         )
         self._expected_set = frozenset(self.expected)
         self.max_in_flight = max_in_flight
@@ -135,6 +143,14 @@ class StepLedger:
     def missing(self, step: int) -> list[Participant]:
         entry = self._steps.get(step) if self._steps.is_held(step) else None
         return unreported(self.expected, entry.reports if entry is not None else {})
+
+    def label(self, participant: Participant) -> str:
+        """How messages name `participant` (phases.participant_label)."""
+        role, rank = participant
+        return participant_label(role, rank, role in self.state_participants)
+
+    def describe(self, participants: Iterable[Participant]) -> str:
+        return ", ".join(self.label(p) for p in sorted(participants))
 
     def failures(self, step: int) -> list[Failure]:
         entry = self.entry(step)
@@ -181,7 +197,7 @@ class StepLedger:
             if e.status is StepStatus.COLLECTING and e.expires_at < now
         ]
         for entry in overdue:
-            missing = ", ".join(f"{role} rank {rank}" for role, rank in self.missing(entry.step))
+            missing = self.describe(self.missing(entry.step))
             failure = Failure(
                 "finalizer", None, Phase.REPORT, f"no report by the step's deadline from {missing}"
             )

@@ -1,4 +1,5 @@
-"""One participant's side of a step (protocol steps 1 and 4), for ranks and the driver alike.
+"""One participant's side of a step (protocol steps 1 and 4), for ranks, the driver and the
+participants declared to the coordinator alike.
 
 A participant (one rank of a role, or the driver with its own state) begins a step with a
 save id, writes its files into the directory begin_step returned, and reports once: its
@@ -41,7 +42,8 @@ class ParticipantLink:
     """`role` rank `rank` of `world_size` as a participant of the finalizer's steps.
 
     `inject_faults`: the report runs the `report` fault phase first (VERL_CKPT_FAULT, as
-    ranks do); the driver's report has no fault phase of its own.
+    ranks do); the driver's report has no fault phase of its own. `label`: how its failures
+    name it, where not "<role> rank <rank>" (a declared participant: "rollout[1]").
     """
 
     def __init__(
@@ -52,11 +54,13 @@ class ParticipantLink:
         world_size: int,
         timeout_s: float,
         inject_faults: bool = False,
+        label: str | None = None,
     ) -> None:
         self.client = client
         self.role, self.rank, self.world_size = role, rank, world_size
         self._timeout_s = timeout_s
         self._inject_faults = inject_faults
+        self._label = label
 
     def begin(self, step: int, save_id: str, timeout_s: float | None = None) -> Path:
         """Step 1's begin_step: this participant's directory of `step`. `timeout_s`
@@ -79,7 +83,7 @@ class ParticipantLink:
 
     def failure(self, phase: Phase, exc: BaseException) -> Failure:
         """This participant's failure in `phase`, as a report carries it."""
-        return Failure.from_exception(self.role, self.rank, phase, exc)
+        return Failure.from_exception(self.role, self.rank, phase, exc, self._label)
 
     def report(self, report: RankReport, deadline: float | None = None) -> None:
         """Step 4: send `report` (its write results packed); raise if it was not delivered."""

@@ -71,11 +71,14 @@ def commit_step(
     participants: dict[str, int],
     reports: Iterable[RankReport],
     metadata_files: dict[str, bytes | None] | None = None,
+    state_participants: dict[str, int] | None = None,
 ) -> CommitSummary:
     """Steps 5 and 6: complete every role's directory, write the commit record, move the
     tracker. Raises CommitPhaseError when the step did not commit; once the record is
     durable it stays committed, whatever the tracker does. `metadata_files`: a role's
-    `.metadata` made beforehand from exactly these reports (metadata_forecast), if any."""
+    `.metadata` made beforehand from exactly these reports (metadata_forecast), if any.
+    `state_participants` (declared participants, no `.metadata`): only their reported
+    files, listed in the record."""
     store = LocalStore(root)
     path = step_dir(root, step)
     reports = list(reports)
@@ -92,7 +95,12 @@ def commit_step(
         (path / RUN_MARKER_FILENAME).unlink(missing_ok=True)
         store.make_durable(step_name(step))
         faults.inject(Phase.COMMIT)
-        record = CommitRecord(step=step, participants=dict(participants), files=files)
+        record = CommitRecord(
+            step=step,
+            participants=dict(participants),
+            files=files,
+            state_participants=dict(state_participants or {}),
+        )
         _write_record(store, record)
     except Exception as exc:
         raise CommitPhaseError(Phase.COMMIT, exc) from exc

@@ -59,7 +59,7 @@ class Waiters:
             remaining = time_left(deadline)
             if remaining <= 0:
                 missing = self._ledger.missing(step)
-                what = "missing reports from: " + describe_participants(missing)
+                what = "missing reports from: " + self._ledger.describe(missing)
                 if status is StepStatus.COMMITTING:
                     what = "every report arrived; its commit is still running"
                 raise CommitTimeoutError(

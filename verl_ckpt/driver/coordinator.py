@@ -16,6 +16,7 @@ import torch
 
 from verl_ckpt.commit.client import FinalizerClient, check_shared_root, start_finalizer
 from verl_ckpt.commit.participant import ParticipantLink, new_save_id
+from verl_ckpt.commit.participant_handle import ParticipantHandle
 from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.hf.scheduler import plan_exports
 from verl_ckpt.protocol import Phase
@@ -41,6 +42,10 @@ class CheckpointCoordinator:
 
     `roles` maps each role to its number of saving ranks, e.g. {"actor": 2, "critic": 1};
     with `save_driver_state` the driver's own state is one more participant of every step.
+    `participants` maps the name of each other participant (any Ray actor holding state
+    that must be restored with the step: a rollout worker, a replay buffer) to how many
+    there are, e.g. {"rollout": 2}; each gets `participant_handle(name, index)` and saves
+    with participants.StateParticipant. All are fixed when the finalizer starts.
     `start` is what `prepare_start(config)` returned before Ray started (recipes call it
     first, so that a bad root or resume step fails before anything starts); without it the
     coordinator runs the same checks, lock and recovery itself.
@@ -52,12 +57,14 @@ class CheckpointCoordinator:
         roles: dict[str, int],
         save_driver_state: bool = True,
         start: StartPlan | None = None,
+        participants: dict[str, int] | None = None,
     ) -> None:
         self.config = to_checkpoint_config(config)
         for role in roles:
             problem = role_name_problem(role)
             if problem:
                 raise CheckpointConfigError(f"{problem} (the roles: {sorted(map(str, roles))})")
+        self.state_participants = _declared_participants(participants or {}, roles)
         self.start = start if start is not None else prepare_start(self.config)
         self.root = self.start.root
         self.participants = dict(roles)
@@ -79,6 +86,7 @@ class CheckpointCoordinator:
                 self.config.max_in_flight,
                 hf_exports,
                 self._remote_settings(),
+                self.state_participants,
             )
             check_shared_root(self.root, self.finalizer, self.config.timeout_s, "the driver")
             self._client = FinalizerClient(
@@ -89,6 +97,17 @@ class CheckpointCoordinator:
         except BaseException:
             self.start.release()
             raise
+
+    def participant_handle(self, name: str, index: int) -> ParticipantHandle:
+        """What index `index` of the declared participant `name` needs to save and load its
+        state (participants.StateParticipant): small and picklable, pass it to the actor."""
+        count = self.state_participants.get(name)
+        if count is None or not (type(index) is int and 0 <= index < count):
+            declared = ", ".join(f"{n} x{c}" for n, c in sorted(self.state_participants.items()))
+            raise CheckpointError(
+                f"{name}[{index}] is not a declared participant (declared: {declared or 'none'})"
+            )
+        return ParticipantHandle(name, index, count, str(self.root), self.finalizer, self.config)
 
     def resume_dir(self) -> Path | None:
         """The committed step to resume from (decided at start-up), or None: a fresh start."""
@@ -222,3 +241,17 @@ class CheckpointCoordinator:
                     outcome["role"],
                     outcome["message"],
                 )
+
+
+def _declared_participants(participants: dict[str, int], roles: dict[str, int]) -> dict[str, int]:
+    """The declared participants, checked: plain names (a directory of every step) that are
+    neither a role nor the driver, each with a count >= 1."""
+    for name, count in participants.items():
+        problem = role_name_problem(name)
+        if problem:
+            raise CheckpointConfigError(f"participant {problem}")
+        if name in roles:
+            raise CheckpointConfigError(f"participant name {name!r} is also a role")
+        if type(count) is not int or count < 1:
+            raise CheckpointConfigError(f"participant {name!r}: count {count!r} is not >= 1")
+    return dict(participants)

@@ -11,7 +11,7 @@ import errno as errno_codes
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["Failure", "Phase", "describe_failures"]
+__all__ = ["Failure", "Phase", "describe_failures", "participant_label"]
 
 
 class Phase(StrEnum):
@@ -55,18 +55,32 @@ class Failure:
     phase: Phase
     message: str
     errno: int | None = None
+    # How the participant is named where not "<role> rank <rank>": a declared participant
+    # is "<name>[<index>]" (participant_label).
+    label: str | None = None
 
     @classmethod
     def from_exception(
-        cls, role: str, rank: int | None, phase: Phase, exc: BaseException
+        cls,
+        role: str,
+        rank: int | None,
+        phase: Phase,
+        exc: BaseException,
+        label: str | None = None,
     ) -> Failure:
         code = exc.errno if isinstance(exc, OSError) else None
-        return cls(role, rank, phase, f"{type(exc).__name__}: {exc}", code)
+        return cls(role, rank, phase, f"{type(exc).__name__}: {exc}", code, label)
 
     def describe(self) -> str:
         code = f" {errno_codes.errorcode.get(self.errno, self.errno)}" if self.errno else ""
-        who = self.role if self.rank is None else f"{self.role} rank {self.rank}"
+        who = self.label or (self.role if self.rank is None else f"{self.role} rank {self.rank}")
         return f"{who} [{self.phase.value}{code}] {self.message}"
+
+
+def participant_label(role: str, rank: int, declared: bool) -> str:
+    """How messages name a participant: "actor rank 3" for a rank (and the driver), and
+    "rollout[1]" for index 1 of a participant declared to the coordinator."""
+    return f"{role}[{rank}]" if declared else f"{role} rank {rank}"
 
 
 def describe_failures(failures: list[Failure]) -> str:

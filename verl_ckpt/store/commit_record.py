@@ -52,7 +52,14 @@ COMMIT_FORMAT_VERSION = 1
 
 @dataclass
 class CommitRecord:
-    """What a committed step holds: who took part and every file with its size and checksum."""
+    """What a committed step holds: who took part and every file with its size and checksum.
+
+    `participants`: the Megatron roles (a torch_dist directory each) and the driver, by
+    number of ranks. `state_participants`: the participants that declared themselves to the
+    coordinator (a rollout worker, a replay buffer), by count; each index's state is
+    `<name>/state_<index>.pt` (layout.participant_state_file). Written only when there are
+    some, so that a record without them reads as before.
+    """
 
     step: int
     participants: dict[str, int]
@@ -60,6 +67,7 @@ class CommitRecord:
     format_version: int = COMMIT_FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     committed_at: float = field(default_factory=time.time)
+    state_participants: dict[str, int] = field(default_factory=dict)
 
     def role_world_size(self, role: str) -> int | None:
         return self.participants.get(role)
@@ -98,6 +106,8 @@ def encode_commit_record(record: CommitRecord) -> bytes:
         "checksum_algorithm": record.checksum_algorithm,
         "committed_at": record.committed_at,
     }
+    if record.state_participants:
+        head["state_participants"] = dict(sorted(record.state_participants.items()))
     files = ",\n ".join(
         _ENTRY % (encode_basestring_ascii(f.path), f.size, encode_basestring_ascii(f.checksum))
         for f in record.files
@@ -182,11 +192,17 @@ def _type_problem(record: CommitRecord) -> str | None:
     """What is wrong with the field types of a parsed record, if anything."""
     if not _is_int(record.step) or record.step < 0:
         return f"step {record.step!r} is not a non-negative integer"
-    participants = record.participants
-    if not isinstance(participants, dict) or not all(
-        isinstance(k, str) and _is_int(v) and v >= 1 for k, v in participants.items()
+    for name, table in (
+        ("participants", record.participants),
+        ("state_participants", record.state_participants),
     ):
-        return f"participants {participants!r} is not a mapping of role to world size"
+        if not isinstance(table, dict) or not all(
+            isinstance(k, str) and _is_int(v) and v >= 1 for k, v in table.items()
+        ):
+            return f"{name} {table!r} is not a mapping of name to count"
+    overlap = set(record.participants) & set(record.state_participants)
+    if overlap:
+        return f"{sorted(overlap)} are both roles and state participants"
     if record.checksum_algorithm not in SUPPORTED_CHECKSUMS:
         return f"unknown checksum algorithm {record.checksum_algorithm!r}"
     if not isinstance(record.committed_at, (int, float)):

@@ -3,6 +3,7 @@
 <root>/latest_checkpointed_iteration.txt   newest committed step, "N\\n"
 <root>/global_step_<N>/<role>/              megatron-core torch_dist directory per role
 <root>/global_step_<N>/driver_state.pt      the driver's own state
+<root>/global_step_<N>/<name>/state_<i>.pt  a declared participant's state (index i)
 <root>/global_step_<N>/verl_ckpt_commit.json   commit record, written last
 """
 
@@ -20,6 +21,7 @@ __all__ = [
     "RUN_MARKER_FILENAME",
     "TRACKER_FILENAME",
     "list_step_dirs",
+    "participant_state_file",
     "role_dir",
     "role_name_problem",
     "step_dir",
@@ -72,6 +74,11 @@ def role_name_problem(role: object) -> str | None:
             "and '.', not first)"
         )
     return None
+
+
+def participant_state_file(name: str, index: int) -> str:
+    """Where participant `name`[`index`] keeps its state, relative to the step directory."""
+    return f"{name}/state_{index}.pt"
 
 
 def step_of_dir(path: str | Path) -> int | None:
