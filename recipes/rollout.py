@@ -67,6 +67,7 @@ class RolloutGroup:
         self._shards: dict[int, list[ray.ObjectRef]] = {}
         self.version: int | None = None
         self._saves: list[tuple[int, int, ray.ObjectRef]] = []
+        self._synced: list[ray.ObjectRef | None] = [None] * count
 
     @staticmethod
     def describe(index: int) -> str:
@@ -108,8 +109,7 @@ class RolloutGroup:
         self._shards[version] = refs
         for old in [v for v in self._shards if v <= version - _KEPT_VERSIONS]:
             del self._shards[old]
-        for worker in self.workers:
-            worker.sync_weights.remote(version, *refs)
+        self._synced = [worker.sync_weights.remote(version, refs) for worker in self.workers]
         self.version = version
 
     def generate(self, step: int, prompt_ids: torch.Tensor, prompts: torch.Tensor) -> None:
@@ -146,6 +146,14 @@ class RolloutGroup:
                 raise
             self._respawn(index, exc)
             result = ray.get(queue[0].ref)
+        except ray.exceptions.RayTaskError:
+            # A generation fails after a failed weight load: that failure is the cause.
+            if self._synced[index] is not None:
+                ray.get(self._synced[index])
+            raise
+        if self._synced[index] is not None:
+            # The last weights handed over loaded (queued after this batch: no wait).
+            ray.get(self._synced[index])
         queue.popleft()
         self._base[index] = result
         return result
@@ -176,11 +184,13 @@ class RolloutGroup:
                         f"{self.describe(index)} died; the weights of policy version "
                         f"{request.version} are gone: resume from the last committed step"
                     ) from exc
-                worker.sync_weights.remote(request.version, *self._shards[request.version])
+                worker.sync_weights.remote(request.version, self._shards[request.version])
                 version = request.version
             request.ref = worker.generate.remote(request.step, request.prompt_ids, request.prompts)
         if self.version is not None and version != self.version:
-            worker.sync_weights.remote(self.version, *self._shards[self.version])
+            self._synced[index] = worker.sync_weights.remote(
+                self.version, self._shards[self.version]
+            )
 
     def save(self, step: int) -> None:
         """Every worker hands its part of step `step` to its participant saver (queued

@@ -4,7 +4,7 @@ holds a TP=1 copy of the actor's weights and generates batches ahead of the trai
 Calls from the driver (recipes/rollout.py), served in order (a Ray actor runs one call at a
 time, in the order it received them; the cut below relies on it):
   `setup()`; resume: `load(step_dir)`; after a respawn: `restore(result)`;
-  `sync_weights(version, *shards)` (the actor's weights after update `version`);
+  `sync_weights(version, shard_refs)` (the actor's weights after update `version`);
   `generate(step, prompt_ids, prompts)`; save steps: `save(step)`; `close()`.
 
 The worker's part of a committed step (a participant "rollout" of index i, saved through
@@ -82,10 +82,17 @@ class RolloutWorker:
 
     # ---- weights and generation ----------------------------------------------------------
 
-    def sync_weights(self, version: int, *per_rank_shards: list[dict[str, Any]]) -> int:
+    def sync_weights(self, version: int, shard_refs: list[Any]) -> int:
         """Load the actor's weights after update `version` (every actor rank's shards).
-        Steps up to `version` are trained: their samples leave the buffer."""
-        load_full_weights(self.model, assemble_full_weights(list(per_rank_shards)))
+        Steps up to `version` are trained: their samples leave the buffer.
+
+        The shards come as a list of references, fetched here: a reference passed as an
+        argument would make Ray hold this call until the shards exist while later calls
+        without one (generate) ran first, out of order.
+        """
+        import ray
+
+        load_full_weights(self.model, assemble_full_weights(ray.get(shard_refs)))
         self.version = version
         self.buffer = {s: e for s, e in self.buffer.items() if s > version}
         return version

@@ -20,8 +20,7 @@ __all__ = ["assemble_full_weights", "load_full_weights", "local_weight_shards"]
 def local_weight_shards(model: Any) -> list[dict[str, Any]]:
     """This rank's share of the model's tensors: key, a copy of its local tensor, the full
     shape and its offset there (the stacked-layer axes megatron-core prepends dropped)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.utils import is_main_replica
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
     shards = []
     for key, sharded in model.sharded_state_dict().items():
