@@ -66,6 +66,7 @@ from recipes.ppo_config import (
     to_recipe_config,
 )
 from recipes.ppo_math import gae, token_rewards, whiten
+from recipes.replay import REPLAY_PARTICIPANT, ReplayBuffer
 from recipes.resume_plan import dropped_state, nothing_to_do
 from recipes.rollout import RolloutGroup
 from recipes.rollout_worker import ROLLOUT_PARTICIPANT
@@ -82,7 +83,12 @@ __all__ = ["DRIVER_STATE_FORMAT", "PPOToyTrainer", "RoleGroup", "describe_snapsh
 
 def participants(cfg: PPOToyConfig) -> dict[str, int]:
     """The participants of each step besides the roles' ranks and the driver."""
-    return {ROLLOUT_PARTICIPANT: cfg.rollout.num_workers} if cfg.rollout.mode == "async" else {}
+    declared = {}
+    if cfg.rollout.mode == "async":
+        declared[ROLLOUT_PARTICIPANT] = cfg.rollout.num_workers
+    if cfg.rollout.replay_size > 0:
+        declared[REPLAY_PARTICIPANT] = 1
+    return declared
 
 
 # ---- the trainer -------------------------------------------------------------------------
@@ -123,6 +129,14 @@ class PPOToyTrainer:
             if cfg.rollout.mode == "async"
             else None
         )
+        self.replay = None
+        if cfg.rollout.replay_size > 0:
+            # Light (no megatron-core): it asks Ray for no CPU of its own.
+            self.replay = (
+                ray.remote(ReplayBuffer)
+                .options(num_cpus=0, max_restarts=0)
+                .remote(cfg, self.coordinator.participant_handle(REPLAY_PARTICIPANT, 0))
+            )
         self.metrics = MetricsLog(cfg.trainer.metrics_path)
         # step -> {(role, rank): (write_s, bytes)} for saves whose writes are not all known.
         self._writes: dict[int, dict[tuple[str, int], tuple[float, int]]] = {}
@@ -254,6 +268,8 @@ class PPOToyTrainer:
         self.trained = self.drawn = DataCursor.from_state(state["data_cursor"])
         if self.rollout is not None:
             self._resume_rollout(str(path), step)
+        if self.replay is not None:
+            ray.get(self.replay.load.remote(str(path)))
         log.info("resumed from %s (step %d) in %.2f s", path, step, time.perf_counter() - start)
         log.info(
             "data cursor at the trained frontier: epoch %d, position %d of %d prompts",
@@ -267,7 +283,24 @@ class PPOToyTrainer:
         """The rollout workers' buffers of the committed step: each buffered batch must be
         the next one of the prompt stream (none skipped, none repeated); the drawn cursor
         moves past them."""
-        held = self.rollout.load(path, step)
+        saved = verl_ckpt.read_commit_record(path).state_participants.get(ROLLOUT_PARTICIPANT)
+        if saved != self.cfg.rollout.num_workers:
+            log.warning(
+                "resume from step %d: it holds %s rollout worker state(s), this run has "
+                "rollout.num_workers=%d: the workers start from their seeds and step %d's "
+                "batch is generated now, from the weights after update %d (an uninterrupted "
+                "run used update %d's)",
+                step,
+                saved or "no",
+                self.cfg.rollout.num_workers,
+                step + 1,
+                step,
+                step - 1,
+            )
+            self.rollout.sync(step)
+            self._draw(step + 1)
+            return
+        held = self.rollout.load(path)
         self.rollout.sync(step)
         for ahead, ids in held.items():
             expected, self.drawn = self.data.next_batch(self.drawn, self.cfg.rollout.batch_size)
@@ -344,7 +377,18 @@ class PPOToyTrainer:
         advantages, returns = gae(rewards, values, a.gamma, a.lam)
         advantages = whiten(advantages)
 
-        actor_refs = actor.call("update", tokens_ref, old_log_probs, advantages)
+        # With a replay buffer, the actor's update adds earlier sequences (off-policy: their
+        # own old log-probs and advantages); the critic fits this step's returns only.
+        reused = self.reuse(batch["prompt_ids"], tokens, old_log_probs, advantages)
+        if reused is None:
+            actor_refs = actor.call("update", tokens_ref, old_log_probs, advantages)
+        else:
+            actor_refs = actor.call(
+                "update",
+                ray.put(torch.cat([tokens, reused["tokens"]])),
+                torch.cat([old_log_probs, reused["log_probs"]]),
+                torch.cat([advantages, reused["advantages"]]),
+            )
         critic_refs = critic.call("update", tokens_ref, returns)
         record = {
             "step": step,
@@ -356,9 +400,33 @@ class PPOToyTrainer:
             "policy_version": batch["policy_version"],
             "prompt_ids": batch["prompt_ids"].tolist(),
         }
+        if self.replay is not None:
+            record["replay_prompt_ids"] = [] if reused is None else reused["prompt_ids"].tolist()
         # The update consumed the batch: the trained frontier moves past it.
         self.trained = batch["cursor_after"]
         return record
+
+    def reuse(
+        self,
+        prompt_ids: torch.Tensor,
+        tokens: torch.Tensor,
+        log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> dict[str, torch.Tensor] | None:
+        """Replay buffer: a draw of earlier sequences (None while it holds too few, or
+        without one); then this step's sequences join it (after the draw: never reused at
+        the step that generated them)."""
+        if self.replay is None:
+            return None
+        reused = ray.get(self.replay.sample.remote(self.cfg.rollout.batch_size))
+        fresh = {
+            "prompt_ids": prompt_ids,
+            "tokens": tokens,
+            "log_probs": log_probs,
+            "advantages": advantages,
+        }
+        self.replay.add.remote(fresh)
+        return reused
 
     def rollout_batch(self, step: int) -> dict[str, Any]:
         """Step `step`'s batch: the next prompts after the trained frontier, generated now by
@@ -424,6 +492,8 @@ class PPOToyTrainer:
         refs = self._call_all("save", step)
         if self.rollout is not None:
             self.rollout.save(step)  # not waited for: off the trainer's path
+        if self.replay is not None:
+            self.replay.save.remote(step)  # queued after this step's add; not waited for
         if self.stop is not None:
             who = [self.groups[role].describe(index) for role, index, _ in self.all_ranks]
             verl_ckpt.wait_before_deadline(refs, who, step, self.stop)
@@ -487,6 +557,10 @@ class PPOToyTrainer:
         self.collect_write_figures(ray.get(self._call_all("close")))
         if self.rollout is not None:
             self.rollout.close()
+        if self.replay is not None:
+            ray.get(self.replay.close.remote())
+        if participants(self.cfg):
+            self.report_unsettled_saves(last_saved)
         if last_saved is not None:
             summary = self.coordinator.wait_for_commit(last_saved)
             log.info(
@@ -500,6 +574,19 @@ class PPOToyTrainer:
         self.report_exports()
         if self.cfg.checkpoint.remote.url is not None:
             self.wait_for_uploads()
+
+    def report_unsettled_saves(self, last_saved: int | None) -> None:
+        """Async mode: an earlier save step still waiting for reports (a participant that
+        died in its save, say) is waited for (checkpoint.timeout_s): its outcome is one
+        line, naming who never reported, instead of nothing once the job is gone."""
+        pending = self.coordinator.status()["pending"]
+        for step in sorted(int(s) for s in pending):
+            if last_saved is None or step >= last_saved:
+                continue
+            try:
+                self.coordinator.wait_for_commit(step, timeout_s=self._left_before_the_stop())
+            except verl_ckpt.CheckpointError as exc:
+                log.error("step %d did not commit: %s", step, exc)
 
     def _left_before_the_stop(self) -> float | None:
         """What is left of the stop's grace once the job must stop (None: not stopping, the
@@ -559,6 +646,8 @@ class PPOToyTrainer:
             ray.kill(worker, no_restart=True)
         if self.rollout is not None:
             self.rollout.kill()
+        if self.replay is not None:
+            ray.kill(self.replay, no_restart=True)
         if self.stop is None:
             self.coordinator.close()
             return

@@ -82,9 +82,9 @@ class RolloutGroup:
             except (ray.exceptions.RayError, TimeoutError) as exc:
                 raise WorkerStartupError.from_ray_error(self.describe(index), exc) from None
 
-    def load(self, step_dir: str, step: int) -> list[int]:
-        """Restore every worker's part of committed step `step`; the steps whose samples
-        they hold (in order), each now a request already answered."""
+    def load(self, step_dir: str) -> dict[int, torch.Tensor]:
+        """Restore every worker's part of a committed step; {step: prompt ids} of the
+        batches they hold (each now a request already answered), in step order."""
         results = ray.get([w.load.remote(step_dir) for w in self.workers])
         held = [r["step"] for r in results if r is not None]
         if len(held) not in (0, len(results)) or len(set(held)) > 1:
@@ -100,7 +100,9 @@ class RolloutGroup:
                         ray.put(result),
                     )
                 )
-        return sorted(set(held))
+        if not held:
+            return {}
+        return {held[0]: torch.cat([r["prompt_ids"] for r in results])}
 
     def sync(self, version: int) -> None:
         """Queue the actor's weights after update `version` to every worker (the actor

@@ -86,9 +86,8 @@ class RolloutWorker:
         """Load the actor's weights after update `version` (every actor rank's shards).
         Steps up to `version` are trained: their samples leave the buffer.
 
-        The shards come as a list of references, fetched here: a reference passed as an
-        argument would make Ray hold this call until the shards exist while later calls
-        without one (generate) ran first, out of order.
+        The shards come as a list of references to the actor ranks' results, fetched here:
+        the driver hands them over without waiting for them.
         """
         import ray
 
