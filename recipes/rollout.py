@@ -36,6 +36,9 @@ log = logging.getLogger("ppo_toy")
 # Weight versions whose shards stay referenced: a replayed request needs the version it
 # was generated with, at most two updates old (one in flight, one queued).
 _KEPT_VERSIONS = 3
+# How long a dead worker's result is waited for: one it completed is in the object store
+# (ready at once); one it did not fails at once.
+_LOST_RESULT_S = 10.0
 
 
 @dataclass
@@ -142,46 +145,60 @@ class RolloutGroup:
         if not queue or queue[0].step != step:
             raise RuntimeError(f"{self.describe(index)}: no request for step {step} queued")
         try:
-            result = ray.get(queue[0].ref)
+            result = self._result(index)
         except ray.exceptions.RayActorError as exc:
             if not process_died(exc):
                 raise
+            # Dead after this batch or before: either way every pending request is
+            # generated again, from the last batch taken, identically.
             self._respawn(index, exc)
-            result = ray.get(queue[0].ref)
+            result = self._result(index)
+        queue.popleft()
+        self._base[index] = result
+        return result
+
+    def _result(self, index: int) -> dict[str, Any]:
+        """The oldest pending batch of worker `index`, once the weights handed to it since
+        loaded (queued after that batch: no wait)."""
+        try:
+            result = ray.get(self._requests[index][0].ref)
         except ray.exceptions.RayTaskError:
             # A generation fails after a failed weight load: that failure is the cause.
             if self._synced[index] is not None:
                 ray.get(self._synced[index])
             raise
         if self._synced[index] is not None:
-            # The last weights handed over loaded (queued after this batch: no wait).
             ray.get(self._synced[index])
-        queue.popleft()
-        self._base[index] = result
         return result
 
     def _respawn(self, index: int, exc: Exception) -> None:
-        """A new worker `index` where the dead one's last taken batch left it; the requests
-        after that batch replayed, each with the weights it was generated with."""
-        base = self._base[index]
+        """A new worker `index` where its predecessor's last completed batch left it: the
+        batches it completed (their results outlive it) are kept, the requests after them
+        replayed, each with the weights it was generated with."""
+        results = [self._base[index]] if self._base[index] is not None else []
         pending = list(self._requests[index])
+        while pending:
+            try:
+                results.append(ray.get(pending[0].ref, timeout=_LOST_RESULT_S))
+            except ray.exceptions.RayError:
+                break  # lost with the process (GetTimeoutError is one too)
+            pending.pop(0)
         log.warning(
             "%s died (%s); respawned from %s, regenerating step(s) %s",
             self.describe(index),
             _first_line(exc),
-            f"its samples of step {base['step']}" if base else "its initial state",
+            f"its samples of step {results[-1]['step']}" if results else "its initial state",
             ", ".join(str(r.step) for r in pending) or "none",
         )
         worker = self._remote.remote(self.cfg, index, self.handles[index])
         ray.get(worker.setup.remote(), timeout=self.cfg.trainer.startup_timeout_s)
-        if base is not None:
-            worker.restore.remote(base)
+        if results:
+            worker.restore.remote(results)
         self.workers[index] = worker
         version = None
         for request in pending:
             if request.version != version:
-                missing = request.version not in self._shards
-                if missing:
+                if request.version not in self._shards:
                     raise RuntimeError(
                         f"{self.describe(index)} died; the weights of policy version "
                         f"{request.version} are gone: resume from the last committed step"
@@ -189,6 +206,7 @@ class RolloutGroup:
                 worker.sync_weights.remote(request.version, self._shards[request.version])
                 version = request.version
             request.ref = worker.generate.remote(request.step, request.prompt_ids, request.prompts)
+        self._synced[index] = None
         if self.version is not None and version != self.version:
             self._synced[index] = worker.sync_weights.remote(
                 self.version, self._shards[self.version]

@@ -166,12 +166,14 @@ class RolloutWorker:
             raise RuntimeError(f"rollout worker {self.index}: no samples of step {step} buffered")
         return {**self.buffer[step], "sampler": self.sampler.get_state()}
 
-    def restore(self, result: dict[str, Any]) -> None:
-        """A respawned worker continues where its predecessor's last completed generation
-        left it: those samples buffered, the sampler after them."""
-        self.sampler.set_state(result["sampler"])
-        entry = {k: v for k, v in result.items() if k != "sampler"}
-        self.buffer = {int(entry["step"]): entry}
+    def restore(self, results: list[dict[str, Any]]) -> None:
+        """A respawned worker continues where its predecessor's last completed generations
+        (`results`, in order, as generate returned them) left it: those samples buffered,
+        the sampler after the last."""
+        self.sampler.set_state(results[-1]["sampler"])
+        self.buffer = {
+            int(r["step"]): {k: v for k, v in r.items() if k != "sampler"} for r in results
+        }
 
     def close(self) -> None:
         """Finish the background saves (raise the first failure)."""
