@@ -60,7 +60,7 @@ from recipes.ppo_config import (
     register_recipe_configs,
     to_recipe_config,
 )
-from recipes.resume_plan import dropped_state, nothing_to_do
+from recipes.resume_plan import dropped_participants, dropped_state, nothing_to_do
 from recipes.rollout import declared_participants
 from recipes.trainer import PPOToyTrainer
 from recipes.workers import WorkerStartupError
@@ -147,6 +147,8 @@ def before_ray(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> bool:
         return True
     roles = {name: cfg.role(name).world_size for name in ROLES}
     for line in dropped_state(start.resume_dir, roles, cfg.checkpoint.load_contents):
+        log.warning("%s", line)
+    for line in dropped_participants(start.resume_dir, declared_participants(cfg)):
         log.warning("%s", line)
     return False
 

@@ -7,6 +7,8 @@ uninterrupted run trains, step for step.
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -117,7 +119,11 @@ def run_then_kill(
     )
     output = Output(proc)
     try:
-        output.wait_for(pattern, timeout_s=400)
+        deadline = time.monotonic() + 400
+        while re.search(pattern, output.text) is None:
+            assert proc.poll() is None, f"exited before {pattern!r}:\n{output.text[-3000:]}"
+            assert time.monotonic() < deadline, f"no {pattern!r}:\n{output.text[-3000:]}"
+            time.sleep(0.1)
     finally:
         kill_session(proc.pid)
     return output.wait_exit(60)
@@ -136,8 +142,9 @@ def test_async_run_killed_and_resumed_trains_exactly_like_an_uninterrupted_one(
     tmp_path, async_reference
 ):
     """A run that stops at an epoch boundary (step 2) is resumed into the next epoch; that
-    run is SIGKILLed (the whole job) once step 4's snapshot is taken, the next one while a
-    rollout worker's save of step 6 hangs; the last one runs to the end. Every step any of
+    run is SIGKILLed (the whole job) once step 4's snapshot is taken, the next one while the
+    rollout worker's first save hangs (its step cannot commit; the trainer, not waiting for
+    it, trains on); the last one runs to the end. Every step any of
     them trained has the uninterrupted run's prompt ids, policy version (step-2: the batch
     of step s comes from the weights after update s-2), reward and losses, bit for bit;
     the uninterrupted run trains each prompt once per epoch."""
@@ -156,9 +163,15 @@ def test_async_run_killed_and_resumed_trains_exactly_like_an_uninterrupted_one(
     assert f"resumed from {step_dir(root, 2)} (step 2)" in out
     assert "epoch 1, position 0 of 16 prompts" in out, "the epoch boundary did not continue"
     hang = recipe_env(**{ENV_VAR: "write:rollout:0=hang"})
-    out = run_then_kill(tmp_path / "run3", root, r"step 7/8", *ASYNC, total, env=hang)
+    resumed = read_tracker(root)
+    assert resumed in (2, 4), resumed
+    # Two steps after the hung save (at the next save step, the finalizer's back-pressure
+    # would hold the trainer until that save's deadline).
+    after = rf"step {resumed + 3}/8"
+    out = run_then_kill(tmp_path / "run3", root, after, *ASYNC, total, env=hang)
+    assert f"resumed from {step_dir(root, resumed)} (step {resumed})" in out
     newest = read_tracker(root)
-    assert newest in (2, 4) and not is_committed(step_dir(root, 6)), newest
+    assert newest == resumed and not is_committed(step_dir(root, resumed + 2)), newest
     out = run_to_end(tmp_path / "run4", root, *ASYNC, total)
     assert f"resumed from {step_dir(root, newest)} (step {newest})" in out
     runs = [read_metrics(tmp_path / f"run{i}" / "metrics.jsonl") for i in range(1, 5)]
@@ -206,3 +219,30 @@ def test_sync_run_killed_and_resumed_trains_exactly_like_an_uninterrupted_one(
     assert f"resumed from {step_dir(root, newest)} (step {newest})" in out
     runs = [read_metrics(tmp_path / f"run{i}" / "metrics.jsonl") for i in (1, 2)]
     assert assert_same_steps(runs, ref) == set(range(1, 11))
+
+
+@pytest.mark.slow
+def test_replay_buffer_is_saved_with_the_step_and_a_resume_reuses_the_same_sequences(tmp_path):
+    """rollout.replay_size (sync mode, one actor rank): the replay buffer is a participant
+    "replay" of each step; a run of 2 steps resumed to 4 reuses the same earlier sequences
+    and trains the same as an uninterrupted 4-step run, bit for bit."""
+    replay = (
+        "data.num_prompts=12",
+        "rollout.batch_size=8",
+        "rollout.replay_size=8",
+        "actor.world_size=1",
+        "actor.tensor_parallel_size=1",
+        "checkpoint.save_freq=2",
+    )
+    run_to_end(tmp_path / "ref", tmp_path / "ref_ckpt", *replay, "trainer.total_steps=4")
+    root = tmp_path / "ckpt"
+    run_to_end(tmp_path / "run1", root, *replay, "trainer.total_steps=2")
+    assert (step_dir(root, 2) / "replay" / "state_0.pt").is_file()
+    out = run_to_end(tmp_path / "run2", root, *replay, "trainer.total_steps=4")
+    assert f"resumed from {step_dir(root, 2)} (step 2)" in out
+    ref = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+    assert ref[1]["replay_prompt_ids"] == [] and len(ref[3]["replay_prompt_ids"]) == 8
+    runs = [read_metrics(tmp_path / f"run{i}" / "metrics.jsonl") for i in (1, 2)]
+    assert assert_same_steps(runs, ref) == {1, 2, 3, 4}
+    for step in (3, 4):
+        assert runs[1][step]["replay_prompt_ids"] == ref[step]["replay_prompt_ids"], step
