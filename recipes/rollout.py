@@ -66,6 +66,7 @@ class RolloutGroup:
 
     def __init__(self, cfg: PPOToyConfig, coordinator: Any, actor: Any) -> None:
         self.cfg = cfg
+        self.coordinator = coordinator
         self.actor = actor  # the actor's RoleGroup (weight shards)
         count = cfg.rollout.num_workers
         self._remote = ray.remote(RolloutWorker).options(
@@ -82,6 +83,7 @@ class RolloutGroup:
         self.version: int | None = None
         self._saves: list[tuple[int, int, ray.ObjectRef]] = []
         self._synced: list[ray.ObjectRef | None] = [None] * count
+        self.lost_steps: set[int] = set()
 
     @staticmethod
     def describe(index: int) -> str:
@@ -206,6 +208,7 @@ class RolloutGroup:
         if results:
             worker.restore.remote(results)
         self.workers[index] = worker
+        self._note_unreported(index)
         version = None
         for request in pending:
             if request.version != version:
@@ -222,6 +225,22 @@ class RolloutGroup:
             self._synced[index] = worker.sync_weights.remote(
                 self.version, self._shards[self.version]
             )
+
+    def _note_unreported(self, index: int) -> None:
+        """The steps still waiting for the dead worker's report will never get it; they
+        fail at their deadline (a save its predecessor began cannot be withdrawn by the new
+        worker: the finalizer counts the begun save's report only)."""
+        label = self.handles[index].label
+        for step, missing in self.coordinator.status()["pending"].items():
+            if label in missing.split(", "):
+                self.lost_steps.add(int(step))
+
+    def take_lost_steps(self) -> list[int]:
+        """Steps a dead worker never reported (since the last call): the trainer waits for
+        their failure before its next save, which the finalizer's back-pressure would
+        otherwise hold until then, and says who failed them."""
+        lost, self.lost_steps = sorted(self.lost_steps), set()
+        return lost
 
     def save(self, step: int) -> None:
         """Every worker hands its part of step `step` to its participant saver (queued

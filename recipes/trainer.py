@@ -293,6 +293,16 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
             self.stop = self.preemption.stop_requested()
         return self.stop
 
+    def wait_for_lost_steps(self) -> None:
+        """Steps a dead rollout worker never reported fail at their deadline: wait for it
+        here (one line naming who failed each), so that this save is not the one held by
+        the finalizer's back-pressure until then."""
+        for lost in self.rollout.take_lost_steps():
+            try:
+                self.coordinator.wait_for_commit(lost)
+            except verl_ckpt.CheckpointError as exc:
+                log.error("step %d did not commit: %s", lost, exc)
+
     def save(self, step: int) -> dict[str, Any]:
         """The driver saves its own state, then every rank snapshots its state (concurrently).
 
@@ -301,6 +311,8 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
         normally a rank's, sent from its background writer, not the training loop.
         Once the job must stop, every wait here ends at the stop's deadline.
         """
+        if self.rollout is not None:
+            self.wait_for_lost_steps()
         begin = self._save_began = time.perf_counter()
         if self.preemption is not None:
             self.preemption.save_started(step)
