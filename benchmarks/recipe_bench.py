@@ -33,7 +33,16 @@ DEFERRED = "save every step, async, deferred snapshot"
 # Target of the deferred snapshot (issue "Performance", item 5): median ranks blocked per save.
 DEFERRED_BLOCKING_TARGET_S = 0.005
 
-__all__ = ["run"]
+# The rollout modes compared by `python -m benchmarks.recipe_bench --rollout-modes`.
+ROLLOUT_MODES = [
+    ("sync rollout, save every step", ["rollout.mode=sync", "checkpoint.save_freq=1"]),
+    (
+        "async rollout (1 worker), save every step",
+        ["rollout.mode=async", "rollout.num_workers=1", "checkpoint.save_freq=1"],
+    ),
+]
+
+__all__ = ["run", "run_rollout_modes"]
 
 
 def _variants() -> list[tuple[str, list[str]]]:
@@ -161,3 +170,39 @@ def _f(value: float | None) -> str:
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def run_rollout_modes(workdir: Path, log: Any = print, steps: int = 12) -> str:
+    """What a save costs the trainer in each rollout mode: the driver's save call (its own
+    state, every rank's snapshot, and in async mode the rollout workers' saves handed off
+    without a wait) and the ranks' blocking, per save; the step time beside it."""
+    log(f"\n[recipe rollout modes] {steps} steps per run, {' '.join(MODEL)}")
+    lines = [
+        f"Blocking per save, `rollout.mode` sync vs async ({steps} steps, a save every step, "
+        f"{' '.join(MODEL)}; medians over steps {SKIP_STEPS + 1}..{steps}):",
+        "",
+        "| run | save call in driver s | ranks blocked s | step s |",
+        "|---|---|---|---|",
+    ]
+    try:
+        for name, overrides in ROLLOUT_MODES:
+            try:
+                f = _figures(_run_once(workdir / _slug(name), steps, overrides, log))
+            except (RuntimeError, subprocess.TimeoutExpired, OSError, KeyError) as exc:
+                lines.append(f"| {name} | failed: {exc} | | |")
+                continue
+            lines.append(
+                f"| {name} | {_f(f['save_wall'])} | {_f(f['blocking'])} | {f['median']:.3f} |"
+            )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    if sys.argv[1:] != ["--rollout-modes"]:
+        raise SystemExit("usage: python -m benchmarks.recipe_bench --rollout-modes")
+    with tempfile.TemporaryDirectory() as tmp:
+        print(run_rollout_modes(Path(tmp) / "rollout_modes"))

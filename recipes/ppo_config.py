@@ -21,7 +21,9 @@ from verl_ckpt.protocol.config_keys import build_config
 
 __all__ = [
     "ROLES",
+    "ROLLOUT_MODES",
     "AlgorithmConfig",
+    "DataConfig",
     "ModelConfig",
     "PPOToyConfig",
     "RecipeConfigError",
@@ -35,6 +37,10 @@ __all__ = [
 ]
 
 ROLES = ("actor", "critic")
+# rollout.mode: `sync` (the actor ranks generate each step's batch with the weights they are
+# about to update) or `async` (rollout workers generate the next batch while the trainer
+# updates on this one: one step off-policy).
+ROLLOUT_MODES = ("sync", "async")
 
 
 class RecipeConfigError(ValueError):
@@ -43,7 +49,14 @@ class RecipeConfigError(ValueError):
 
 def derive_seed(seed: int, purpose: str, index: int = 0) -> int:
     """A distinct, reproducible seed per purpose (model init, sampler, prompts) and index."""
-    offsets = {"actor_model": 1, "critic_model": 2, "prompts": 3, "sampler": 100}
+    offsets = {
+        "actor_model": 1,
+        "critic_model": 2,
+        "prompts": 3,
+        "replay": 4,
+        "sampler": 100,
+        "rollout": 200,
+    }
     return seed * 1000 + offsets[purpose] + index
 
 
@@ -79,12 +92,30 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """What the actor generates and what it is rewarded for."""
+class DataConfig:
+    """The prompt set (recipes/data.py)."""
 
+    # Prompts in the data set, drawn once from trainer.seed; each epoch visits every one
+    # once, in a seeded permutation of its own. Epochs: as many as trainer.total_steps needs.
+    num_prompts: int = 256
+
+
+@dataclass
+class RolloutConfig:
+    """What the actor generates and what it is rewarded for, and who generates it."""
+
+    # sync: the actor ranks generate; async: `num_workers` rollout workers (Ray actors
+    # holding a copy of the actor's weights) generate the next batch while the trainer
+    # updates on this one (the batch of step s comes from the weights after update s-2).
+    mode: str = "sync"
+    # Rollout workers in async mode; the batch is split evenly over them.
+    num_workers: int = 1
+    # Sequences of earlier steps kept for off-policy reuse (0: no replay buffer). Once it
+    # holds rollout.batch_size of them, each actor update adds a seeded sample of that many.
+    replay_size: int = 0
     # Sequences per step, split evenly over the data-parallel ranks of each role.
     batch_size: int = 32
-    # Random prompt tokens drawn by the driver per sequence.
+    # Prompt tokens per sequence (the prompt set's width).
     prompt_length: int = 4
     # Tokens the actor samples after the prompt.
     response_length: int = 8
@@ -121,6 +152,7 @@ class PPOToyConfig:
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: RoleConfig = field(
@@ -176,6 +208,28 @@ class PPOToyConfig:
         for key in ("batch_size", "prompt_length", "response_length"):
             if getattr(r, key) < 1:
                 _fail(f"rollout.{key}", getattr(r, key), "must be >= 1")
+        if r.mode not in ROLLOUT_MODES:
+            _fail("rollout.mode", r.mode, f"must be one of {', '.join(ROLLOUT_MODES)}")
+        if r.num_workers < 1:
+            _fail("rollout.num_workers", r.num_workers, "must be >= 1")
+        if r.mode == "async" and r.batch_size % r.num_workers:
+            _fail(
+                "rollout.num_workers",
+                r.num_workers,
+                f"must divide rollout.batch_size={r.batch_size} (each worker generates "
+                "an equal share)",
+            )
+        if r.replay_size < 0:
+            _fail("rollout.replay_size", r.replay_size, "must be >= 0")
+        if 0 < r.replay_size < r.batch_size:
+            _fail(
+                "rollout.replay_size",
+                r.replay_size,
+                f"must be 0 or >= rollout.batch_size={r.batch_size} (each update reuses "
+                "that many sequences)",
+            )
+        if self.data.num_prompts < 1:
+            _fail("data.num_prompts", self.data.num_prompts, "must be >= 1")
         if not 0 <= r.target_token < self.model.vocab_size:
             _fail(
                 "rollout.target_token",

@@ -9,8 +9,9 @@ Call order from the driver (every rank of a role gets every call, concurrently):
      the role's rendezvous port and keeps it); then every rank: `setup(port)` (joins the
      role's world there);
   2. resume only: `load(step_dir)`;
-  3. per step: actor `generate(prompts)`, critic `compute_values(tokens)`, then actor
-     `update(...)` and critic `update(...)`;
+  3. per step: actor `generate(prompts)` (sync mode), critic `compute_values(tokens)`, then
+     actor `update(...)` and critic `update(...)`; async mode: actor `weight_shards()` after
+     each update (recipes/rollout.py hands them to the rollout workers);
   4. save steps: `save(step)`; any step: `finished_writes()` (figures of background writes);
   5. `close()`: finishes this rank's writes and returns their figures.
 
@@ -31,6 +32,7 @@ import torch
 
 from recipes.ppo_config import PPOToyConfig, derive_seed
 from recipes.ppo_math import policy_loss, value_loss
+from recipes.weights import local_weight_shards
 
 if TYPE_CHECKING:
     from verl_ckpt import CheckpointManager
@@ -371,6 +373,10 @@ class ActorWorker(_RankWorker):
         clip = self.cfg.algorithm.clip_ratio
         loss = self._optimise(lambda: policy_loss(self._log_probs(tokens), old, adv, clip))
         return self._result(loss=loss)
+
+    def weight_shards(self) -> list[dict[str, Any]]:
+        """This rank's share of the model's weights, for the rollout workers (async mode)."""
+        return local_weight_shards(self.model)
 
     def _log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
         """log p of each response token [b, R], through megatron's vocab-parallel loss."""

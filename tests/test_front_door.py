@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from recipes.groups import describe_snapshot
 from recipes.ppo_config import RecipeConfigError, check_overrides, to_recipe_config
-from recipes.ppo_toy import describe_snapshot
 from recipes.resume_plan import dropped_state
 from tests.test_recipe import finish, start_recipe
 from tests.test_resume_fit import saved_root  # noqa: F401 - a fixture

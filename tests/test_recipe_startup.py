@@ -212,7 +212,8 @@ class StandInRank:
 def stand_in_trainer(ray_local, tmp_path):
     """A PPOToyTrainer whose roles are StandInRanks with the given behaviours (its other
     parts are not built); the stand-ins are killed afterwards."""
-    from recipes.ppo_toy import PPOToyTrainer, RoleGroup
+    from recipes.groups import RoleGroup
+    from recipes.trainer import PPOToyTrainer
 
     made = []
 
@@ -265,7 +266,7 @@ def test_I5_peer_error_first_still_names_the_rank_that_died(
     """Critic rank 1's rendezvous error reaches the driver first; critic rank 0's process
     dies only then (released from inside the driver's wait for a peer's death). The line
     names the dead rank 0 and its pid, not rank 1's echo of it."""
-    from recipes.ppo_toy import PPOToyTrainer
+    from recipes.trainer import PPOToyTrainer
     from recipes.workers import WorkerStartupError
 
     trainer = stand_in_trainer({"actor": ["ok", "ok"], "critic": ["die_when_released", "echo"]})
