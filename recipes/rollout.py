@@ -208,7 +208,7 @@ class RolloutGroup:
         if results:
             worker.restore.remote(results)
         self.workers[index] = worker
-        self._note_unreported(index)
+        self._skip_unreported(index, exc)
         version = None
         for request in pending:
             if request.version != version:
@@ -226,19 +226,23 @@ class RolloutGroup:
                 self.version, self._shards[self.version]
             )
 
-    def _note_unreported(self, index: int) -> None:
-        """The steps still waiting for the dead worker's report will never get it; they
-        fail at their deadline (a save its predecessor began cannot be withdrawn by the new
-        worker: the finalizer counts the begun save's report only)."""
+    def _skip_unreported(self, index: int, exc: Exception) -> None:
+        """The steps still waiting for the dead worker's report will never get it: the new
+        worker skips them, so that they fail now, naming it, not at their deadline."""
         label = self.handles[index].label
         for step, missing in self.coordinator.status()["pending"].items():
             if label in missing.split(", "):
                 self.lost_steps.add(int(step))
+                why = f"its predecessor died saving it ({_first_line(exc)})"
+                ray.get(
+                    self.workers[index].skip.remote(int(step), why),
+                    timeout=self.cfg.checkpoint.timeout_s,
+                )
 
     def take_lost_steps(self) -> list[int]:
-        """Steps a dead worker never reported (since the last call): the trainer waits for
-        their failure before its next save, which the finalizer's back-pressure would
-        otherwise hold until then, and says who failed them."""
+        """Steps a dead worker never reported (since the last call, skipped by its
+        successor): the trainer waits for their failure before its next save and says who
+        failed them."""
         lost, self.lost_steps = sorted(self.lost_steps), set()
         return lost
 

@@ -137,6 +137,11 @@ class RolloutWorker:
         self.saver.save(step, self._state(step))
         return time.perf_counter() - begin
 
+    def skip(self, step: int, why: str) -> None:
+        """This worker will not save `step` (its predecessor died saving it): the step fails
+        now, naming it and `why`, instead of at its deadline."""
+        self.saver.skip(step, why)
+
     def _state(self, step: int) -> dict[str, Any]:
         return {
             "format": ROLLOUT_STATE_FORMAT,

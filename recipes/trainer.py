@@ -294,9 +294,9 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
         return self.stop
 
     def wait_for_lost_steps(self) -> None:
-        """Steps a dead rollout worker never reported fail at their deadline: wait for it
-        here (one line naming who failed each), so that this save is not the one held by
-        the finalizer's back-pressure until then."""
+        """Steps a dead rollout worker never reported (its successor skipped them, so they
+        fail at once): take their outcome here, one line naming who failed each, before
+        this save asks the finalizer for room."""
         for lost in self.rollout.take_lost_steps():
             try:
                 self.coordinator.wait_for_commit(lost)

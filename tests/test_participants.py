@@ -243,6 +243,39 @@ def test_I5_a_participant_killed_in_its_save_or_never_saving_is_named_and_the_ne
         coordinator.close()
 
 
+def test_I5_a_respawned_participant_skips_the_step_its_killed_predecessor_began(
+    ray_local, tmp_path
+):
+    """replay[0] is killed while it writes step 1 (its write hangs, by the fault hook); its
+    successor, a new actor with the same handle, skips step 1: the step fails at once naming
+    it and why, not at the step's deadline (the dead save's begin holds the step's attempt:
+    the skip's report must not be taken for a stale report of a replaced save)."""
+    cfg = ckpt_config(tmp_path, timeout_s=300.0)
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        handle = coordinator.participant_handle("replay", 0)
+        hanging = ReplayBuffer.options(
+            runtime_env={"env_vars": {"VERL_CKPT_FAULT": "write:replay=hang"}}
+        ).remote(handle, 1)
+        coordinator.save_driver_state(1, {"step": 1})
+        ray.get(hanging.save.remote(1))
+        deadline = time.monotonic() + 60
+        while not (step_dir(cfg["root_dir"], 1) / "replay").exists():
+            assert time.monotonic() < deadline, "the hanging save never began step 1"
+            time.sleep(0.05)
+        ray.kill(hanging)
+        successor = ReplayBuffer.remote(handle, 2)
+        ray.get(successor.skip.remote(1, "its predecessor died saving it"))
+        with pytest.raises(StepNotCommittedError, match=r"replay\[0\].*predecessor died"):
+            coordinator.wait_for_commit(1, timeout_s=30)
+        coordinator.save_driver_state(2, {"step": 2})
+        ray.get(successor.save.remote(2))
+        coordinator.wait_for_commit(2, timeout_s=60)
+        assert read_tracker(cfg["root_dir"]) == 2
+    finally:
+        coordinator.close()
+
+
 def test_a_resume_with_other_participants_than_the_step_is_one_line(ray_local, tmp_path):
     cfg = ckpt_config(tmp_path)
     coordinator = coordinator_with(cfg, {"replay": 1})

@@ -193,6 +193,8 @@ def test_rollout_worker_killed_in_its_save_fails_that_step_and_the_next_commits(
     out = run_to_end(tmp_path / "run1", root, *ASYNC, "trainer.total_steps=4", env=crash)
     assert "rollout worker 0 (rollout[0]) died" in out, out[-3000:]
     assert "rollout[0]" in out and not is_committed(step_dir(root, 2))
+    # Failed at once by the respawned worker's skip, not at the step's deadline.
+    assert "rollout[0] skipped: its predecessor died saving it" in out, out[-3000:]
     assert read_tracker(root) == 4
     out = run_to_end(tmp_path / "run2", root, *ASYNC, "trainer.total_steps=6")
     assert f"resumed from {step_dir(root, 4)} (step 4)" in out

@@ -32,6 +32,11 @@ __all__ = ["StateParticipant"]
 
 logger = logging.getLogger(__name__)
 
+# How long skip() waits for room to register itself in a step not begun yet (max_in_flight);
+# past it the failure is reported unregistered, which still fails a step no save of this
+# participant began.
+_SKIP_BEGIN_S = 5.0
+
 
 class StateParticipant:
     """Saves and loads the state of one declared participant (`handle`, from
@@ -94,7 +99,19 @@ class StateParticipant:
         """This participant will not save `step`: the step fails now, naming it and `why`,
         instead of at its deadline."""
         self._check_open()
-        self._link.withdraw(step, CheckpointError(f"{self.handle.label} skipped: {why}"))
+        save_id = new_save_id()
+        try:
+            # Registered first: a save of `step` that a dead process of this participant
+            # began holds the step's attempt, and a failure under an id never begun would be
+            # taken for a stale report of a replaced save and ignored (commit/ledger.py).
+            self._link.begin(step, save_id, timeout_s=min(self._timeout_s, _SKIP_BEGIN_S))
+        except Exception as exc:  # noqa: BLE001 - decided already, or no room: report anyway
+            logger.info(
+                "%s: skipping step %d without beginning it: %s", self.handle.label, step, exc
+            )
+        self._link.report_failure(
+            step, save_id, Phase.PLAN, CheckpointError(f"{self.handle.label} skipped: {why}")
+        )
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Wait until the saves under way ended; raise the first failure (once)."""
