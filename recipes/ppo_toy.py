@@ -52,6 +52,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 # The driver never imports megatron-core: only the rank processes do (recipes.workers).
 import verl_ckpt
+from recipes.hydra_records import redact_hydra_records
 from recipes.ppo_config import (
     ROLES,
     PPOToyConfig,
@@ -155,6 +156,9 @@ def before_ray(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> bool:
 
 @hydra.main(config_path="../configs", config_name="ppo_toy", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
+    # First: Hydra has just written the command line, credentials included, into the run's
+    # .hydra/ record.
+    redact_hydra_records(dict_cfg)
     try:
         cfg = to_recipe_config(dict_cfg)
     except (RecipeConfigError, verl_ckpt.CheckpointConfigError) as exc:
