@@ -27,6 +27,7 @@ import torch
 
 from recipes.ppo_config import PPOToyConfig, derive_seed
 from recipes.weights import assemble_full_weights, load_full_weights
+from recipes.workers import build_role_model
 
 __all__ = ["ROLLOUT_PARTICIPANT", "ROLLOUT_STATE_FORMAT", "RolloutWorker"]
 
@@ -64,19 +65,8 @@ class RolloutWorker:
         self.mc.init_distributed(
             0, 1, timeout_s=timeout_s, seed=self.cfg.trainer.seed, store=self._store
         )
-        m = self.cfg.model
-        shape = self.mc.TinyGPTConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_attention_heads=m.num_attention_heads,
-            ffn_hidden_size=m.ffn_hidden_size,
-            seq_length=self.cfg.sequence_length,
-        )
         # Initial values do not matter: sync_weights replaces every parameter.
-        self.model = self.mc.build_tiny_gpt(
-            shape, seed=derive_seed(self.cfg.trainer.seed, "actor_model")
-        )
+        self.model = build_role_model(self.mc, self.cfg, "actor")
         self.saver = verl_ckpt.StateParticipant(self.handle)
         return os.getpid()
 

@@ -42,6 +42,7 @@ __all__ = [
     "CriticWorker",
     "WorkerStartupError",
     "WorkerStartupTimeout",
+    "build_role_model",
     "process_died",
 ]
 
@@ -86,6 +87,22 @@ def process_died(exc: Exception) -> bool:
 def _first_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[0] if lines else ""
+
+
+def build_role_model(mc: Any, cfg: PPOToyConfig, role: str) -> Any:
+    """The tiny GPT of `role` (`mc`: recipes.megatron_cpu) in this process's Megatron state,
+    its initial values seeded by the role: a rollout worker's copy of the actor is built by
+    the same call."""
+    m = cfg.model
+    shape = mc.TinyGPTConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        seq_length=cfg.sequence_length,
+    )
+    return mc.build_tiny_gpt(shape, seed=derive_seed(cfg.trainer.seed, f"{role}_model"))
 
 
 def _import_megatron() -> Any:
@@ -168,18 +185,7 @@ class _RankWorker:
             seed=self.cfg.trainer.seed,
             store=store,
         )
-        m = self.cfg.model
-        shape = self.mc.TinyGPTConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_attention_heads=m.num_attention_heads,
-            ffn_hidden_size=m.ffn_hidden_size,
-            seq_length=self.cfg.sequence_length,
-        )
-        self.model = self.mc.build_tiny_gpt(
-            shape, seed=derive_seed(self.cfg.trainer.seed, f"{self.role}_model")
-        )
+        self.model = build_role_model(self.mc, self.cfg, self.role)
         self.optimizer = self.mc.make_adam(self.model, lr=self.role_cfg.lr)
         self.model_spec = describe_gpt_model(self.model, head=self.head)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
