@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.ppo_toy import DRIVER_STATE_FORMAT
+from recipes.trainer import DRIVER_STATE_FORMAT
 from tests.test_recipe import RUN_TIMEOUT_S, start_recipe
 from verl_ckpt.cli.main import main as cli_main
 from verl_ckpt.store.commit_record import CommitRecord, read_commit_record, write_commit_record
