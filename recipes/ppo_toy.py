@@ -61,7 +61,7 @@ from recipes.ppo_config import (
     register_recipe_configs,
     to_recipe_config,
 )
-from recipes.resume_plan import dropped_participants, dropped_state, nothing_to_do
+from recipes.resume_plan import dropped_state, nothing_to_do
 from recipes.rollout import declared_participants
 from recipes.trainer import PPOToyTrainer
 from recipes.workers import WorkerStartupError
@@ -149,8 +149,6 @@ def before_ray(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> bool:
     roles = {name: cfg.role(name).world_size for name in ROLES}
     for line in dropped_state(start.resume_dir, roles, cfg.checkpoint.load_contents):
         log.warning("%s", line)
-    for line in dropped_participants(start.resume_dir, declared_participants(cfg)):
-        log.warning("%s", line)
     return False
 
 
@@ -172,6 +170,9 @@ def main(dict_cfg: DictConfig) -> None:
             cfg.checkpoint,
             purpose="python -m recipes.ppo_toy",
             roles={name: cfg.role(name).world_size for name in ROLES},
+            # A resume step holding rollout or replay state this run does not declare (another
+            # rollout.mode or worker count) is refused here, before Ray, not by the coordinator.
+            participants=declared_participants(cfg),
         )
         if before_ray(cfg, start):
             return

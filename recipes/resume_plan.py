@@ -17,7 +17,7 @@ from pathlib import Path
 
 import verl_ckpt
 
-__all__ = ["PART_NAMES", "dropped_participants", "dropped_state", "nothing_to_do"]
+__all__ = ["PART_NAMES", "dropped_state", "nothing_to_do"]
 
 # What each part of `checkpoint.load_contents` is, and what a run that skips it starts from.
 PART_NAMES = {
@@ -66,30 +66,6 @@ def dropped_state(
                 f"resume from step {record.step}: {role}: {what} not loaded ({why}); {consequence}"
             )
     return lines
-
-
-def dropped_participants(resume_dir: Path | None, declared: Mapping[str, int]) -> list[str]:
-    """One line per participant of the committed step `resume_dir` (a rollout worker, the
-    replay buffer) whose state this run, which declares `declared`, does not load."""
-    if resume_dir is None:
-        return []
-    record = verl_ckpt.read_commit_record(Path(resume_dir))
-    lines = []
-    for name, count in sorted(record.state_participants.items()):
-        if declared.get(name) != count:
-            lines.append(
-                f"resume from step {record.step}: the state of {name} x{count} is not "
-                f"loaded (this run has {name} x{declared.get(name, 0)}); "
-                + _PARTICIPANT_CONSEQUENCES.get(name, "it starts afresh")
-            )
-    return lines
-
-
-# What a run that does not load a participant's state starts from.
-_PARTICIPANT_CONSEQUENCES = {
-    "rollout": "the batch generated ahead is generated again, by the current weights",
-    "replay": "the replay buffer starts empty",
-}
 
 
 def _saved_parts(role_dir: Path) -> set[str]:

@@ -202,6 +202,26 @@ def test_rollout_worker_killed_in_its_save_fails_that_step_and_the_next_commits(
     assert assert_same_steps(runs, async_reference) == set(range(1, 7))
 
 
+def test_a_resume_that_would_drop_the_rollout_state_is_refused_before_ray(tmp_path):
+    """A root whose newest step holds the rollout worker's state, resumed in sync mode (or
+    with another worker count): one line naming the participant, exit status 2, before Ray
+    starts, nothing changed (the coordinator refused it only after Ray had started, while
+    the recipe had warned that the state would start afresh)."""
+    root = tmp_path / "ckpt"
+    run_to_end(tmp_path / "run1", root, *ASYNC, "trainer.total_steps=2")
+    assert read_tracker(root) == 2
+    for overrides in (("rollout.mode=sync",), (*ASYNC, "rollout.num_workers=2")):
+        proc = start_recipe(
+            tmp_path / "run2", f"checkpoint.root_dir={root}", *overrides, "trainer.total_steps=4"
+        )
+        output, _ = proc.communicate(timeout=120)
+        errors = [line for line in output.splitlines() if line.startswith("ppo_toy:")]
+        assert proc.returncode == 2, output[-3000:]
+        assert len(errors) == 1 and "rollout" in errors[0], output[-3000:]
+        assert "Traceback" not in output and "Ray" not in output, output[-3000:]
+        assert read_tracker(root) == 2 and is_committed(step_dir(root, 2))
+
+
 @pytest.mark.slow
 def test_sync_run_killed_and_resumed_trains_exactly_like_an_uninterrupted_one(
     tmp_path, uninterrupted

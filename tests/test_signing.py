@@ -65,7 +65,7 @@ def plant(root: Path, source: int, step: int, keyring: Keyring | None = None) ->
     files are left as they are (lock_files makes them unreadable)."""
     target = step_dir(root, step)
     shutil.copytree(step_dir(root, source), target)
-    record = read_commit_record(target)
+    record = read_commit_record(step_dir(root, source))
     record.step, record.signature = step, None
     write_commit_record(target, sign_record(record, keyring))
     return target
@@ -188,6 +188,27 @@ def test_I1_a_planted_newer_step_is_not_rolled_forward_to_nor_resumed(
     assert state.tracker == 2 and 99 in state.uncommitted
     # Without a key (the behaviour of today), the same root rolls forward: what signing adds.
     assert recover_root(signed_root).tracker == 99
+
+
+def test_I1_a_validly_signed_record_copied_to_another_step_number_is_not_that_step(
+    signed_root, key_file, caplog
+):
+    """A signature binds the record's bytes, whose step is 2: the same step copied whole
+    (record untouched, signed with the job's own key) as global_step_99 is neither rolled
+    forward to nor counted or deleted by retention (before: start-up moved the tracker to
+    99 for good, and retention with keep=1 deleted the genuine step 1)."""
+    from verl_ckpt.store.retention import apply_retention
+
+    shutil.copytree(step_dir(signed_root, 2), step_dir(signed_root, 99))
+    cfg = {"root_dir": str(signed_root), "signing": {"key_file": str(key_file)}}
+    assert start(cfg) == step_dir(signed_root, 2)
+    assert read_tracker(signed_root) == 2
+    assert any("names step 2, not 99" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CommitRecordError, match="names step 2, not 99"):
+        read_commit_record(signed_root, 99, Keyring([KEY]))
+    outcome = apply_retention(signed_root, 2, keyring=Keyring([KEY]))
+    assert outcome.deleted == [] and outcome.unreadable == [99]
+    assert step_dir(signed_root, 1).is_dir() and step_dir(signed_root, 99).is_dir()
 
 
 def test_a_tracker_naming_a_planted_step_is_refused_in_one_line(signed_root, key_file):

@@ -24,7 +24,12 @@ from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, SUPPORTED_CHECKSUMS, FileTooLarge
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, checked_relative_path, step_name
+from verl_ckpt.store.layout import (
+    COMMIT_RECORD_FILENAME,
+    checked_relative_path,
+    step_name,
+    step_of_dir,
+)
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.signing import SIGNATURE_FIELD, Keyring, signature_problem
@@ -190,9 +195,18 @@ def _record_uri(store: Store, rel: str) -> str:
 
 
 def _parse_trusted(data: bytes, store: Store, rel: str, keyring: Keyring | None) -> CommitRecord:
-    """The record's signature checked first (with a keyring), then the record parsed."""
+    """The record's signature checked first (with a keyring), then the record parsed, then
+    its step against its directory's: a record, signed or not, copied with its files to
+    another step number is not that step (rolled forward to, counted by retention)."""
     check_record_signature(data, keyring, store.uri(rel))
-    return parse_commit_record(data, _record_uri(store, rel))
+    record = parse_commit_record(data, _record_uri(store, rel))
+    directory_step = step_of_dir(rel)
+    if directory_step is not None and record.step != directory_step:
+        raise CommitRecordError(
+            f"{_record_uri(store, rel)} names step {record.step}, not {directory_step} "
+            "(a record copied from another step?)"
+        )
+    return record
 
 
 def record_object(record: CommitRecord) -> dict:
