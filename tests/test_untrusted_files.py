@@ -445,3 +445,50 @@ def test_a_download_of_a_fifo_in_a_file_tier_is_refused_not_waited_on(tmp_path):
     with pytest.raises(Exception, match="regular file"):
         pull_step(tier, 5, tmp_path / "dest", 2, 20)
     assert not step_dir(tmp_path / "dest", 5).exists()
+
+
+# ---- files read outside the records' own readers (found by review) --------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_planted_as_metadata_state_marker_or_model_spec_is_refused_not_waited_on(tmp_path):
+    """DCP metadata, a state file, a step's run marker and a role's model description are
+    read as regular files only: a FIFO in their place does not block the reader (it would
+    wait for a writer forever: inspect, a resume's loads, a restarted finalizer, export)."""
+    from verl_ckpt.commit.admission import steps_lost_in_a_restart
+    from verl_ckpt.format.safe_load import load_dcp_metadata, load_state_file
+    from verl_ckpt.hf.model_spec import MODEL_SPEC_FILENAME, ModelSpecError, read_model_spec
+    from verl_ckpt.store.layout import RUN_MARKER_FILENAME
+
+    role = step_dir(tmp_path, 5) / "actor"
+    role.mkdir(parents=True)
+    for name in (".metadata", "state_0.pt", MODEL_SPEC_FILENAME):
+        os.mkfifo(role / name)
+    os.mkfifo(step_dir(tmp_path, 5) / RUN_MARKER_FILENAME)
+    with pytest.raises(OSError, match="not a regular file|regular"):
+        load_dcp_metadata(role / ".metadata")
+    with pytest.raises(OSError, match="not a regular file|regular"):
+        load_state_file(role / "state_0.pt")
+    with pytest.raises(ModelSpecError):
+        read_model_spec(role)
+    assert steps_lost_in_a_restart(tmp_path, [5], "run-id") == []
+
+
+def test_a_record_declaring_more_participant_states_than_files_is_malformed(tmp_path):
+    """verify and inspect walk every declared index: a count no file list backs is refused
+    when the record is read, not walked."""
+    write_tracker(tmp_path, 0)
+    path = step_dir(tmp_path, 1)
+    path.mkdir()
+    record = {
+        "format_version": 1,
+        "step": 1,
+        "participants": {"driver": 1},
+        "state_participants": {"replay": 10**12},
+        "files": [],
+        "checksum_algorithm": "xxh3_64",
+        "committed_at": time.time(),
+    }
+    (path / COMMIT_RECORD_FILENAME).write_text(json.dumps(record))
+    with pytest.raises(CommitRecordError, match="count more files than listed"):
+        read_commit_record(path)

@@ -124,7 +124,9 @@ def cmd_ls(store: Store, args: argparse.Namespace) -> int:
     print(f"tracker: {note}")
     if isinstance(store, LocalStore) and is_locked(store.root):
         holder = read_holder(store.root)
-        print(f"in use by: {holder.describe() if holder else 'a process that left no name'}")
+        # The holder's host and purpose come from a file anyone who can write the root wrote.
+        shown = escaped(holder.describe()) if holder else "a process that left no name"
+        print(f"in use by: {shown}")
     if rows:
         table = [("", "STEP", "SIZE", "AGE", "ROLES", "STATUS")]
         for row in rows:

@@ -20,13 +20,16 @@ from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.event_loop import TaskSet
 from verl_ckpt.store.commit_record import is_committed
-from verl_ckpt.store.fsio import make_dir, write_in_place
+from verl_ckpt.store.fsio import make_dir, read_regular, write_in_place
 from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
 from verl_ckpt.store.retention import delete_step
 
 __all__ = ["Admission", "check_participant", "steps_lost_in_a_restart"]
 
 logger = logging.getLogger(__name__)
+
+# A run id is 32 hex characters: a longer marker is not ours (and is not read further).
+_MARKER_MAX_BYTES = 256
 
 
 class Admission:
@@ -224,9 +227,11 @@ def _mark_run(path: Path, run_id: str) -> None:
 
 def _run_of(path: Path) -> str | None:
     try:
-        return (path / RUN_MARKER_FILENAME).read_text()
+        # Bounded, a regular file only: a step directory may have been planted with a FIFO.
+        data = read_regular(path / RUN_MARKER_FILENAME, _MARKER_MAX_BYTES)
     except OSError:
         return None
+    return None if data is None else data.decode(errors="replace")
 
 
 def _was_restarted() -> bool:

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verl_ckpt.protocol.deadlines import call_deadline, deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.store.fsio import read_regular
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
 from verl_ckpt.store.signing import Keyring
 
@@ -39,6 +40,9 @@ __all__ = [
     "get_finalizer",
     "start_finalizer",
 ]
+
+# The root marker holds a token of 32 hex characters: a longer file is not ours.
+_MARKER_MAX_BYTES = 256
 
 FINALIZER_NAMESPACE = "verl_ckpt"
 
@@ -176,7 +180,10 @@ def check_shared_root(
     token = FinalizerClient(finalizer, who, timeout_s).marker_token(deadline=deadline_in(timeout_s))
     marker = Path(root_dir) / ROOT_MARKER_FILENAME
     try:
-        seen = marker.read_text()
+        # Bounded, a regular file only: the root is writable by others, and a FIFO or a
+        # device planted as the marker must not hang or exhaust every participant.
+        data = read_regular(marker, _MARKER_MAX_BYTES)
+        seen = None if data is None else data.decode(errors="replace")
     except OSError:
         seen = None
     if seen != token:

@@ -27,6 +27,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import IO, Any
 
 from verl_ckpt.protocol.errors import CheckpointError, UnsafeCheckpointError
+from verl_ckpt.store.fsio import open_regular
 
 __all__ = [
     "load_dcp_metadata",
@@ -42,7 +43,8 @@ _ALLOWED = "tensors, numbers, strings and lists, tuples and dicts of them"
 def load_state_file(path: str | os.PathLike, map_location: Any = None) -> Any:
     """The object a `torch.save` file holds, loaded with `weights_only=True`. Raises
     UnsafeCheckpointError (the file asks for more), CheckpointError (damaged) or OSError."""
-    with open(path, "rb") as stream:
+    # A regular file only, never through a link: a FIFO planted in its place would block.
+    with os.fdopen(open_regular(path), "rb") as stream:
         return _load_torch(stream, str(path), map_location)
 
 
@@ -116,7 +118,7 @@ def load_dcp_metadata(source: str | os.PathLike | bytes | IO[bytes], name: str |
     from torch.distributed.checkpoint.metadata import Metadata
 
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as stream:
+        with os.fdopen(open_regular(source), "rb") as stream:
             return load_dcp_metadata(stream, str(source) if name is None else name)
     shown = name or "DCP metadata"
     stream = io.BytesIO(source) if isinstance(source, bytes) else source

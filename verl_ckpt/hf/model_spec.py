@@ -15,6 +15,7 @@ from typing import Any
 from verl_ckpt.protocol.config import HF_MODEL, CheckpointConfig
 from verl_ckpt.protocol.errors import CheckpointError
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
+from verl_ckpt.store.fsio import read_regular
 
 __all__ = [
     "HEADS",
@@ -32,6 +33,8 @@ __all__ = [
 
 MODEL_SPEC_FILENAME = "verl_ckpt_model.json"
 MODEL_SPEC_VERSION = 1
+# A model description is a few hundred bytes; a larger file is not ours and is not read.
+MODEL_SPEC_MAX_BYTES = 1 << 20
 # What the model's output layer gives: next-token logits (a language model, what a Hugging
 # Face causal-LM export is), or values read off it (a critic: no language-model head). A
 # description without the field (written before it existed) is a language model's.
@@ -121,7 +124,10 @@ def read_model_spec(role_dir: Path) -> dict[str, Any]:
     """The description of the model saved in `role_dir`; ModelSpecError naming the file."""
     path = Path(role_dir) / MODEL_SPEC_FILENAME
     try:
-        data = path.read_bytes()
+        # Bounded, a regular file only: the step's directory is data others may write.
+        data = read_regular(path, MODEL_SPEC_MAX_BYTES)
+        if data is None:
+            raise FileNotFoundError(path)
     except FileNotFoundError:
         raise ModelSpecError(
             f"{path} is missing: the step was saved without a model description (its ranks "

@@ -23,7 +23,12 @@ from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import StepStatus
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.tier import commit_remote_step, withdraw_other_remote_record
-from verl_ckpt.store.commit_record import COMMIT_RECORD_MAX_BYTES, committed_steps, is_committed
+from verl_ckpt.store.commit_record import (
+    COMMIT_RECORD_MAX_BYTES,
+    committed_steps,
+    is_committed,
+    read_record_bytes,
+)
 from verl_ckpt.store.fsspec_store import call_with_deadline, describe_store_error
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
 from verl_ckpt.store.open_store import open_store
@@ -200,6 +205,13 @@ class RemoteTier:
 
     # ---- steps 9-11 ----------------------------------------------------------------------
 
+    def _local_record(self, step: int) -> bytes:
+        """The local commit record's bytes, read bounded and from a regular file only."""
+        data = read_record_bytes(self._root, step)
+        if data is None:
+            raise FileNotFoundError(f"{step_dir(self._root, step)} holds no commit record")
+        return data
+
     async def _commit(self, step: int) -> None:
         try:
             if await self._withdraw_other_record(step):
@@ -214,10 +226,9 @@ class RemoteTier:
         first, so that objects written under it never sit under a record that is not
         theirs (tier.withdraw_other_remote_record). False (the upload failed) when the
         store could not be asked."""
-        record = step_dir(self._root, step) / COMMIT_RECORD_FILENAME
 
         def withdraw() -> bool:
-            return withdraw_other_remote_record(self._store, step, record.read_bytes())
+            return withdraw_other_remote_record(self._store, step, self._local_record(step))
 
         try:
             await asyncio.to_thread(
@@ -328,12 +339,11 @@ class RemoteTier:
             return False
         if status is None:
             # Not there, or another save's record (or an unreadable one): upload it again.
-            record = step_dir(self._root, step) / COMMIT_RECORD_FILENAME
             rel = f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
             try:
                 local, remote = await asyncio.to_thread(
                     lambda: (
-                        record.read_bytes(),
+                        self._local_record(step),
                         self._store.read_bytes(rel, COMMIT_RECORD_MAX_BYTES),
                     )
                 )

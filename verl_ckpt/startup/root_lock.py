@@ -61,7 +61,7 @@ import psutil
 
 from verl_ckpt.protocol.deadlines import deadline_in
 from verl_ckpt.protocol.errors import RootLockedError
-from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir
+from verl_ckpt.store.fsio import atomic_write_bytes, fsync_dir, make_dir
 from verl_ckpt.store.lock_record import (
     MAX_LEASE_S,
     LeaseGuard,
@@ -517,7 +517,7 @@ class RootLock:
         if not 0 < lease_s <= MAX_LEASE_S:
             raise ValueError(f"lease_s must be > 0 and <= {MAX_LEASE_S:.0f}, got {lease_s}")
         root = Path(root)
-        root.mkdir(parents=True, exist_ok=True)
+        make_dir(root, parents=True, exist_ok=True)  # DIR_MODE, whatever the umask
         key = root.resolve()
         with _HELD_LOCK:
             held = _HELD.get(key)

@@ -298,6 +298,10 @@ def _type_problem(record: CommitRecord) -> str | None:
             isinstance(k, str) and _is_int(v) and v >= 1 for k, v in table.items()
         ):
             return f"{name} {table!r} is not a mapping of name to count"
+    if sum(record.state_participants.values()) > len(record.files):
+        # Each declared participant index has its one state file: a larger count is not a
+        # record verl_ckpt wrote, and verify/inspect would walk every index of it.
+        return f"state_participants {record.state_participants!r} count more files than listed"
     overlap = set(record.participants) & set(record.state_participants)
     if overlap:
         return f"{sorted(overlap)} are both roles and state participants"
