@@ -101,7 +101,9 @@ class RolloutGroup:
     def load(self, step_dir: str) -> dict[int, torch.Tensor]:
         """Restore every worker's part of a committed step; {step: prompt ids} of the
         batches they hold (each now a request already answered), in step order."""
-        results = ray.get([w.load.remote(step_dir) for w in self.workers])
+        results = ray.get(
+            [w.load.remote(step_dir) for w in self.workers], timeout=self.cfg.checkpoint.timeout_s
+        )
         held = [r["step"] for r in results if r is not None]
         if len(held) not in (0, len(results)) or len(set(held)) > 1:
             raise RuntimeError(f"{step_dir}: the rollout workers' buffers disagree ({held})")
@@ -278,7 +280,7 @@ class RolloutGroup:
         """Finish every worker's background saves (a worker that died is skipped)."""
         for index, worker in enumerate(self.workers):
             try:
-                ray.get(worker.close.remote())
+                ray.get(worker.close.remote(), timeout=self.cfg.checkpoint.timeout_s)
             except ray.exceptions.RayError as exc:
                 log.warning("%s: closing its saver: %s", self.describe(index), _first_line(exc))
 

@@ -101,7 +101,7 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
         if self.rollout is not None:
             self._resume_rollout(str(path), step)
         if self.replay is not None:
-            ray.get(self.replay.load.remote(str(path)))
+            ray.get(self.replay.load.remote(str(path)), timeout=self.cfg.checkpoint.timeout_s)
         log.info("resumed from %s (step %d) in %.2f s", path, step, time.perf_counter() - start)
         log.info(
             "data cursor at the trained frontier: epoch %d, position %d of %d prompts",

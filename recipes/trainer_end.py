@@ -68,7 +68,7 @@ class RunEnd:
         if self.rollout is not None:
             self.rollout.close()
         if self.replay is not None:
-            ray.get(self.replay.close.remote())
+            ray.get(self.replay.close.remote(), timeout=self.cfg.checkpoint.timeout_s)
         if declared_participants(self.cfg):
             self.report_unsettled_saves(last_saved)
         if last_saved is not None:
