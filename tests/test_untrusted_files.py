@@ -492,3 +492,31 @@ def test_a_record_declaring_more_participant_states_than_files_is_malformed(tmp_
     (path / COMMIT_RECORD_FILENAME).write_text(json.dumps(record))
     with pytest.raises(CommitRecordError, match="count more files than listed"):
         read_commit_record(path)
+
+
+def test_a_hard_link_planted_at_a_files_name_is_replaced_not_written_through(tmp_path):
+    """O_NOFOLLOW stops a symbolic link only: a hard link to a file the job may write
+    (planted where a rank's file or a marker will be written) must not be truncated or
+    written: the name is created new, the target left as it was."""
+    from verl_ckpt.store.fsio import write_in_place
+
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    for name in ("rank_file.distcp", "metadata.json"):
+        os.link(target, tmp_path / name)
+    write_checksummed(tmp_path / "rank_file.distcp", lambda stream: stream.write(b"rank bytes"))
+    write_in_place(tmp_path / "metadata.json", b"{}")
+    assert target.read_bytes() == b"keep me"
+    assert (tmp_path / "rank_file.distcp").read_bytes() == b"rank bytes"
+    assert (tmp_path / "metadata.json").read_bytes() == b"{}"
+
+
+def test_a_step_directory_that_is_a_link_is_not_a_step(tmp_path):
+    from verl_ckpt.store.layout import list_step_dirs
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    root = tmp_path / "root"
+    step_dir(root, 1).mkdir(parents=True)
+    os.symlink(elsewhere, step_dir(root, 2))
+    assert list_step_dirs(root) == {1: step_dir(root, 1)}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from verl_ckpt.format.torch_format import write_item
-from verl_ckpt.store.fsio import WRITEBACK_EVERY, ChecksummingWriter, Gate, open_no_follow
+from verl_ckpt.store.fsio import WRITEBACK_EVERY, ChecksummingWriter, Gate, create_replacing
 
 __all__ = [
     "COMMON_FILENAME",
@@ -55,9 +55,10 @@ def write_checksummed(
     OSError the file gave (ENOSPC, EFBIG, EIO), naming the path, even where torch's C++
     writer hid it behind a RuntimeError.
     """
-    # Opened in place without following a link (one planted at the name would redirect a
-    # rank's bytes anywhere), with the project's file mode (fsio.FILE_MODE).
-    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    # Created new, whatever held the name unlinked first (a retried save's file, or a
+    # symbolic or hard link planted there, which would redirect a rank's bytes), with the
+    # project's file mode (fsio.FILE_MODE).
+    fd = create_replacing(path)
     with open(fd, "wb") as raw:
         stream = ChecksummingWriter(raw, gate, writeback_every)
         try:

@@ -45,6 +45,7 @@ __all__ = [
     "WRITEBACK_EVERY",
     "atomic_write_bytes",
     "create_new_file",
+    "create_replacing",
     "file_checksum",
     "fsync_dir",
     "make_dir",
@@ -145,11 +146,23 @@ def create_new_file(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
     return open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
 
 
+def create_replacing(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
+    """A descriptor, open for writing, of a file created new at `path`, whatever was there
+    unlinked first. Never opened in place: neither a symbolic link nor a hard link planted
+    at the name (O_NOFOLLOW stops only the first) can make the bytes land in another file;
+    unlinking a name leaves a link's target untouched."""
+    try:
+        return create_new_file(path, mode)
+    except FileExistsError:
+        os.unlink(path)
+        return create_new_file(path, mode)
+
+
 def write_in_place(path: str | os.PathLike, data: bytes, fsync: bool = False) -> None:
-    """Write `data` as the whole file `path`, opened in place without following a link
-    (for small files whose readers tolerate a partial one: markers, metadata.json); fsynced
-    with `fsync`."""
-    with open(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+    """Write `data` as the whole file `path`, created new under its own name (not a temp
+    and a rename: for small files whose readers tolerate a partial one, markers and
+    metadata.json); fsynced with `fsync`."""
+    with open(create_replacing(path), "wb") as f:
         f.write(data)
         if fsync:
             f.flush()
