@@ -497,17 +497,18 @@ def test_a_record_declaring_more_participant_states_than_files_is_malformed(tmp_
 def test_a_hard_link_planted_at_a_files_name_is_replaced_not_written_through(tmp_path):
     """O_NOFOLLOW stops a symbolic link only: a hard link to a file the job may write
     (planted where a rank's file or a marker will be written) must not be truncated or
-    written: the name is created new, the target left as it was."""
+    written: a rank file is refused (as a symbolic link is), a marker created new; the
+    target is left as it was."""
     from verl_ckpt.store.fsio import write_in_place
 
     target = tmp_path / "precious"
     target.write_bytes(b"keep me")
     for name in ("rank_file.distcp", "metadata.json"):
         os.link(target, tmp_path / name)
-    write_checksummed(tmp_path / "rank_file.distcp", lambda stream: stream.write(b"rank bytes"))
+    with pytest.raises(OSError, match="hard link"):
+        write_checksummed(tmp_path / "rank_file.distcp", lambda stream: stream.write(b"rank"))
     write_in_place(tmp_path / "metadata.json", b"{}")
     assert target.read_bytes() == b"keep me"
-    assert (tmp_path / "rank_file.distcp").read_bytes() == b"rank bytes"
     assert (tmp_path / "metadata.json").read_bytes() == b"{}"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from verl_ckpt.format.torch_format import write_item
-from verl_ckpt.store.fsio import WRITEBACK_EVERY, ChecksummingWriter, Gate, create_replacing
+from verl_ckpt.store.fsio import WRITEBACK_EVERY, ChecksummingWriter, Gate, open_for_rewrite
 
 __all__ = [
     "COMMON_FILENAME",
@@ -55,10 +55,10 @@ def write_checksummed(
     OSError the file gave (ENOSPC, EFBIG, EIO), naming the path, even where torch's C++
     writer hid it behind a RuntimeError.
     """
-    # Created new, whatever held the name unlinked first (a retried save's file, or a
-    # symbolic or hard link planted there, which would redirect a rank's bytes), with the
-    # project's file mode (fsio.FILE_MODE).
-    fd = create_replacing(path)
+    # Opened in place without following a link, with the project's file mode; a regular
+    # file with another name (a hard link planted there) is refused before it is truncated:
+    # either would redirect a rank's bytes into another file (fsio.open_for_rewrite).
+    fd = open_for_rewrite(path)
     with open(fd, "wb") as raw:
         stream = ChecksummingWriter(raw, gate, writeback_every)
         try:

@@ -46,6 +46,7 @@ __all__ = [
     "atomic_write_bytes",
     "create_new_file",
     "create_replacing",
+    "open_for_rewrite",
     "file_checksum",
     "fsync_dir",
     "make_dir",
@@ -156,6 +157,26 @@ def create_replacing(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
     except FileExistsError:
         os.unlink(path)
         return create_new_file(path, mode)
+
+
+def open_for_rewrite(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
+    """A descriptor, open for writing, of `path` emptied: created if absent, opened without
+    following a symbolic link (ELOOP), and refused when it is a regular file with another
+    name (a hard link planted at the name: truncating it would empty that other file). Not
+    a regular file (a FIFO) is opened as it is, as rank files always were."""
+    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT, mode)
+    try:
+        status = os.fstat(fd)
+        if stat.S_ISREG(status.st_mode):
+            if status.st_nlink > 1:
+                raise OSError(
+                    errno.EMLINK, "a file with another name (a hard link), not written", str(path)
+                )
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def write_in_place(path: str | os.PathLike, data: bytes, fsync: bool = False) -> None:
