@@ -510,14 +510,3 @@ def test_a_hard_link_planted_at_a_files_name_is_replaced_not_written_through(tmp
     write_in_place(tmp_path / "metadata.json", b"{}")
     assert target.read_bytes() == b"keep me"
     assert (tmp_path / "metadata.json").read_bytes() == b"{}"
-
-
-def test_a_step_directory_that_is_a_link_is_not_a_step(tmp_path):
-    from verl_ckpt.store.layout import list_step_dirs
-
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    root = tmp_path / "root"
-    step_dir(root, 1).mkdir(parents=True)
-    os.symlink(elsewhere, step_dir(root, 2))
-    assert list_step_dirs(root) == {1: step_dir(root, 1)}

@@ -151,7 +151,6 @@ def list_step_dirs(root: str | Path) -> dict[int, Path]:
     found = {}
     for entry in root.iterdir():
         step = step_of_dir(entry)
-        # A real directory, not a link to one: a planted link would lead reads outside.
-        if step is not None and entry.is_dir() and not entry.is_symlink():
+        if step is not None and entry.is_dir():
             found[step] = entry
     return found
