@@ -118,7 +118,7 @@ def plant_step(root: Path, kind: str, step: int, marker: Path) -> Path:
     Returns the planted file."""
     path = Path(shutil.copytree(step_dir(root, SOURCE_STEP), step_dir(root, step)))
     planted = PLANTS[kind](path, marker)
-    record = read_commit_record(path)
+    record = read_commit_record(step_dir(root, SOURCE_STEP))
     files = []
     for entry in record.files:
         size, checksum = file_checksum(path / entry.path, record.checksum_algorithm)
