@@ -141,18 +141,19 @@ class RankBench:
         return {"update_s": time.perf_counter() - start}
 
     def save_then_update(
-        self, name: str, step: int, directory: str, offload: bool
+        self, name: str, step: int, directory: str, offload: bool, quiet: bool = False
     ) -> dict[str, Any]:
         """save(), then at once the same update while the save's write runs: what the
         trainer's next step pays for the background write (CPU, memory bandwidth,
-        copy-on-write faults of a forked writer)."""
+        copy-on-write faults of a forked writer). `quiet`: inside verl_ckpt's quiet(), as
+        an optimizer step with fence_before() runs (a trainer's forward and backward run
+        outside it, so the figure without is the one that counts)."""
         out = self.save(name, step, directory)
         start = time.perf_counter()
-        # As a trainer's optimizer step with fence_before(): verl_ckpt fences (a deferred
-        # snapshot's copy may still run: the update then waits for it, which this timing
-        # includes) and holds its background writes back while the update runs.
-        quiet = getattr(self.systems[name], "quiet", contextlib.nullcontext)
-        with quiet():
+        # quiet(): verl_ckpt fences (a deferred snapshot's copy may still run: the update
+        # then waits for it, which this timing includes) and holds its writes back.
+        context = getattr(self.systems[name], "quiet", None) if quiet else None
+        with context() if context is not None else contextlib.nullcontext():
             self.state.update(offload)
         out["update_s"] = time.perf_counter() - start
         return out

@@ -367,6 +367,7 @@ def test_I3_rollback_moves_a_participant_state_with_its_step(ray_local, tmp_path
 def test_the_commit_record_lists_state_participants_only_when_there_are_some():
     from verl_ckpt.store.commit_record import (
         CommitRecord,
+        FileEntry,
         encode_commit_record,
         parse_commit_record,
     )
@@ -374,9 +375,10 @@ def test_the_commit_record_lists_state_participants_only_when_there_are_some():
     plain = CommitRecord(step=1, participants={"driver": 1}, files=[])
     assert b"state_participants" not in encode_commit_record(plain)
     assert parse_commit_record(encode_commit_record(plain), "x").state_participants == {}
-    record = CommitRecord(step=1, participants={"driver": 1}, files=[], state_participants={"r": 2})
+    files = [FileEntry(f"r/state_{i}.pt", 1, "0" * 16) for i in (0, 1)]
+    record = CommitRecord(step=1, participants={"driver": 1}, files=files, state_participants={"r": 2})
     assert parse_commit_record(encode_commit_record(record), "x").state_participants == {"r": 2}
-    for bad in ({"r": 0}, {"driver": 1}, {"r": True}):
+    for bad in ({"r": 0}, {"driver": 1}, {"r": True}, {"r": 3}):
         record.state_participants = bad
         with pytest.raises(CommitRecordError, match="malformed"):
             parse_commit_record(encode_commit_record(record), "x")

@@ -19,6 +19,8 @@ import ray
 from verl_ckpt.commit.aggregator import (
     AggregatorLost,
     NodeBatcher,
+    ReportAggregator,
+    aggregator_name,
     batches_reports,
     open_node_aggregator,
 )
@@ -282,6 +284,7 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
     finalizer = start_finalizer(
         root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0, max_in_flight=2
     )
+    _start_holding_aggregator(root, finalizer)
     ranks = [_Rank.remote(root, r) for r in (0, 1)]
     try:
         aggregator = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
@@ -300,6 +303,26 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
             ray.kill(rank, no_restart=True)
         ray.kill(finalizer, no_restart=True)
     _committed_and_verified_two(Path(root), 2)
+
+
+def _start_holding_aggregator(root: str, finalizer: ray.actor.ActorHandle) -> None:
+    """The node's aggregator, started before the ranks find it, with a linger of NEVER_S: a
+    batch waiting for rank 1 is held until it is killed. With the default linger (50 ms) the
+    batch could leave before the kill on a loaded machine, and rank 0's report would reach the
+    finalizer after all."""
+    node = ray.get_runtime_context().get_node_id()
+    handle = (
+        ray.remote(ReportAggregator)
+        .options(
+            name=aggregator_name(root, node),
+            namespace=FINALIZER_NAMESPACE,
+            max_restarts=-1,
+            max_task_retries=0,
+            num_cpus=0,
+        )
+        .remote(finalizer, 30.0, NEVER_S)
+    )
+    ray.get(handle.pending.remote(), timeout=60)
 
 
 def _committed_and_verified_two(root: Path, step: int) -> None:
