@@ -104,10 +104,10 @@ class RankBench:
         self.copy_floor.run()
         return {"t0": t0, "blocking_s": time.perf_counter() - start}
 
-    def floor_write(self, path: str) -> dict[str, Any]:
+    def floor_write(self, path: str, variant: str) -> dict[str, Any]:
         _align()
         t0 = time.time()
-        self.write_floor.run(Path(path))
+        self.write_floor.run(Path(path), variant)
         return {"t0": t0, "t_end": time.time()}
 
     def write_path_variant(self, variant: str, directory: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import argparse
 import json
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: /tmp)")
     parser.add_argument("--out-dir", default=str(HERE), help="where results.md/.png go")
     parser.add_argument("--verbose", action="store_true", help="show the actors' logs")
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="run this many busy-looping processes (nice 0) beside the ranks for the whole run, "
+        "as other work on a shared host (default 0)",
+    )
     args = parser.parse_args(argv)
     args.size_gib = args.size_gib or (0.125 if args.quick else 1.0)
     args.saves = args.saves or (3 if args.quick else 4)
@@ -134,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     sections: list[tuple[str, str]] = []
     rows = []
     begin = time.perf_counter()
+    busy = _start_busy(args.busy)
+    if busy:
+        meta["beside"] = f"{len(busy)} busy-looping process(es), nice 0 (--busy)"
     start_ray(args.verbose)
     try:
         if not args.finalizer_scale:
@@ -147,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
+        for process in busy:  # ours, by pid
+            process.kill()
+            process.wait(30)
     meta["wall time of this run"] = f"{time.perf_counter() - begin:.0f} s"
     # The finalizer benchmark alone must not overwrite the save results of a full run.
     md = out_dir / ("results_finalizer.md" if args.finalizer_scale else "results.md")
@@ -156,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         problem = report.plot(rows, out_dir / "results.png", _plot_title(meta, args))
         log(problem or f"wrote {out_dir / 'results.png'}")
     return 0
+
+
+def _start_busy(count: int) -> list[subprocess.Popen]:
+    """`count` processes that loop on a core each, as other work on a shared host does."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
 def _plot_title(meta: dict, args: argparse.Namespace) -> str:
@@ -194,6 +213,7 @@ def run_saves(
         "meta": meta,
         "ops": [asdict(o) for o in ops],
         "after_save": bench.after_save,
+        "floor_variants": bench.floor_variants,
         "write_path": write_path,
         "loads": loads,
         "load_detail": bench.load_detail,
@@ -208,6 +228,9 @@ def run_saves(
     for line in goals:
         log("- " + line)
     sections.append(("Save benchmark: timings", tables))
+    floors = report.floor_variants_table(bench.floor_variants)
+    log("\n### The write floor, each way\n\n" + floors)
+    sections.append(("The write floor, each way", floors + "\n\n" + report.FLOOR_NOTE))
     sections.append(("Save benchmark: memory", memory + "\n\n" + MEMORY_NOTE))
     sections.append(("Targets (verl_ckpt thread mode, steady state)", _bullets(goals)))
     after = report.after_save_table(bench.after_save)

@@ -25,7 +25,13 @@ import ray
 
 from benchmarks.memory import MemorySampler
 from benchmarks.state import StateSpec
-from benchmarks.systems import REFERENCE, SYSTEMS, verl_config
+from benchmarks.systems import (
+    FLOOR_BUFFERED,
+    FLOOR_VARIANTS,
+    REFERENCE,
+    SYSTEMS,
+    verl_config,
+)
 
 __all__ = ["Op", "SaveBench", "free_port"]
 
@@ -83,6 +89,8 @@ class SaveBench:
         self.baselines: dict[str, int] = {}
         self.profile: str | None = None
         self.after_save: dict[str, dict[str, Any]] = {}
+        # Every write floor variant's time, per pairing (the "write floor" op is the fastest).
+        self.floor_variants: dict[str, list[float]] = {}
         # load_detail[cache][variant] = per rep, each rank's time_variant() (benchmarks/loads.py)
         self.load_detail: dict[str, dict[str, list[list[dict[str, Any]]]]] = {}
         self._pair = -1
@@ -176,17 +184,27 @@ class SaveBench:
         self.ops.append(Op(block, "copy floor", i, blocking, blocking, pair=self._pair))
 
     def _write_floor(self, block: str, i: int) -> None:
+        """Every way of the write floor, in a rotated order; the fastest is this pairing's
+        "write floor" (each variant's time is kept in floor_variants)."""
+        shift = i % len(FLOOR_VARIANTS)
+        times = {}
+        for variant in FLOOR_VARIANTS[shift:] + FLOOR_VARIANTS[:shift]:
+            times[variant] = self._floor_write_once(variant)
+            self.floor_variants.setdefault(variant, []).append(times[variant])
+        durable = min(times.values())
+        self.ops.append(Op(block, "write floor", i, durable, durable, pair=self._pair))
+
+    def _floor_write_once(self, variant: str) -> float:
         self._settle()
         directory = self.workdir / "write_floor"
         outs = self._get(
             [
-                r.floor_write.remote(str(directory / f"rank{k}.bin"))
+                r.floor_write.remote(str(directory / f"rank{k}.bin"), variant)
                 for k, r in enumerate(self.ranks)
             ]
         )
-        durable = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
-        self.ops.append(Op(block, "write floor", i, durable, durable, pair=self._pair))
         shutil.rmtree(directory, ignore_errors=True)
+        return max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
 
     def _save(
         self,
@@ -197,6 +215,7 @@ class SaveBench:
         update: bool | None = None,
         record: bool = True,
         keep: bool = False,
+        quiet: bool = False,
     ) -> tuple[Op, list[dict]]:
         """One save of `name`, waited for until durable. update=None: measured as a save;
         otherwise the ranks run a training-step-like update right after save() returned
@@ -210,7 +229,8 @@ class SaveBench:
             calls = [r.save.remote(name, step, str(directory), profile) for r in self.ranks]
         else:
             calls = [
-                r.save_then_update.remote(name, step, str(directory), update) for r in self.ranks
+                r.save_then_update.remote(name, step, str(directory), update, quiet)
+                for r in self.ranks
             ]
         saved = self._get(calls)
         t0 = min(s["t0"] for s in saved)
@@ -260,27 +280,34 @@ class SaveBench:
 
     def _after_save(self, name: str) -> None:
         """The next training step: an update of the whole state alone, then the same update
-        right after save() returned, while the save's write runs; AFTER_SAVE_PAIRS such
-        pairs, and the median of their ratios (one pair swung by several times with what
-        else the machine did, a finished inline save's update included)."""
+        right after save() returned while the save's write runs, as a trainer's forward and
+        backward pass runs (outside quiet()), then once more inside quiet() (as an optimizer
+        step with fence_before() runs); AFTER_SAVE_PAIRS such triples, and the median of the
+        paired ratios (one pair swung by several times with what else the machine did)."""
         offload = bool(SYSTEMS[name][1].get("offload_aware"))
-        alone, after, ops = [], [], []
+        alone, after, quiet, ops = [], [], [], []
         for _ in range(AFTER_SAVE_PAIRS):
             self._settle()
             updates = self._get([r.update.remote(offload) for r in self.ranks])
             alone.append(max(o["update_s"] for o in updates))
             self._get([r.restore.remote() for r in self.ranks])
-            op, saved = self._save(name, name, -1, update=offload)
-            self._get([r.restore.remote() for r in self.ranks])
-            after.append(max(s["update_s"] for s in saved))
-            ops.append(op)
+            for inside_quiet, found in ((False, after), (True, quiet)):
+                op, saved = self._save(name, name, -1, update=offload, quiet=inside_quiet)
+                self._get([r.restore.remote() for r in self.ranks])
+                found.append(max(s["update_s"] for s in saved))
+                ops.append(op)
         self.after_save[name] = {
             "alone_s": statistics.median(alone),
             "after_save_s": statistics.median(after),
             "slowdown": statistics.median(a / b for a, b in zip(after, alone, strict=True)),
+            "in_quiet_s": statistics.median(quiet),
+            "slowdown_in_quiet": statistics.median(
+                a / b for a, b in zip(quiet, alone, strict=True)
+            ),
             "pairs": len(alone),
             "alone_each_s": alone,
             "after_save_each_s": after,
+            "in_quiet_each_s": quiet,
             "blocking_s": statistics.median(op.blocking_s for op in ops),
             "durable_s": statistics.median(op.durable_s for op in ops),
             "offload": offload,
@@ -309,7 +336,7 @@ class SaveBench:
                 self._settle()
                 if variant == "write floor":
                     calls = [
-                        r.floor_write.remote(str(directory / f"rank{k}.bin"))
+                        r.floor_write.remote(str(directory / f"rank{k}.bin"), FLOOR_BUFFERED)
                         for k, r in enumerate(self.ranks)
                     ]
                 else:
@@ -326,7 +353,13 @@ class SaveBench:
         """Resume speed (benchmarks/loads.py): a committed step of the reference and DCP's
         own save of the same tensors, loaded back by every variant `reps` times, rotated,
         both ranks at once; page cache warm, then dropped before every variant."""
-        from benchmarks.loads import LOAD_VARIANTS, can_drop_caches, cleanup, rotated_loads
+        from benchmarks.loads import (
+            LOAD_VARIANTS,
+            can_drop_caches,
+            cleanup,
+            rotated_loads,
+            warm_page_cache,
+        )
         from benchmarks.systems import DCP_PEER
 
         self._save(REFERENCE, REFERENCE, -1, record=False, keep=True)
@@ -349,6 +382,7 @@ class SaveBench:
             self.load_detail.setdefault(cache, {}).setdefault(variant, []).append(outs)
             return max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
 
+        warm_page_cache(step_path, dcp_dir)
         found = rotated_loads(reps, both_ranks)
         cleanup(step_path, dcp_dir)
         return found

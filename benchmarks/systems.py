@@ -10,7 +10,9 @@ For verl_ckpt, "durable" is the commit, which the driver waits for (`wait_for_co
 
 from __future__ import annotations
 
+import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -22,7 +24,7 @@ from benchmarks.state import RankState
 from verl_ckpt.protocol.config import WriterConfig
 from verl_ckpt.store.fsio import CHECKSUM_ALGORITHM, WRITEBACK_EVERY, EarlyWriteback, new_hasher
 
-__all__ = ["SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
+__all__ = ["FLOOR_BUFFERED", "FLOOR_VARIANTS", "SYSTEMS", "CopyFloor", "WriteFloor", "make_system"]
 
 # name -> (kind, options); the order is the order of the report.
 # Every verl_ckpt system calls manager.prepare() when it opens, as the recipe does after
@@ -32,7 +34,12 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "verl_ckpt thread": ("verl", _THREAD),
     "verl_ckpt thread without prepare()": ("verl", {**_THREAD, "prepare": False}),
     "verl_ckpt thread nice 0": ("verl", {**_THREAD, "nice": 0}),
-    "verl_ckpt thread no early writeback": ("verl", {**_THREAD, "early_writeback_mb": 0}),
+    "verl_ckpt thread no early writeback": (
+        "verl",
+        {**_THREAD, "direct_io": False, "early_writeback_mb": 0},
+    ),
+    "verl_ckpt thread page cache": ("verl", {**_THREAD, "direct_io": False}),
+    "verl_ckpt thread not idle class": ("verl", {**_THREAD, "idle_class": False}),
     "verl_ckpt thread write while copying": ("verl", {**_THREAD, "write_while_copying": True}),
     "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
@@ -57,6 +64,9 @@ def verl_config(
     prepare: bool = True,
     early_writeback_mb: int = WriterConfig.early_writeback_mb,
     write_while_copying: bool = False,
+    direct_io: bool = WriterConfig.direct_io,
+    threads: int = 2,
+    idle_class: bool = WriterConfig.idle_class,
 ) -> dict[str, Any]:
     """The checkpoint config of a verl_ckpt system (the driver's and the ranks' must match).
     `prepare` is no config key: the system calls manager.prepare() or not."""
@@ -69,10 +79,12 @@ def verl_config(
         "snapshot": snapshot,
         "writer": {
             "mode": mode,
-            "threads": 2,
+            "threads": threads,
             "nice": nice,
             "early_writeback_mb": early_writeback_mb,
             "write_while_copying": write_while_copying,
+            "direct_io": direct_io,
+            "idle_class": idle_class,
         },
         "staging": {"offload_aware": offload_aware},
     }
@@ -319,16 +331,67 @@ class CopyFloor:
             buffer.copy_(source)
 
 
+# The ways the write floor puts the bytes on disk; the benchmark's "write floor" is the
+# fastest of them in each pairing: the least persistence costs on this machine, however it
+# is done. O_DIRECT writes from page-aligned copies made beforehand (as a snapshot's staging
+# buffers are), whole, with no page cache; "x2" splits each rank's bytes over two threads.
+FLOOR_BUFFERED = "buffered"
+FLOOR_EARLY = "early writeback"
+FLOOR_DIRECT = "O_DIRECT"
+FLOOR_DIRECT_2 = "O_DIRECT x2 threads"
+FLOOR_VARIANTS = (FLOOR_BUFFERED, FLOOR_EARLY, FLOOR_DIRECT, FLOOR_DIRECT_2)
+
+
 class WriteFloor:
     """A raw sequential write of the host `tensors`' bytes into one file, then fsync: the
-    least persistence can cost (no serialisation, no checksum, no metadata)."""
+    least persistence can cost (no serialisation, no checksum, no metadata), in each of
+    FLOOR_VARIANTS."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.sources = tensors
+        # The O_DIRECT variants' page-aligned copy of the bytes, made here, outside timings.
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._aligned = mmap.mmap(-1, -(-nbytes // _DIRECT_ALIGN) * _DIRECT_ALIGN)
+        offset = 0
+        for tensor in tensors:
+            view = memoryview(tensor.numpy()).cast("B")
+            self._aligned[offset : offset + view.nbytes] = view
+            offset += view.nbytes
 
-    def run(self, path: Path) -> None:
+    def run(self, path: Path, variant: str = FLOOR_BUFFERED) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _raw_write(path, self.sources, checksum=False)
+        if variant == FLOOR_BUFFERED:
+            _raw_write(path, self.sources, checksum=None)
+        elif variant == FLOOR_EARLY:
+            _raw_write(path, self.sources, checksum=None, early_writeback=True)
+        elif variant in (FLOOR_DIRECT, FLOOR_DIRECT_2):
+            self._direct_write(path, 2 if variant == FLOOR_DIRECT_2 else 1)
+        else:
+            raise ValueError(variant)
+
+    def _direct_write(self, path: Path, threads: int) -> None:
+        buffer = memoryview(self._aligned)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            share = -(-len(buffer) // threads // _DIRECT_CHUNK) * _DIRECT_CHUNK
+
+            def part(start: int) -> None:
+                end = min(start + share, len(buffer))
+                while start < end:
+                    step = min(_DIRECT_CHUNK, end - start)
+                    start += os.pwrite(fd, buffer[start : start + step], start)
+
+            starts = range(0, len(buffer), share)
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(part, starts))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            buffer.release()
+
+
+_DIRECT_ALIGN = 4096
+_DIRECT_CHUNK = 8 << 20
 
 
 # ---- why time to durable is above the write floor ------------------------------------------

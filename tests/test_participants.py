@@ -376,7 +376,9 @@ def test_the_commit_record_lists_state_participants_only_when_there_are_some():
     assert b"state_participants" not in encode_commit_record(plain)
     assert parse_commit_record(encode_commit_record(plain), "x").state_participants == {}
     files = [FileEntry(f"r/state_{i}.pt", 1, "0" * 16) for i in (0, 1)]
-    record = CommitRecord(step=1, participants={"driver": 1}, files=files, state_participants={"r": 2})
+    record = CommitRecord(
+        step=1, participants={"driver": 1}, files=files, state_participants={"r": 2}
+    )
     assert parse_commit_record(encode_commit_record(record), "x").state_participants == {"r": 2}
     for bad in ({"r": 0}, {"driver": 1}, {"r": True}, {"r": 3}):
         record.state_participants = bad

@@ -30,6 +30,7 @@ from verl_ckpt.format.file_writer import write_bucket
 from verl_ckpt.protocol.faults import ENV_VAR
 from verl_ckpt.rank.staging import StagingSlot
 from verl_ckpt.rank.writers import ProcessWriter
+from verl_ckpt.store.fsio import WriteOptions
 
 
 def assert_restores(ranks, step, before):
@@ -354,7 +355,7 @@ def test_I4_I5_a_failed_bucket_is_reported_once_the_process_wrote_no_other_bucke
     _, whole = write_bucket((str(tmp_path / "reference"), "b", ([], b_items)), transforms)
     buckets = [(str(failing), "a", ([], [])), (str(other), "b", ([], b_items))]
     # No early writeback: its helper thread would hold B's file open for a moment after B.
-    writer = ProcessWriter(2, "test_writer", writeback_every=0)
+    writer = ProcessWriter(2, "test_writer", options=WriteOptions(writeback_every=0))
     pool = ThreadPoolExecutor(1)
     try:
         writer.warm_up(slot, time.monotonic() + 120)

@@ -234,6 +234,9 @@ def test_config_type_errors_name_the_key():
         to_checkpoint_config({"writer": {"write_while_copying": "sometimes"}})
     with pytest.raises(CheckpointConfigError, match=r"checkpoint\.writer\.write_while_copying"):
         WriterConfig(write_while_copying="sometimes")
+    for key in ("direct_io", "idle_class"):
+        with pytest.raises(CheckpointConfigError, match=rf"writer\.{key}"):
+            to_checkpoint_config({"writer": {key: "sometimes"}})
 
 
 def test_config_defaults_and_dict_round_trip():

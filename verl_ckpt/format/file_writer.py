@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from verl_ckpt.format.torch_format import write_item
-from verl_ckpt.store.fsio import WRITEBACK_EVERY, ChecksummingWriter, Gate, open_for_rewrite
+from verl_ckpt.store.direct_io import open_direct
+from verl_ckpt.store.fsio import (
+    DEFAULT_WRITES,
+    ChecksummingWriter,
+    Gate,
+    WriteOptions,
+    open_for_rewrite,
+)
 
 __all__ = [
     "COMMON_FILENAME",
@@ -46,7 +53,7 @@ def write_checksummed(
     path: str | Path,
     write: Callable[[ChecksummingWriter], Any],
     gate: Gate | None = None,
-    writeback_every: int = WRITEBACK_EVERY,
+    options: WriteOptions = DEFAULT_WRITES,
 ) -> WrittenFile:
     """Create `path`, let `write` fill it through a checksumming stream, fsync it.
 
@@ -59,13 +66,17 @@ def write_checksummed(
     # file with another name (a hard link planted there) is refused before it is truncated:
     # either would redirect a rank's bytes into another file (fsio.open_for_rewrite).
     fd = open_for_rewrite(path)
-    with open(fd, "wb") as raw:
-        stream = ChecksummingWriter(raw, gate, writeback_every)
+    direct = open_direct(fd) if options.direct_io else None
+    with direct if direct is not None else open(fd, "wb") as raw:
+        # Around the page cache there are no dirty pages to hand to the disk early.
+        stream = ChecksummingWriter(raw, gate, 0 if direct is not None else options.writeback_every)
         try:
             try:
                 write(stream)
             finally:
                 stream.done_writing()
+            if direct is not None:
+                direct.finish()
             raw.flush()
             synced = time.perf_counter()
             os.fsync(raw.fileno())
@@ -86,7 +97,7 @@ def write_bucket(
     bucket: tuple,
     transforms: Any,
     gate: Gate | None = None,
-    writeback_every: int = WRITEBACK_EVERY,
+    options: WriteOptions = DEFAULT_WRITES,
     before_tensor: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[list, WrittenFile]:
     """Write one DCP bucket (path, storage key, (bytes items, tensor items)) to its file.
@@ -103,7 +114,7 @@ def write_bucket(
                 before_tensor(tensor)
             results.append(write_item(transforms, stream, tensor, item, storage_key))
 
-    return results, write_checksummed(path, write_items, gate, writeback_every)
+    return results, write_checksummed(path, write_items, gate, options)
 
 
 def serialize_common(common_state_dict: dict) -> bytes:

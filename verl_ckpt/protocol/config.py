@@ -87,6 +87,18 @@ class WriterConfig:
     # bandwidth, and save() blocks longer (benchmarks/results.md). false: the write starts
     # once the whole copy ended. The writer process always waits for the whole copy.
     write_while_copying: bool = False
+    # true: the files of a save are written around the page cache (Linux O_DIRECT, through an
+    # aligned buffer) where the filesystem allows it, else through it as with false: the
+    # trainer's next steps then do not compete with the kernel's copying, writeback and
+    # reclaim of the save's pages (benchmarks/README.md). false: through the page cache,
+    # with early_writeback_mb (for a filesystem where O_DIRECT is slow, a network one).
+    direct_io: bool = True
+    # true: the writer threads (and the writer process's) run in Linux's SCHED_IDLE class,
+    # on cores nothing else wants, so that the trainer's steps beside a save's write keep
+    # their cores; a thread whose slice of a write got no core for 0.5 s goes on at `nice`
+    # (a save is never starved). Where the process may not leave that class again (no
+    # CAP_SYS_NICE and RLIMIT_NICE of 0), the threads just run at `nice`. false: at `nice`.
+    idle_class: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in WRITER_MODES:
@@ -99,6 +111,10 @@ class WriterConfig:
             _fail("writer.early_writeback_mb", self.early_writeback_mb, "must be an integer >= 0")
         if not isinstance(self.write_while_copying, bool):
             _fail("writer.write_while_copying", self.write_while_copying, "must be true or false")
+        if not isinstance(self.direct_io, bool):
+            _fail("writer.direct_io", self.direct_io, "must be true or false")
+        if not isinstance(self.idle_class, bool):
+            _fail("writer.idle_class", self.idle_class, "must be true or false")
 
     @property
     def writeback_every(self) -> int:

@@ -18,7 +18,14 @@ from typing import Any
 
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
 
-__all__ = ["DaemonPool", "lower_priority", "run_when_idle"]
+__all__ = [
+    "DaemonPool",
+    "idle_until_starved",
+    "leave_idle_class",
+    "lower_priority",
+    "made_progress",
+    "run_when_idle",
+]
 
 _STOP = None
 
@@ -56,18 +63,103 @@ def run_when_idle() -> None:
         pass
 
 
+# A thread in idle_until_starved() whose one piece of work took longer than this leaves the
+# idle class: a busy machine gave it no idle core, and its result is awaited (a save).
+STARVED_AFTER_S = 0.5
+
+_idle_state = threading.local()
+_can_leave_idle: bool | None = None
+_probe_lock = threading.Lock()
+
+
+def idle_until_starved(nice: int) -> bool:
+    """Put the calling thread in SCHED_IDLE (run_when_idle) for work that is awaited, such
+    as a save's writes: it then takes no share of a core the training thread wants, and
+    `made_progress` moves it back to the normal class at `nice` once a piece of its work
+    was starved for STARVED_AFTER_S. Only where the thread may leave SCHED_IDLE again (an
+    unprivileged process needs RLIMIT_NICE for it): elsewhere it stays at `nice`, and this
+    returns False."""
+    if not _may_leave_idle():
+        return False
+    run_when_idle()
+    _idle_state.nice = nice
+    return True
+
+
+def made_progress(seconds: float) -> None:
+    """A piece of the calling thread's work took `seconds`: starved (in idle_until_starved),
+    the thread leaves SCHED_IDLE for the normal class at its niceness, until the next
+    idle_until_starved."""
+    nice = getattr(_idle_state, "nice", None)
+    if nice is None or seconds <= STARVED_AFTER_S:
+        return
+    _idle_state.nice = None
+    leave_idle_class()
+    lower_priority(nice)
+
+
+def leave_idle_class() -> None:
+    """Move the calling thread from SCHED_IDLE back to the normal class, if it is in the
+    idle class and may leave it; its niceness stays."""
+    if not hasattr(os, "SCHED_IDLE") or not sys.platform.startswith("linux"):
+        return
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_IDLE:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
+
+
+def _may_leave_idle() -> bool:
+    """Whether a thread of this process can go back from SCHED_IDLE to SCHED_OTHER, tried
+    once on a thread of its own (a thread stuck idle would starve on a busy machine)."""
+    global _can_leave_idle
+    if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
+        return False
+    with _probe_lock:
+        if _can_leave_idle is None:
+            found: list[bool] = []
+
+            def probe() -> None:
+                try:
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+                    found.append(True)
+                except OSError:
+                    found.append(False)
+
+            thread = threading.Thread(target=probe, name="verl_ckpt_idle_probe", daemon=True)
+            thread.start()
+            # Two system calls; bounded anyway (a thread that never ran counts as a no).
+            thread.join(5.0)
+            _can_leave_idle = bool(found and found[0])
+        return _can_leave_idle
+
+
 class DaemonPool:
     """`threads` daemon threads running submitted calls in order of submission, at CPU
     niceness `nice` (0: unchanged), or, with `idle`, only when a core is idle
-    (run_when_idle)."""
+    (run_when_idle), or, with `idle_until_starved`, in the idle class for each call until
+    the call reports it starved (threads.made_progress). `normal_class`: out of the idle
+    class even when started by a thread in it (which a new thread inherits)."""
 
-    def __init__(self, threads: int, name: str, nice: int = 0, idle: bool = False) -> None:
+    def __init__(
+        self,
+        threads: int,
+        name: str,
+        nice: int = 0,
+        idle: bool = False,
+        idle_until_starved: bool = False,
+        normal_class: bool = False,
+    ) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._running: dict[int, str] = {}  # thread ident -> what it runs, for close()
         self._lock = threading.Lock()
         self._closed = False
         self._nice = nice
         self._idle = idle
+        self._idle_until_starved = idle_until_starved
+        self._normal_class = normal_class
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
             for i in range(threads)
@@ -101,6 +193,8 @@ class DaemonPool:
 
     def _work(self) -> None:
         lower_priority(self._nice)
+        if self._normal_class:
+            leave_idle_class()
         if self._idle:
             run_when_idle()
         while True:
@@ -119,6 +213,9 @@ class DaemonPool:
                 continue
             with self._lock:
                 self._running[threading.get_ident()] = label
+            if self._idle_until_starved:
+                # Back in the idle class for each call: a call that starved left it.
+                idle_until_starved(self._nice)
             try:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future

@@ -22,6 +22,7 @@ from verl_ckpt.rank.planner import StepPlanner
 from verl_ckpt.rank.save_runner import SaveRunner
 from verl_ckpt.rank.snapshotter import Snapshotter
 from verl_ckpt.rank.writers import Writer, make_writer
+from verl_ckpt.store.fsio import WriteOptions
 
 __all__ = ["RankParts", "open_parts"]
 
@@ -78,7 +79,8 @@ def open_parts(
             settings.threads,
             f"verl_ckpt_{role}{rank}",
             settings.nice,
-            settings.writeback_every,
+            WriteOptions(settings.writeback_every, settings.direct_io),
+            settings.idle_class,
         )
         started.callback(_stop_quietly, writer.close)
         snapshotter = Snapshotter(config, writer, role, rank, root)

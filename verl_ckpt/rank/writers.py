@@ -27,10 +27,10 @@ from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.deadlines import time_left
 from verl_ckpt.protocol.errors import CheckpointWriteError, CommitTimeoutError
 from verl_ckpt.protocol.phases import Phase
-from verl_ckpt.protocol.threads import DaemonPool, lower_priority
+from verl_ckpt.protocol.threads import DaemonPool, idle_until_starved, lower_priority
 from verl_ckpt.rank.copy_progress import CopyProgress
 from verl_ckpt.rank.staging import StagingSlot
-from verl_ckpt.store.fsio import WRITEBACK_EVERY
+from verl_ckpt.store.fsio import DEFAULT_WRITES, WriteOptions
 
 __all__ = [
     "InlineWriter",
@@ -108,11 +108,11 @@ class InlineWriter:
 
     shares_memory = False
 
-    def __init__(self, writeback_every: int = WRITEBACK_EVERY) -> None:
+    def __init__(self, options: WriteOptions = DEFAULT_WRITES) -> None:
         # Open (set) unless the trainer holds writes back while it changes its state.
         self._gate = threading.Event()
         self._gate.set()
-        self._writeback_every = writeback_every
+        self._options = options
 
     def pause(self) -> None:
         self._gate.clear()
@@ -134,9 +134,9 @@ class InlineWriter:
         copied: CopyProgress | None = None,
     ) -> list[Outcome]:
         faults.inject(Phase.WRITE, *fault_scope)
-        every = self._writeback_every
         before = _waiting_for(copied, deadline)
-        return [write_bucket(bucket, transforms, self._gate, every, before) for bucket in buckets]
+        options = self._options
+        return [write_bucket(bucket, transforms, self._gate, options, before) for bucket in buckets]
 
     def forget_slot(self, slot: StagingSlot) -> None:
         pass
@@ -152,10 +152,16 @@ class ThreadWriter(InlineWriter):
     """A pool of threads in the rank writes one file each (file I/O releases the GIL)."""
 
     def __init__(
-        self, threads: int, name: str, nice: int = 0, writeback_every: int = WRITEBACK_EVERY
+        self,
+        threads: int,
+        name: str,
+        nice: int = 0,
+        options: WriteOptions = DEFAULT_WRITES,
+        idle_class: bool = False,
     ) -> None:
-        super().__init__(writeback_every)
-        self._pool = DaemonPool(threads, name, nice)
+        super().__init__(options)
+        # idle_class: each write runs on cores the trainer leaves (writer.idle_class).
+        self._pool = DaemonPool(threads, name, nice, idle_until_starved=idle_class)
 
     def write(
         self,
@@ -174,7 +180,7 @@ class ThreadWriter(InlineWriter):
                 bucket,
                 transforms,
                 self._gate,
-                self._writeback_every,
+                self._options,
                 before,
                 label=f"write {bucket[0]}",
             )
@@ -208,12 +214,18 @@ class ProcessWriter:
     shares_memory = True
 
     def __init__(
-        self, threads: int, name: str, nice: int = 0, writeback_every: int = WRITEBACK_EVERY
+        self,
+        threads: int,
+        name: str,
+        nice: int = 0,
+        options: WriteOptions = DEFAULT_WRITES,
+        idle_class: bool = False,
     ) -> None:
         self._threads = threads
         self._name = name
         self._nice = nice
-        self._writeback_every = writeback_every
+        self._options = options
+        self._idle_class = idle_class
         self._ctx = torch_mp.get_context("spawn")
         # Shared with the writer process, which checks it before each slice it writes.
         self._gate = self._ctx.Event()
@@ -335,7 +347,8 @@ class ProcessWriter:
                 self._threads,
                 self._nice,
                 self._gate,
-                self._writeback_every,
+                self._options,
+                self._idle_class,
             ),
             name=self._name,
             daemon=True,
@@ -401,7 +414,13 @@ def _exit_with_parent() -> None:
 
 
 def _writer_main(
-    requests: Any, results: Any, threads: int, nice: int, gate: Any, writeback_every: int
+    requests: Any,
+    results: Any,
+    threads: int,
+    nice: int,
+    gate: Any,
+    options: WriteOptions,
+    idle_class: bool,
 ) -> None:
     """The writer process: serve slot registrations and writes until told to stop."""
     # Before any thread starts: every thread of this process inherits the lowered priority.
@@ -430,13 +449,25 @@ def _writer_main(
                 faults.inject(Phase.WRITE, *fault_scope)
                 buckets = [_rebuild_bucket(b, slots[slot_id]) for b in plan]
                 write = partial(
-                    write_bucket, transforms=transforms, gate=gate, writeback_every=writeback_every
+                    _write_bucket_at,
+                    nice if idle_class else None,
+                    transforms=transforms,
+                    gate=gate,
+                    options=options,
                 )
                 outcomes = _write_every_bucket(pool, write, buckets)
                 results.put(("done", job, outcomes))
             except Exception as exc:  # noqa: BLE001 - sent back, raised in the rank
                 results.put(("error", job, f"{type(exc).__name__}: {exc}"))
     pool.shutdown()
+
+
+def _write_bucket_at(idle_nice: int | None, bucket: tuple, **kwargs: Any) -> Outcome:
+    """write_bucket on a writer process's thread, in the idle class until starved
+    (writer.idle_class) when `idle_nice` is not None."""
+    if idle_nice is not None:
+        idle_until_starved(idle_nice)
+    return write_bucket(bucket, **kwargs)
 
 
 def _write_every_bucket(
@@ -462,10 +493,16 @@ def _write_every_bucket(
 
 
 def make_writer(
-    mode: str, threads: int, name: str, nice: int = 0, writeback_every: int = WRITEBACK_EVERY
+    mode: str,
+    threads: int,
+    name: str,
+    nice: int = 0,
+    options: WriteOptions = DEFAULT_WRITES,
+    idle_class: bool = False,
 ) -> Writer:
     if mode == "process":
-        return ProcessWriter(threads, name, nice, writeback_every)
+        return ProcessWriter(threads, name, nice, options, idle_class)
     if mode == "thread":
-        return ThreadWriter(threads, name, nice, writeback_every)
-    return InlineWriter(writeback_every)
+        return ThreadWriter(threads, name, nice, options, idle_class)
+    # Inline: the training thread writes itself, never in the idle class.
+    return InlineWriter(options)

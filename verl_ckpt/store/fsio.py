@@ -21,17 +21,21 @@ import secrets
 import stat
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 import xxhash
 
 from verl_ckpt.protocol.config import DEFAULT_EARLY_WRITEBACK_MB
+from verl_ckpt.protocol.threads import made_progress
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "DEFAULT_WRITES",
     "DIR_MODE",
     "FILE_MODE",
     "MAX_PAUSE_S",
@@ -43,6 +47,7 @@ __all__ = [
     "NotARegularFile",
     "RenameNotDurable",
     "WRITEBACK_EVERY",
+    "WriteOptions",
     "atomic_write_bytes",
     "create_new_file",
     "create_replacing",
@@ -319,6 +324,20 @@ WRITEBACK_EVERY = DEFAULT_EARLY_WRITEBACK_MB << 20
 _WRITE_SLICE = 8 << 20
 
 
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a writer puts a file's bytes on disk (checkpoint.writer keys): `direct_io` around
+    the page cache where the filesystem allows it (store/direct_io.py), else through it with
+    an early writeback every `writeback_every` bytes (EarlyWriteback; 0: none)."""
+
+    writeback_every: int = WRITEBACK_EVERY
+    direct_io: bool = False
+
+
+# Small files (records, common.pt, a driver's state): through the page cache.
+DEFAULT_WRITES = WriteOptions()
+
+
 def _load_sync_file_range() -> Callable[..., int] | None:
     """Linux's sync_file_range(2) from the C library, or None elsewhere."""
     if not sys.platform.startswith("linux"):
@@ -475,6 +494,7 @@ class ChecksummingWriter:
             if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
                 self._gate.set()
             piece = view[start : start + _WRITE_SLICE]
+            began = time.monotonic()
             try:
                 self._stream.write(piece)
             except OSError as exc:
@@ -484,6 +504,8 @@ class ChecksummingWriter:
             self._hasher.update(piece)
             self.size += piece.nbytes
             self._writeback.advance(self.size)
+            # A writer thread in the idle class that got no core for this slice leaves it.
+            made_progress(time.monotonic() - began)
         return view.nbytes
 
     def done_writing(self) -> None:

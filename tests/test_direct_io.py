@@ -1,0 +1,178 @@
+"""Files written around the page cache (writer.direct_io, store/direct_io.py): the bytes and
+the checksum are exactly those written, whatever their lengths and alignment; the page cache
+holds at most the file's last partial block; a filesystem or file that cannot do O_DIRECT is
+written through the page cache as before. Real files on the test's own filesystem; the
+refusals of other filesystems are faked (each test says so)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.store.direct_io import open_direct
+from verl_ckpt.store.fsio import WriteOptions, file_checksum
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux O_DIRECT")
+
+DIRECT = WriteOptions(direct_io=True)
+MiB = 1 << 20
+
+
+def _direct_capable(directory: Path) -> bool:
+    fd = os.open(directory / ".probe", os.O_WRONLY | os.O_CREAT, 0o600)
+    handle = open_direct(fd)
+    (directory / ".probe").unlink()
+    if handle is None:
+        os.close(fd)
+        return False
+    handle.close()  # the DirectFile owns the descriptor
+    return True
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [0],
+        [1],
+        [4095, 1],
+        [4096],
+        [8 * MiB],
+        [8 * MiB + 5],
+        [3, 8 * MiB - 3, 4097],
+        [20 * MiB + 123, 77, 5 * MiB],
+    ],
+)
+def test_direct_writes_hold_exactly_the_bytes_and_checksum_written(tmp_path, pieces):
+    assert _direct_capable(tmp_path), "the test's filesystem should do O_DIRECT"
+    chunks = [os.urandom(n) for n in pieces]
+    path = tmp_path / "rank.distcp"
+
+    def write(stream) -> None:
+        for chunk in chunks:
+            stream.write(memoryview(chunk))
+        assert stream.tell() == sum(pieces)
+
+    written = write_checksummed(path, write, options=DIRECT)
+    assert path.read_bytes() == b"".join(chunks)
+    assert (written.size, written.checksum) == file_checksum(path)
+
+
+def test_direct_writes_leave_the_page_cache_but_the_last_block(tmp_path):
+    """The point of it: the file's pages are not cached (mincore), but for the partial
+    block at the end, which goes through the page cache."""
+    path = tmp_path / "rank.distcp"
+    tensor = torch.rand(6 * MiB // 4)
+    written = write_checksummed(
+        path,
+        lambda s: (s.write(memoryview(tensor.numpy()).cast("B")), s.write(b"tail")),
+        options=DIRECT,
+    )
+    assert written.size == 6 * MiB + 4
+    assert _cached_pages(path) <= 1
+    buffered = tmp_path / "buffered.distcp"
+    write_checksummed(buffered, lambda s: s.write(memoryview(tensor.numpy()).cast("B")))
+    assert _cached_pages(buffered) > 1000  # the same bytes through the page cache stay cached
+
+
+def test_a_filesystem_that_refuses_the_flag_is_written_through_the_page_cache(
+    tmp_path, monkeypatch
+):
+    """Faked, saying so: no filesystem at hand refuses O_DIRECT (tmpfs takes it since Linux
+    6.6), so fcntl refuses setting it here, as a filesystem without it does (EINVAL)."""
+    real_fcntl = fcntl.fcntl
+
+    def refusing(fd, command, arg=0):
+        if command == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, command, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refusing)
+    data = os.urandom(9 * MiB + 3)
+    written = write_checksummed(tmp_path / "f", lambda s: s.write(data), options=DIRECT)
+    assert (tmp_path / "f").read_bytes() == data
+    assert (written.size, written.checksum) == file_checksum(tmp_path / "f")
+    assert _cached_pages(tmp_path / "f") > 1000  # through the page cache
+
+
+def test_a_filesystem_that_takes_the_flag_but_refuses_the_write_goes_on_buffered(
+    tmp_path, monkeypatch
+):
+    """Faked, saying so: some network and FUSE filesystems accept O_DIRECT on the descriptor
+    and refuse the write itself (EINVAL); os.pwrite does so here while the flag is set. The
+    file is whole all the same, every byte from where the refusal came."""
+    real_pwrite = os.pwrite
+
+    def refusing(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing)
+    data = os.urandom(17 * MiB + 5)
+    written = write_checksummed(tmp_path / "f", lambda s: s.write(data), options=DIRECT)
+    assert (tmp_path / "f").read_bytes() == data
+    assert (written.size, written.checksum) == file_checksum(tmp_path / "f")
+
+
+def test_an_io_error_of_a_direct_write_names_the_file(tmp_path, monkeypatch):
+    """Faked, saying so: a device error (EIO) cannot be produced on the test's disk."""
+
+    def failing(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    with pytest.raises(OSError, match="rank.distcp") as caught:
+        write_checksummed(
+            tmp_path / "rank.distcp", lambda s: s.write(os.urandom(9 * MiB)), options=DIRECT
+        )
+    assert caught.value.errno == errno.EIO
+
+
+def test_a_fifo_is_never_switched_to_direct_io(tmp_path):
+    """On a pipe O_DIRECT is packet mode: open_direct leaves anything but a regular file."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        assert open_direct(fd) is None
+    finally:
+        os.close(fd)
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of the file's pages the page cache holds (mincore(2) over a mapping)."""
+    size = path.stat().st_size
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value)
+        try:
+            vector = ctypes.create_string_buffer(pages)
+            assert libc.mincore(ctypes.c_void_p(address), size, vector) == 0
+            return sum(byte & 1 for byte in vector.raw)
+        finally:
+            libc.munmap(ctypes.c_void_p(address), size)
+    finally:
+        os.close(fd)

@@ -1,0 +1,92 @@
+"""Writer threads in the idle class (writer.idle_class, protocol/threads.py): they take no
+share of a core the trainer wants, and one starved of every core leaves the class so that a
+save always ends. Real scheduling classes, real busy processes pinned to one core."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from verl_ckpt.protocol import threads
+from verl_ckpt.protocol.threads import DaemonPool, idle_until_starved, made_progress
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not threads._may_leave_idle(),
+    reason="needs Linux and the right to leave SCHED_IDLE (CAP_SYS_NICE or RLIMIT_NICE)",
+)
+
+
+def _in_thread(work):
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(work()))
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the thread did not end within 60 s"
+    return out[0]
+
+
+def test_a_thread_stays_idle_while_its_work_progresses_and_leaves_when_starved():
+    def work():
+        assert idle_until_starved(10)
+        seen = [os.sched_getscheduler(0)]
+        made_progress(0.01)  # a slice that got a core at once
+        seen.append(os.sched_getscheduler(0))
+        made_progress(threads.STARVED_AFTER_S + 0.1)  # a slice that waited for one
+        seen.append(os.sched_getscheduler(0))
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return seen
+
+    assert _in_thread(work) == [os.SCHED_IDLE, os.SCHED_IDLE, os.SCHED_OTHER, 10]
+
+
+def test_the_writer_pool_runs_each_call_idle_again_after_one_starved():
+    pool = DaemonPool(1, "test_idle_pool", nice=10, idle_until_starved=True)
+    try:
+
+        def starved_call():
+            before = os.sched_getscheduler(0)
+            made_progress(threads.STARVED_AFTER_S + 1)
+            return before, os.sched_getscheduler(0)
+
+        assert pool.submit(starved_call).result(60) == (os.SCHED_IDLE, os.SCHED_OTHER)
+        assert pool.submit(lambda: os.sched_getscheduler(0)).result(60) == os.SCHED_IDLE
+    finally:
+        assert pool.close(30) == []
+
+
+def test_a_write_starved_of_its_only_core_leaves_the_idle_class_and_ends():
+    """A busy process at nice 0 and the idle writer share one core (both pinned to it): the
+    writer gets next to nothing of it until a slice of its write has waited
+    STARVED_AFTER_S, then goes on at its niceness and finishes."""
+    from verl_ckpt.format.file_writer import write_checksummed
+
+    core = sorted(os.sched_getaffinity(0))[0]
+    busy = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"]
+    )
+    path = f"/tmp/verl_ckpt_idle_{os.getpid()}.bin"
+    try:
+        time.sleep(0.5)  # the busy loop holds the core
+
+        payload = os.urandom(9 << 20)  # two slices: 8 MiB, then 1 MiB
+
+        def work():
+            os.sched_setaffinity(0, {core})
+            assert idle_until_starved(10)
+            start = time.monotonic()
+            write_checksummed(path, lambda stream: stream.write(payload))
+            return os.sched_getscheduler(0), time.monotonic() - start
+
+        policy, seconds = _in_thread(work)
+        assert policy == os.SCHED_OTHER, "the starved writer stayed in the idle class"
+        assert seconds < 45
+    finally:
+        busy.kill()
+        busy.wait(30)
+        if os.path.exists(path):
+            os.unlink(path)
