@@ -95,8 +95,8 @@ class WriterConfig:
     direct_io: bool = True
     # true: the writer threads (and the writer process's) run in Linux's SCHED_IDLE class,
     # on cores nothing else wants, so that the trainer's steps beside a save's write keep
-    # their cores; a thread whose slice of a write got no core for 0.5 s goes on at `nice`
-    # (a save is never starved). Where the process may not leave that class again (no
+    # their cores; a thread that waited 0.5 s in all for a core while writing a file goes on
+    # at `nice` (a save is never starved). Where the process may not leave that class again (no
     # CAP_SYS_NICE and RLIMIT_NICE of 0), the threads just run at `nice`. false: at `nice`.
     idle_class: bool = True
 

@@ -8,15 +8,19 @@ left to a daemon thread that does not hold the process up.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DaemonPool",
@@ -63,61 +67,92 @@ def run_when_idle() -> None:
         pass
 
 
-# A thread in idle_until_starved() whose one piece of work took longer than this leaves the
-# idle class: a busy machine gave it no idle core, and its result is awaited (a save).
+# A thread in idle_until_starved() that has waited this long for a core in all (runnable
+# but not running) leaves the idle class: a busy machine gave it no idle core, and its
+# result is awaited (a save). The bound also ends a priority inversion: a starved writer
+# thread holding the GIL holds up the trainer's thread.
 STARVED_AFTER_S = 0.5
 
 _idle_state = threading.local()
-_can_leave_idle: bool | None = None
+_may_leave: dict[int, bool] = {}  # niceness -> whether a thread at it may leave SCHED_IDLE
 _probe_lock = threading.Lock()
+_warned = False
 
 
 def idle_until_starved(nice: int) -> bool:
     """Put the calling thread in SCHED_IDLE (run_when_idle) for work that is awaited, such
     as a save's writes: it then takes no share of a core the training thread wants, and
-    `made_progress` moves it back to the normal class at `nice` once a piece of its work
-    was starved for STARVED_AFTER_S. Only where the thread may leave SCHED_IDLE again (an
-    unprivileged process needs RLIMIT_NICE for it): elsewhere it stays at `nice`, and this
-    returns False."""
+    `made_progress` moves it back to the normal class at `nice` once it has waited
+    STARVED_AFTER_S for a core since this call. Only where the thread may leave SCHED_IDLE
+    again (an unprivileged process needs RLIMIT_NICE for it): elsewhere it stays in the
+    normal class, and this returns False."""
     if not _may_leave_idle():
         return False
     run_when_idle()
     _idle_state.nice = nice
+    _idle_state.waited = _waited_for_cores_s()
+    _idle_state.since = time.monotonic()
     return True
 
 
-def made_progress(seconds: float) -> None:
-    """A piece of the calling thread's work took `seconds`: starved (in idle_until_starved),
-    the thread leaves SCHED_IDLE for the normal class at its niceness, until the next
-    idle_until_starved."""
+def made_progress() -> None:
+    """Called by a thread in idle_until_starved as its work goes on (each slice of a write):
+    once it has waited STARVED_AFTER_S for a core in all since then, it leaves SCHED_IDLE
+    for the normal class at its niceness, until the next idle_until_starved. The wait is
+    the kernel's count of the thread's time runnable but not running (schedstat), which
+    sleeps on the disk do not add to; without it, the time since idle_until_starved."""
     nice = getattr(_idle_state, "nice", None)
-    if nice is None or seconds <= STARVED_AFTER_S:
+    if nice is None:
+        return
+    waited = _waited_for_cores_s()
+    if waited is not None and _idle_state.waited is not None:
+        starved = waited - _idle_state.waited
+    else:
+        starved = time.monotonic() - _idle_state.since
+    if starved <= STARVED_AFTER_S:
         return
     _idle_state.nice = None
-    leave_idle_class()
+    if not leave_idle_class():
+        _warn_once("a starved writer thread could not leave SCHED_IDLE")
     lower_priority(nice)
 
 
-def leave_idle_class() -> None:
+def leave_idle_class() -> bool:
     """Move the calling thread from SCHED_IDLE back to the normal class, if it is in the
-    idle class and may leave it; its niceness stays."""
+    idle class (its niceness stays). False only where that was refused."""
     if not hasattr(os, "SCHED_IDLE") or not sys.platform.startswith("linux"):
-        return
+        return True
     try:
         if os.sched_getscheduler(0) == os.SCHED_IDLE:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     except OSError:
-        pass
+        return False
+    return True
+
+
+def _waited_for_cores_s() -> float | None:
+    """The calling thread's time runnable but waiting for a core, in seconds (the second
+    field of Linux's schedstat), or None where the kernel does not count it."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _may_leave_idle() -> bool:
-    """Whether a thread of this process can go back from SCHED_IDLE to SCHED_OTHER, tried
-    once on a thread of its own (a thread stuck idle would starve on a busy machine)."""
-    global _can_leave_idle
+    """Whether a thread at the calling thread's niceness can go back from SCHED_IDLE to
+    SCHED_OTHER (the kernel checks it against RLIMIT_NICE at that niceness), tried once per
+    niceness on a thread of its own, which inherits it: a thread stuck idle would starve on
+    a busy machine."""
     if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
         return False
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return False
     with _probe_lock:
-        if _can_leave_idle is None:
+        if nice not in _may_leave:
             found: list[bool] = []
 
             def probe() -> None:
@@ -132,8 +167,15 @@ def _may_leave_idle() -> bool:
             thread.start()
             # Two system calls; bounded anyway (a thread that never ran counts as a no).
             thread.join(5.0)
-            _can_leave_idle = bool(found and found[0])
-        return _can_leave_idle
+            _may_leave[nice] = bool(found and found[0])
+        return _may_leave[nice]
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("%s", message)
 
 
 class DaemonPool:

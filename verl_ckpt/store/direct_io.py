@@ -17,6 +17,7 @@ some network and FUSE filesystems), the file is written through the page cache a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -57,7 +58,12 @@ def open_direct(fd: int) -> DirectFile | None:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
     except OSError:  # EINVAL: the filesystem does not do O_DIRECT
         return None
-    return DirectFile(fd)
+    try:
+        return DirectFile(fd)
+    except (OSError, ValueError, MemoryError):
+        # No memory for the buffers: the caller writes (and closes) the file as before.
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return None
 
 
 class DirectFile:
@@ -79,6 +85,7 @@ class DirectFile:
         self._written = 0  # bytes handed to the device (a multiple of _ALIGN until finish)
         self._direct = True
         self._writing: Future | None = None  # the other buffer's write, if one runs
+        self._hung = False  # that write outlasted _HELPER_WAIT_S
         self._helper: DaemonPool | None = None
 
     def write(self, data: bytes | memoryview) -> int:
@@ -112,8 +119,11 @@ class DirectFile:
             self._write_buffer(self._current, whole, self._written)
             self._written += whole
             rest = self._filled - whole
-            array = self._arrays[self._current]
-            array[:rest] = array[whole : self._filled].copy()
+            # No local name for the buffer's array: a traceback keeping it alive would keep
+            # close() from unmapping the buffer (BufferError).
+            self._arrays[self._current][:rest] = self._arrays[self._current][
+                whole : self._filled
+            ].copy()
             self._filled = rest
         if self._filled:
             self._set_direct(False)
@@ -133,17 +143,21 @@ class DirectFile:
         fd, self._fd = self._fd, -1
         try:
             if self._helper is not None:
-                # A write still running (the writer failed meanwhile) is waited for, bounded:
-                # its buffer must not be unmapped under it.
-                if self._writing is not None:
+                # A write still running (the writer failed meanwhile) is waited for, bounded,
+                # so that its buffer is not unmapped under it; one already found hung is not
+                # waited for again.
+                if self._writing is not None and not self._hung:
                     wait_for_futures([self._writing], timeout=_HELPER_WAIT_S)
-                self._helper.close(_HELPER_WAIT_S)
+                self._helper.close(0.1 if self._hung else _HELPER_WAIT_S)
         finally:
+            os.close(fd)
             self._arrays.clear()
             if self._writing is None or self._writing.done():
                 for buffer in self._buffers:
-                    buffer.close()
-            os.close(fd)
+                    # A view still alive elsewhere (a caller's traceback) keeps the buffer
+                    # mapped until it is collected: never an error of the file.
+                    with contextlib.suppress(BufferError):
+                        buffer.close()
 
     def __enter__(self) -> DirectFile:
         return self
@@ -173,6 +187,7 @@ class DirectFile:
         done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
         if not done:
             self._writing = writing  # still reading its buffer: close() must not unmap it
+            self._hung = True
             raise OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
         writing.result()
 

@@ -21,7 +21,6 @@ import secrets
 import stat
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import BinaryIO, Protocol
 import xxhash
 
 from verl_ckpt.protocol.config import DEFAULT_EARLY_WRITEBACK_MB
-from verl_ckpt.protocol.threads import made_progress
+from verl_ckpt.protocol.threads import leave_idle_class, made_progress
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -424,6 +423,9 @@ class EarlyWriteback:
             self._pending.put(None)
 
     def _hand_over(self, fd: int) -> None:
+        # Started by a writer thread that may be in the idle class: the hints are awaited by
+        # its fsync, and take next to no CPU.
+        leave_idle_class()
         started = 0
         try:
             while True:
@@ -494,7 +496,6 @@ class ChecksummingWriter:
             if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
                 self._gate.set()
             piece = view[start : start + _WRITE_SLICE]
-            began = time.monotonic()
             try:
                 self._stream.write(piece)
             except OSError as exc:
@@ -504,8 +505,8 @@ class ChecksummingWriter:
             self._hasher.update(piece)
             self.size += piece.nbytes
             self._writeback.advance(self.size)
-            # A writer thread in the idle class that got no core for this slice leaves it.
-            made_progress(time.monotonic() - began)
+            # A writer thread in the idle class that waited too long for a core leaves it.
+            made_progress()
         return view.nbytes
 
     def done_writing(self) -> None:
