@@ -65,6 +65,8 @@ def role_inputs(reports: list[RankReport]) -> _Inputs | None:
 
 
 def _forecast_file(directory: Path, inputs: _Inputs) -> bytes:
+    # The ranks' own reports over Ray (protocol/messages.py's trust boundary), never bytes
+    # read from a root.
     results = [pickle.loads(packed) for packed in inputs.packed_results]
     return metadata_file_bytes(directory, inputs.metadata, results)
 

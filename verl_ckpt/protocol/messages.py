@@ -56,6 +56,9 @@ class RankReport:
     # In transit (pack/unpack), as plain pickles: about half of what Ray's own serialisation
     # of a hundred WriteResult dataclasses costs on the report's round trip. The global
     # metadata arrives pickled already (once per save plan: megatron_compat.PreparedSave).
+    # Trust boundary: these bytes come over Ray from the job's own ranks, as trusted as
+    # Ray's own pickling of every call between them; never from a root or a bucket (what is
+    # read from those goes through format/safe_load.py).
     packed_write_results: bytes | None = None
     packed_global_metadata: bytes | None = None
     # Set by the finalizer when the report arrives, whatever a sender put here: what was
