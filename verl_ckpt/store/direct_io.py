@@ -116,20 +116,12 @@ class DirectFile:
         self._wait_for_writing()
         whole = self._filled - self._filled % _ALIGN
         if whole:
-            self._write_buffer(self._current, whole, self._written)
-            self._written += whole
-            rest = self._filled - whole
-            # No local name for the buffer's array: a traceback keeping it alive would keep
-            # close() from unmapping the buffer (BufferError).
-            self._arrays[self._current][:rest] = self._arrays[self._current][
-                whole : self._filled
-            ].copy()
-            self._filled = rest
-        if self._filled:
+            self._write_buffer(self._current, 0, whole, self._written)
+        if self._filled > whole:
             self._set_direct(False)
-            self._write_buffer(self._current, self._filled, self._written)
-            self._written += self._filled
-            self._filled = 0
+            self._write_buffer(self._current, whole, self._filled - whole, self._written + whole)
+        self._written += self._filled
+        self._filled = 0
 
     def fileno(self) -> int:
         return self._fd
@@ -172,7 +164,7 @@ class DirectFile:
         if self._helper is None:
             self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
         self._writing = self._helper.submit(
-            self._write_buffer, self._current, _BUFFER_BYTES, self._written
+            self._write_buffer, self._current, 0, _BUFFER_BYTES, self._written
         )
         self._written += _BUFFER_BYTES
         self._current = 1 - self._current
@@ -191,20 +183,20 @@ class DirectFile:
             raise OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
         writing.result()
 
-    def _write_buffer(self, index: int, nbytes: int, offset: int) -> None:
-        """Write buffer `index`'s first `nbytes` at `offset`."""
+    def _write_buffer(self, index: int, start: int, nbytes: int, offset: int) -> None:
+        """Write `nbytes` of buffer `index` from `start` at file offset `offset`."""
         try:
-            self._pwrite(index, nbytes, offset)
+            self._pwrite(index, start, nbytes, offset)
         except OSError as exc:
             # Some filesystems accept the flag and refuse the write (EINVAL): the rest of the
             # file goes through the page cache, from the same offset.
             if exc.errno != errno.EINVAL or not self._direct:
                 raise
             self._set_direct(False)
-            self._pwrite(index, nbytes, offset)
+            self._pwrite(index, start, nbytes, offset)
 
-    def _pwrite(self, index: int, nbytes: int, offset: int) -> None:
-        view = memoryview(self._buffers[index])[:nbytes]
+    def _pwrite(self, index: int, start: int, nbytes: int, offset: int) -> None:
+        view = memoryview(self._buffers[index])[start : start + nbytes]
         try:
             while view:
                 done = os.pwrite(self._fd, view, offset)
