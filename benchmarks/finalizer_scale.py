@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from verl_ckpt.protocol import Failure, Phase
-from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.protocol.messages import RankReport, ReportBatch, batch_reports
 from verl_ckpt.store.commit_record import FileEntry
 from verl_ckpt.store.fsio import ChecksummingWriter
 from verl_ckpt.store.tracker import read_tracker
@@ -186,25 +186,37 @@ def _begin_args(step: int, rank: int, world: int) -> tuple:
 
 
 NODE_SIZE = 8
-# Processes playing the nodes (each a group of nodes): few, the machine has few cores.
+# Ranks per group aggregator (config report_group_size's default).
+GROUP_SIZE = 128
+# Processes playing the nodes (each some rank groups of nodes): few, the machine has few cores.
 GROUPS = 4
 # Target of issue 44 for "committed after the last rank's write", seconds, by ranks.
 TARGETS = {4096: 0.1, 16_384: 1.0}
 _START_IN_S = 0.3  # the agreed instant: this long after the driver sends it
 
 
+# How the ranks' reports reach the finalizer, by benchmark mode.
+MODES = {
+    "group": "a batch per group of {group} ranks ({calls} groups of {per_group} nodes)",
+    "node": "a batch per node ({calls} nodes)",
+    "rank": "a call per rank",
+}
+
+
 @ray.remote(num_cpus=0)
 class _NodeGroup:
-    """Plays the ranks of some nodes: begin_step, the ranks' files, then their reports, all
-    at once, through one NodeBatcher per node (or one `report` call per rank)."""
+    """Plays the ranks of some nodes (whole rank groups of them): begin_step and the ranks'
+    files; then, at one instant, what reaches the finalizer from them: each rank group's
+    batch (mode "group", as the group's aggregator forwards it), each node's (mode "node"),
+    or each rank's report (mode "rank"). The batches are formed before the instant: the
+    aggregators that form them in a real job run on the nodes, in parallel (their hops are
+    measured apart, _hop_latencies)."""
 
     def __init__(self, finalizer: Any, world: int, nodes: list[int], sink: Any) -> None:
         self._finalizer = finalizer
         self._sink = sink
         self._world = world
         self._ranks = [r for n in nodes for r in range(n * NODE_SIZE, (n + 1) * NODE_SIZE)]
-        self._batchers = _batchers(nodes, self._forward)
-        self._floor_batchers = _batchers(nodes, self._to_sink)
         self._reports: list[RankReport] = []
         self._directory: Path | None = None
 
@@ -218,49 +230,49 @@ class _NodeGroup:
     async def write(self, step: int) -> None:
         self._reports = _reports(step, self._world, self._directory, self._ranks)
 
-    async def finish(self, at: float, batched: bool, floor: bool = False) -> float:
-        """At the instant `at`, every rank of these nodes reports; when the last answer came.
-        `floor`: the same batches to an actor that does nothing with them (Ray's own cost)."""
+    async def finish(self, at: float, mode: str, floor: bool = False) -> float:
+        """At the instant `at`, every rank of these nodes has reported to its aggregators and
+        their batches leave for the finalizer; when the last answer came. `floor`: the same
+        batches to an actor that does nothing with them (Ray's own cost)."""
+        size = {"group": GROUP_SIZE, "node": NODE_SIZE}.get(mode)
+        batches: dict[int, list[RankReport]] = {}
+        for report in self._reports:
+            batches.setdefault(report.rank // size if size else report.rank, []).append(report)
+        # Packed as an aggregator packs the batch it forwards (its hop includes that).
+        packed = [ReportBatch.of(b) for b in batches.values()]
         await asyncio.sleep(max(0.0, at - time.monotonic()))
-        batchers = self._floor_batchers if floor else self._batchers
-        if batched:
-            calls = [batchers[r.rank // NODE_SIZE].report(r) for r in self._reports]
-        else:
+        if mode == "rank":
             calls = [self._finalizer.report.remote(r) for r in self._reports]
+        else:
+            to = self._sink if floor else self._finalizer
+            calls = [to.report_batch.remote(b) for b in packed]
         answers = await asyncio.gather(*calls)
         done = time.monotonic()
+        if mode != "rank":
+            answers = [a for batch in answers for a in batch]
         refused = [a for a in answers if a is not None]
         if refused:
             raise RuntimeError(f"{len(refused)} reports refused, the first: {refused[0]}")
         return done
 
-    async def _forward(self, reports: list[RankReport]) -> list:
-        return await self._finalizer.report_batch.remote(reports)
-
-    async def _to_sink(self, reports: list[RankReport]) -> list:
-        return await self._sink.report_batch.remote(reports)
-
-
-def _batchers(nodes: list[int], forward: Any) -> dict[int, Any]:
-    """One NodeBatcher per node, its ranks joined."""
-    from verl_ckpt.commit.aggregator import NodeBatcher
-
-    batchers = {}
-    for node in nodes:
-        batcher = NodeBatcher(forward)
-        for rank in range(node * NODE_SIZE, (node + 1) * NODE_SIZE):
-            batcher.join((ROLE, rank))
-        batchers[node] = batcher
-    return batchers
-
 
 @ray.remote(num_cpus=0)
 class _Sink:
-    """An async actor that takes report batches and does nothing with them: what Ray's calls
-    alone cost the receiver."""
+    """An async actor that takes report batches, unpacks them and does nothing more: what
+    Ray's calls and the batches' decoding alone cost the receiver."""
 
-    async def report_batch(self, reports: list[RankReport]) -> list:
+    def __init__(self) -> None:
+        self._arrived = 0.0
+
+    async def report_batch(self, batch: ReportBatch | list[RankReport]) -> list:
+        # Unpacked, as any receiver of a batch unpacks it.
+        reports = batch_reports(batch)
+        self._arrived = time.monotonic()
         return [None] * len(reports)
+
+    async def last_arrival(self) -> float:
+        """When the last batch arrived (time.monotonic(): one clock for the machine)."""
+        return self._arrived
 
 
 def _cpu_s(pid: int) -> float:
@@ -276,7 +288,7 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str, float]]:
+def _measure(world: int, root: Path, mode: str, steps: int) -> list[dict[str, float]]:
     """`steps` timed steps (after a warm-up one) of `world` ranks all finishing at once."""
     from verl_ckpt.commit.client import start_finalizer
 
@@ -285,8 +297,12 @@ def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str
     pid = ray.get(finalizer.__ray_call__.remote(lambda self: os.getpid()))
     sink = _Sink.remote()
     sink_pid = ray.get(sink.__ray_call__.remote(lambda self: os.getpid()))
+    # Whole rank groups per process (a group's batcher gathers its nodes' batches in-process).
+    per_group = max(1, GROUP_SIZE // NODE_SIZE)
     groups = [
-        _NodeGroup.remote(finalizer, world, list(range(g, nodes, GROUPS)), sink)
+        _NodeGroup.remote(
+            finalizer, world, [n for n in range(nodes) if (n // per_group) % GROUPS == g], sink
+        )
         for g in range(min(GROUPS, nodes))
     ]
     figures = []
@@ -301,12 +317,15 @@ def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str
             watch = _TrackerWatch(root, step)
             cpu = _cpu_s(pid)
             at = time.monotonic() + _START_IN_S
-            answered = ray.get([g.finish.remote(at, batched) for g in groups])
+            answered = ray.get([g.finish.remote(at, mode) for g in groups])
             ray.get(finalizer.wait_for_commit.remote(step, 300.0))
             watch.join(60)
             cpu = _cpu_s(pid) - cpu
             if read_tracker(root) != step or watch.moved_at is None:
-                raise RuntimeError(f"N={world}: step {step} did not move the tracker")
+                raise RuntimeError(
+                    f"N={world}: step {step} did not move the tracker ({read_tracker(root)}, "
+                    f"{watch.moved_at})"
+                )
             rss = _rss_mib(pid)
             if step == 1:
                 continue  # warm-up: imports in the actor, first directory listing
@@ -321,11 +340,11 @@ def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str
             )
         forecasts = ray.get(finalizer.status.remote())["metadata_forecasts"]
         figures[-1]["forecasts"] = forecasts
-        if batched:
+        if mode != "rank":
             # Ray's floor: the last step's batches again, to an actor that only answers.
             cpu = _cpu_s(sink_pid)
             at = time.monotonic() + _START_IN_S
-            answered = ray.get([g.finish.remote(at, True, True) for g in groups])
+            answered = ray.get([g.finish.remote(at, mode, True) for g in groups])
             figures[-1]["floor_s"] = max(answered) - at
             figures[-1]["floor_cpu_s"] = _cpu_s(sink_pid) - cpu
         _check_loadable(root, steps + 1, world)
@@ -333,6 +352,79 @@ def _measure(world: int, root: Path, batched: bool, steps: int) -> list[dict[str
         for actor in [*groups, sink, finalizer]:
             ray.kill(actor, no_restart=True)
     return figures
+
+
+HOP_SAMPLES = 5
+
+
+@ray.remote(num_cpus=0)
+class _HopSender:
+    """Some of the callers of one aggregator (ranks of its node, or node aggregators of its
+    group), in one process."""
+
+    def __init__(self, world: int, ranks: list[int]) -> None:
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="verl_ckpt_hop"))
+        self._reports = _reports(1, world, directory, ranks)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    async def send(self, aggregator: Any, step: int, at: float, per_node: bool) -> float:
+        """At `at`: each rank's report of `step` (`per_node` False), or each node's batch of
+        its reports, to `aggregator`; when the last answer came."""
+        for report in self._reports:
+            report.step = step  # a new step each time: an aggregator batches a step once
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        if per_node:
+            batches = [
+                self._reports[i : i + NODE_SIZE] for i in range(0, len(self._reports), NODE_SIZE)
+            ]
+            calls = [aggregator.report_batch.remote(b) for b in batches]
+        else:
+            calls = [aggregator.report.remote(r) for r in self._reports]
+        await asyncio.gather(*calls)
+        return time.monotonic()
+
+
+def _hop_latencies(world: int) -> dict[str, float]:
+    """The hops below the finalizer, which the benchmark's processes play in-process and
+    which a real job runs in parallel on every node (each aggregator on its own node, taking
+    only its own callers): one real aggregator actor (commit.aggregator.ReportAggregator),
+    taking its callers' real Ray calls all at once from 4 other processes and forwarding
+    its batch to an actor that only answers. The node hop: a node's 8 ranks' `report` calls
+    to the node's aggregator; the group hop: a rank group's GROUP_SIZE / 8 node batches
+    (`report_batch`) to the group's aggregator. Median of HOP_SAMPLES, each from the agreed
+    instant to the batch's arrival at the next actor (what the commit waits for; the
+    answers' way back is not on its path)."""
+    from verl_ckpt.commit.aggregator import ReportAggregator
+
+    out = {}
+    sink = _Sink.remote()
+    for hop, ranks, per_node in (
+        ("node_hop_s", list(range(NODE_SIZE)), False),
+        ("group_hop_s", list(range(GROUP_SIZE)), True),
+    ):
+        members = (ROLE, 0, len(ranks))
+        aggregator = (
+            ray.remote(ReportAggregator).options(num_cpus=0).remote(sink, 60.0, members=members)
+        )
+        share = max(NODE_SIZE, len(ranks) // 4)
+        senders = [
+            _HopSender.remote(world, ranks[i : i + share]) for i in range(0, len(ranks), share)
+        ]
+        try:
+            ray.get(aggregator.pending.remote())
+            samples = []
+            for step in range(HOP_SAMPLES + 1):  # the first warms the actors up
+                at = time.monotonic() + _START_IN_S
+                ray.get([s.send.remote(aggregator, step, at, per_node) for s in senders])
+                samples.append(ray.get(sink.last_arrival.remote()) - at)
+            out[hop] = _median(samples[1:])
+        finally:
+            for actor in [*senders, aggregator]:
+                ray.kill(actor, no_restart=True)
+    ray.kill(sink, no_restart=True)
+    return out
 
 
 def _check_loadable(root: Path, step: int, world: int) -> None:
@@ -368,7 +460,7 @@ def _profile_in_process(world: int, root: Path) -> str:
     async def one_step(step: int) -> None:
         directory = Path(await call(finalizer.begin_step, *_begin_args(step, 0, world)))
         reports = _reports(step, world, directory)
-        batches = [reports[i : i + NODE_SIZE] for i in range(0, world, NODE_SIZE)]
+        batches = [reports[i : i + GROUP_SIZE] for i in range(0, world, GROUP_SIZE)]
         os.sync()
         if step == 2:
             profiler.enable()
@@ -483,8 +575,8 @@ def _memory_over_steps(world: int, root: Path, steps: int) -> list[tuple[int, fl
             (directory / name).write_bytes(b"x")
             entry = FileEntry(name, 1, "0")
             reports.append(RankReport(step, "driver", rank, world, "s", files=[entry]))
-        for i in range(0, world, NODE_SIZE):
-            await finalizer.report_batch(reports[i : i + NODE_SIZE])
+        for i in range(0, world, GROUP_SIZE):
+            await finalizer.report_batch(reports[i : i + GROUP_SIZE])
         await finalizer.wait_for_commit(step, 60.0)
 
     async def all_steps() -> None:
@@ -503,22 +595,27 @@ def _median(values: list[float]) -> float:
 
 
 def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
-    """Each N of `rank_counts` (multiples of NODE_SIZE) batched per node, the smallest also
-    unbatched; the profile at the largest; begin_step against kept steps; the soak."""
+    """Each N of `rank_counts` (multiples of NODE_SIZE) batched per rank group through per-
+    node batches, the smallest also per node only and unbatched; the hops below the
+    finalizer, measured apart; the profile at the largest; begin_step against kept steps;
+    the soak."""
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
         for world in rank_counts:
-            for batched in (True, False) if world == min(rank_counts) else (True,):
+            hops = _hop_latencies(world)
+            modes = ("group", "node", "rank") if world == min(rank_counts) else ("group",)
+            for mode in modes:
                 steps = 3 if world <= 4096 else 2
-                figures = _measure(world, workdir / f"n{world}", batched, steps)
+                figures = _measure(world, workdir / f"n{world}", mode, steps)
                 shutil.rmtree(workdir / f"n{world}", ignore_errors=True)
                 row = {k: _median([f[k] for f in figures]) for k in figures[0] if k != "forecasts"}
                 row["rss"] = [f["rss_mib"] for f in figures]
                 for key in ("forecasts", "floor_s", "floor_cpu_s"):
                     row[key] = figures[-1].get(key)
-                rows.append((world, batched, row))
-                log(f"    {_verdict(world, batched, row)}")
+                row.update(hops)
+                rows.append((world, mode, row))
+                log(f"    {_verdict(world, mode, row)}")
         # Inside a Ray actor: the finalizer class asks Ray's runtime context whether its
         # actor was restarted.
         profiler = _Profiler.remote()
@@ -561,17 +658,42 @@ def _memory_table(memory: list[tuple[int, float, int]], world: int) -> str:
     rows = "\n".join(f"| {s} | {m:.0f} | {n} |" for s, m, n in memory)
     return (
         f"Finalizer memory across steps: the finalizer class in a helper process, N={world} "
-        f"driver-role ranks (a tiny plain file each), reports in batches of {NODE_SIZE}, keep 2, "
+        f"driver-role ranks (a tiny plain file each), reports in batches of {GROUP_SIZE}, keep 2, "
         f"{MEMORY_STEPS} steps; the process's RSS after each marked step (after gc):\n\n"
         "| step | RSS MiB | steps in the ledger |\n|---|---|---|\n" + rows
     )
 
 
-def _verdict(world: int, batched: bool, row: dict[str, Any]) -> str:
+def _how(world: int, mode: str) -> str:
+    per_group = GROUP_SIZE // NODE_SIZE
+    return MODES[mode].format(
+        group=GROUP_SIZE,
+        calls=world // (GROUP_SIZE if mode == "group" else NODE_SIZE),
+        per_group=per_group,
+    )
+
+
+def _critical_path_s(mode: str, row: dict[str, Any]) -> float:
+    """Committed after the last rank's write in a real job: the hops below the finalizer
+    that the benchmark plays in-process (measured apart), then what it measured."""
+    hops = {"group": ("node_hop_s", "group_hop_s"), "node": ("node_hop_s",), "rank": ()}[mode]
+    return row["committed_s"] + sum(row[h] for h in hops)
+
+
+def _verdict(world: int, mode: str, row: dict[str, Any]) -> str:
     """One line: committed after the last rank's write, against the issue's target."""
     committed = row["committed_s"]
-    how = f"{world // NODE_SIZE} nodes, batched per node" if batched else "one call per rank"
-    line = f"N={world} ({how}): committed {committed * 1e3:.0f} ms after the last rank's write"
+    total = _critical_path_s(mode, row)
+    line = (
+        f"N={world} ({_how(world, mode)}): committed {committed * 1e3:.0f} ms after the last "
+        "rank's write"
+    )
+    if mode != "rank":
+        line += (
+            " at the finalizer; with the hops below it ("
+            + ("node " if mode == "node" else "node and group ")
+            + f"aggregators) {total * 1e3:.0f} ms"
+        )
     rss = row.get("rss") or [row["rss_mib"]]
     work = (
         f" (finalizer CPU {row['finalizer_cpu_s'] * 1e3:.0f} ms; RSS {min(rss):.0f}-"
@@ -584,9 +706,9 @@ def _verdict(world: int, batched: bool, row: dict[str, Any]) -> str:
             f"{row['floor_cpu_s'] * 1e3:.0f} ms"
         )
     target = TARGETS.get(world)
-    if not batched or target is None:
+    if mode != "group" or target is None:
         return line + work + ", no target"
-    verdict = "MET" if committed <= target else "NOT MET"
+    verdict = "MET" if total <= target else "NOT MET"
     return line + work + f", target <= {target * 1e3:.0f} ms: {verdict}"
 
 
@@ -686,28 +808,31 @@ def soak_table(timed: list[dict[str, float]], traced: list[dict[str, float]]) ->
 
 
 def _markdown(
-    rows: list[tuple[int, bool, dict[str, Any]]],
+    rows: list[tuple[int, str, dict[str, Any]]],
     profile: str,
     largest: int,
     kept: list[tuple[int, float]],
     kept_n: int,
 ) -> str:
     lines = [
-        "| ranks N | reports | committed after the last rank's write ms | every report "
-        "answered ms | finalizer CPU from the reports to the commit ms | begin_step x N s | "
-        "finalizer RSS per step MiB | .metadata forecasts used / missed / late |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks N | reports | committed after the last rank's write, at the finalizer ms | "
+        "node hop ms | group hop ms | committed, hops included ms | every report answered "
+        "ms | finalizer CPU from the reports to the commit ms | begin_step x N s | finalizer "
+        "RSS per step MiB | .metadata forecasts used / missed / late |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for world, batched, r in rows:
-        how = f"a batch per node ({world // NODE_SIZE} nodes)" if batched else "a call per rank"
+    for world, mode, r in rows:
         rss = ", ".join(f"{m:.0f}" for m in r["rss"])
         f = r["forecasts"]
+        node_hop = f"{r['node_hop_s'] * 1e3:.0f}" if mode != "rank" else "-"
+        group_hop = f"{r['group_hop_s'] * 1e3:.0f}" if mode == "group" else "-"
         lines.append(
-            f"| {world} | {how} | {r['committed_s'] * 1e3:.0f} | {r['answered_s'] * 1e3:.0f} | "
-            f"{r['finalizer_cpu_s'] * 1e3:.0f} | {r['begin_s']:.2f} | {rss} | "
-            f"{f['used']} / {f['missed']} / {f['late']} |"
+            f"| {world} | {_how(world, mode)} | {r['committed_s'] * 1e3:.0f} | {node_hop} | "
+            f"{group_hop} | {_critical_path_s(mode, r) * 1e3:.0f} | "
+            f"{r['answered_s'] * 1e3:.0f} | {r['finalizer_cpu_s'] * 1e3:.0f} | "
+            f"{r['begin_s']:.2f} | {rss} | {f['used']} / {f['missed']} / {f['late']} |"
         )
-    verdicts = [_verdict(world, batched, r) for world, batched, r in rows]
+    verdicts = [_verdict(world, mode, r) for world, mode, r in rows]
     return (
         __doc__.split("\n\n", 1)[1].strip()
         + "\n\nMedians over the timed steps after a warm-up step (3 timed steps up to 4096 ranks, "
@@ -719,7 +844,7 @@ def _markdown(
         + "\n\n"
         + "\n".join(f"- {v}" for v in verdicts)
         + f"\n\nIn-process cProfile of one step with N={largest} (begin_step x N, the reports in "
-        f"batches of {NODE_SIZE}, the commit; by own time, then cumulative):\n\n```\n"
+        f"batches of {GROUP_SIZE}, the commit; by own time, then cumulative):\n\n```\n"
         + profile
         + "\n```"
         + f"\n\nA new step's first begin_step (called inside a rank's save(), so blocking) with S "

@@ -22,7 +22,10 @@ from verl_ckpt.commit.aggregator import (
     ReportAggregator,
     aggregator_name,
     batches_reports,
+    group_aggregator_name,
+    group_of,
     open_node_aggregator,
+    uses_groups,
 )
 from verl_ckpt.commit.client import (
     FINALIZER_NAMESPACE,
@@ -36,7 +39,7 @@ from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.deadlines import call_deadline
 from verl_ckpt.protocol.errors import CheckpointError, StepNotCommittedError
-from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.protocol.messages import RankReport, ReportBatch
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.layout import step_dir
 from verl_ckpt.store.tracker import read_tracker
@@ -63,7 +66,8 @@ class _Node:
 
     async def _forward(self, reports: list[RankReport]) -> list:
         self.calls.append([r.rank for r in reports])
-        return await self._finalizer.report_batch(reports)
+        # Packed, as an aggregator actor sends it.
+        return await self._finalizer.report_batch(ReportBatch.of(reports))
 
 
 def _nodes(finalizer: CheckpointFinalizer) -> list[_Node]:
@@ -230,6 +234,26 @@ def test_a_batch_refuses_only_the_reports_of_non_participants(tmp_path):
     _committed_and_verified(tmp_path, 6)
 
 
+def test_a_packed_batch_carries_every_field_a_report_sends():
+    """ReportBatch (what aggregators send) gives back each report as its rank sent it:
+    files, packed write results and global metadata, a failure; nothing the finalizer sets."""
+    plain = RankReport(3, "actor", 5, 8, "a", files=[FileEntry("actor/x", 7, "c1")])
+    plain.write_results = [{"written": 1}]
+    plain.packed_global_metadata = b"metadata"
+    failed = RankReport(3, "actor", 6, 8, "b", failure=Failure("actor", 6, Phase.WRITE, "boom"))
+    failed.files_on_arrival = "set by a finalizer, never sent"
+    back = ReportBatch.of([plain, failed]).reports()
+    assert [(r.step, r.role, r.rank, r.world_size, r.save_id) for r in back] == [
+        (3, "actor", 5, 8, "a"),
+        (3, "actor", 6, 8, "b"),
+    ]
+    assert back[0].files == [FileEntry("actor/x", 7, "c1")]
+    assert back[0].unpacked_write_results() == [{"written": 1}]
+    assert back[0].packed_global_metadata == b"metadata" and back[0].failure is None
+    assert back[1].failure == Failure("actor", 6, Phase.WRITE, "boom")
+    assert back[1].files == [] and back[1].files_on_arrival is None
+
+
 def test_report_batching_auto_batches_large_roles_only():
     assert not batches_reports("auto", 8) and batches_reports("auto", 64)
     assert batches_reports("node", 1) and not batches_reports("off", 4096)
@@ -242,12 +266,18 @@ def test_report_batching_auto_batches_large_roles_only():
 class _Rank:
     """A rank's process: its link reports through its node's aggregator."""
 
-    def __init__(self, root: str, rank: int) -> None:
+    def __init__(
+        self, root: str, rank: int, world: int = 2, group_size: int = 0, batched: bool = True
+    ) -> None:
         handle = ray.get_actor(finalizer_name(root), namespace=FINALIZER_NAMESPACE)
         who = f"{ROLE} rank {rank}"
-        self.aggregator = open_node_aggregator(root, handle, ROLE, rank, 30.0, who)
+        self.aggregator = (
+            open_node_aggregator(root, handle, ROLE, rank, 30.0, who, world, group_size)
+            if batched
+            else None
+        )
         client = FinalizerClient(handle, who, 30.0)
-        self.link = ParticipantLink(client, ROLE, rank, 2, 30.0, aggregator=self.aggregator)
+        self.link = ParticipantLink(client, ROLE, rank, world, 30.0, aggregator=self.aggregator)
         self.rank = rank
 
     def aggregator_handle(self) -> ray.actor.ActorHandle:
@@ -305,24 +335,105 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
     _committed_and_verified_two(Path(root), 2)
 
 
-def _start_holding_aggregator(root: str, finalizer: ray.actor.ActorHandle) -> None:
-    """The node's aggregator, started before the ranks find it, with a linger of NEVER_S: a
-    batch waiting for rank 1 is held until it is killed. With the default linger (50 ms) the
-    batch could leave before the kill on a loaded machine, and rank 0's report would reach the
-    finalizer after all."""
+def _start_holding_aggregator(
+    root: str,
+    finalizer: ray.actor.ActorHandle,
+    name: str | None = None,
+    members: tuple[str, int, int] | None = None,
+) -> ray.actor.ActorHandle:
+    """The node's aggregator (or, by `name` with `members`, a group's), started before the
+    ranks find it, with a linger of NEVER_S: a batch waiting for a rank is held until it is
+    killed. With the default linger (50 ms) the batch could leave before the kill on a loaded
+    machine, and the report would reach the finalizer after all."""
     node = ray.get_runtime_context().get_node_id()
     handle = (
         ray.remote(ReportAggregator)
         .options(
-            name=aggregator_name(root, node),
+            name=name or aggregator_name(root, node),
             namespace=FINALIZER_NAMESPACE,
             max_restarts=-1,
             max_task_retries=0,
             num_cpus=0,
         )
-        .remote(finalizer, 30.0, NEVER_S)
+        .remote(finalizer, 30.0, NEVER_S, members)
     )
     ray.get(handle.pending.remote(), timeout=60)
+    return handle
+
+
+# ---- the group level: a role larger than report_group_size --------------------------------
+
+GROUP_WORLD = 4
+GROUP_SIZE = 2
+
+
+def _group_ranks(root: str, ranks: tuple[int, ...]) -> list[ray.actor.ActorHandle]:
+    """Ranks of a role of GROUP_WORLD in groups of GROUP_SIZE, each joined to the node's
+    aggregator (and through it, its group's) once this returns."""
+    actors = [_Rank.remote(root, r, GROUP_WORLD, GROUP_SIZE) for r in ranks]
+    ray.get([a.aggregator_handle.remote() for a in actors], timeout=120)
+    return actors
+
+
+def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_group(
+    ray_local, tmp_path
+):
+    """4 ranks in groups of 2, all on this node: the node's one batch leaves as 2 calls, one
+    to each group's aggregator, and each group's batch reaches the finalizer as one call; the
+    step commits every rank's file, and a second step goes the same way."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
+    node = _start_holding_aggregator(root, finalizer)
+    ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
+    groups = [
+        ray.get_actor(group_aggregator_name(root, ROLE, g), namespace=FINALIZER_NAMESPACE)
+        for g in range(GROUP_WORLD // GROUP_SIZE)
+    ]
+    try:
+        for step in (1, 2):
+            saves = [rank.save.remote(step, f"s{step}r{i}") for i, rank in enumerate(ranks)]
+            assert ray.get(saves, timeout=120) == [None] * GROUP_WORLD
+            ray.get(finalizer.wait_for_commit.remote(step, 60.0), timeout=90)
+            _committed_and_verified_two(Path(root), step)
+            assert ray.get(node.batches_sent.remote(), timeout=60) == step
+            assert ray.get([g.batches_sent.remote() for g in groups], timeout=60) == [step] * 2
+        record = read_commit_record(step_dir(Path(root), 2))
+        assert sorted(f.path for f in record.files) == [f"part{r}.bin" for r in range(GROUP_WORLD)]
+    finally:
+        for actor in [*ranks, *groups, node, finalizer]:
+            ray.kill(actor, no_restart=True)
+
+
+def test_I5_a_node_whose_group_aggregator_died_sends_its_batch_straight_and_the_step_commits(
+    ray_local, tmp_path
+):
+    """Group 0's aggregator holds rank 0's report (its rank 1 reports directly, never
+    through the group) and is killed: the node's aggregator sends rank 0's report to the
+    finalizer itself, rank 0's save succeeds, and once rank 1 reported the step commits."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
+    node = _start_holding_aggregator(root, finalizer)
+    group = _start_holding_aggregator(
+        root, finalizer, group_aggregator_name(root, ROLE, 0), (ROLE, 0, GROUP_SIZE)
+    )
+    batched = _group_ranks(root, (0, 2, 3))
+    direct = _Rank.remote(root, 1, GROUP_WORLD, GROUP_SIZE, batched=False)
+    try:
+        saves = [rank.save.remote(1, f"r{i}") for i, rank in enumerate(batched)]
+        _until(lambda: ray.get(group.pending.remote(), timeout=60) == 1)
+        ray.kill(group, no_restart=False)
+        assert ray.get(saves, timeout=120) == [None] * 3
+        assert ray.get(direct.save.remote(1, "r1"), timeout=120) is None
+        ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
+    finally:
+        for actor in [*batched, direct, group, node, finalizer]:
+            ray.kill(actor, no_restart=True)
+    _committed_and_verified_two(Path(root), 1)
+
+
+def test_report_groups_are_ranges_of_ranks_of_larger_roles_only():
+    assert not uses_groups(128, 128) and uses_groups(129, 128) and not uses_groups(4096, 0)
+    assert [group_of(r, 128) for r in (0, 127, 128, 16_383)] == [0, 0, 1, 127]
 
 
 def _committed_and_verified_two(root: Path, step: int) -> None:

@@ -210,6 +210,7 @@ def test_I3_delete_removes_commit_record_first_and_next_retention_finishes(tmp_p
         ({"resume_mode": "resume_path"}, "checkpoint.resume_from_path"),
         ({"save_contents": ["model", "weights"]}, "checkpoint.save_contents"),
         ({"max_in_flight": 0}, "checkpoint.max_in_flight"),
+        ({"report_group_size": -1}, "checkpoint.report_group_size"),
         ({"timeout_s": -1}, "checkpoint.timeout_s"),
         ({"writer": {"mode": "fork"}}, "checkpoint.writer.mode"),
         ({"writer": {"threads": 0}}, "checkpoint.writer.threads"),

@@ -1,8 +1,13 @@
-"""Reports batched per node (protocol page, step 4, from the ranks' side): a node's ranks
-hand their reports to the node's aggregator, which forwards each step's reports of the node
-to the finalizer as one `report_batch` call. When every rank of a job finishes a step at
-once, the finalizer then takes one call per node instead of one per rank: at 16,384 ranks
-on 2,048 nodes its intake, which is serial (one event loop), grows with the nodes.
+"""Reports batched per node, and per group of ranks (protocol page, step 4, from the ranks'
+side): a node's ranks hand their reports to the node's aggregator, which forwards each
+step's reports of the node as one call: to the finalizer's `report_batch`, or, in a role of
+more than `report_group_size` ranks, to the aggregator of the rank group, which forwards the
+reports of its `report_group_size` ranks to the finalizer as one call. When every rank of a
+job finishes a step at once, the finalizer then takes one call per group instead of one per
+rank: its intake is serial (one event loop, and a Ray call costs it about as much as the
+work of a hundred reports), so at 16,384 ranks on 2,048 nodes it takes 128 calls, not 2,048
+(one per node) nor 16,384. Each level takes its calls in parallel with the others of its
+level: a node aggregator its node's ranks', a group aggregator its nodes'.
 
 Why a small Ray actor per node, and not the first rank of each node: a rank's actor runs
 the trainer's calls one at a time, so the other ranks' reports would wait behind a
@@ -11,7 +16,13 @@ The aggregator is an async actor with no CPU slot, pinned to its node, named aft
 and the node so that every rank of the node finds the same one; it holds nothing but the
 reports of the step being batched.
 
-When a batch leaves (`NodeBatcher`):
+A group is a range of ranks of one role (ranks g*size to (g+1)*size - 1, `group_of`): its
+members are known from the start, so a group's batch leaves as soon as its last rank's
+report arrives, whichever nodes they came through. A group aggregator is started by the
+first node aggregator that needs it (at a rank's join, not on the report's path) and found
+by name by the others.
+
+When a batch leaves (`NodeBatcher`, at either level):
 - at once when every rank of the node that joined has reported the step (the usual case:
   the node's last report does not wait);
 - at once with a failure: a rank's failure fails the step now, not when its node's batch
@@ -21,9 +32,11 @@ When a batch leaves (`NodeBatcher`):
 Each rank's call returns once the finalizer recorded its report, with the finalizer's
 answer for that report: for a rank, reporting through the aggregator is reporting.
 
-An aggregator that dies loses the reports it holds: the ranks waiting on it get an error
-and report straight to the finalizer instead (commit.participant.ParticipantLink.report; a
-report the batch had delivered is a duplicate there, and ignored). A report that never
+An aggregator that dies loses the reports it holds: the ranks waiting on a node aggregator
+get an error and report straight to the finalizer instead
+(commit.participant.ParticipantLink.report), and a node aggregator whose group aggregator
+died sends its batch straight to the finalizer (a report a lost batch had delivered is a
+duplicate there, and ignored). A report that never
 arrives fails its step at the step's deadline, naming the missing ranks, as without
 batching: nothing waits on an aggregator for longer.
 """
@@ -44,7 +57,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl_ckpt.commit.client import FINALIZER_NAMESPACE
 from verl_ckpt.protocol.deadlines import RPC_SLACK_S, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
-from verl_ckpt.protocol.messages import Participant, RankReport
+from verl_ckpt.protocol.messages import Participant, RankReport, ReportBatch, batch_reports
 
 __all__ = [
     "AggregatorLost",
@@ -53,7 +66,10 @@ __all__ = [
     "ReportAggregator",
     "aggregator_name",
     "batches_reports",
+    "group_aggregator_name",
+    "group_of",
     "open_node_aggregator",
+    "uses_groups",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +81,10 @@ _REMEMBERED_STEPS = 8
 
 # report_batching=auto batches the reports of a role of this many ranks or more.
 AUTO_MIN_RANKS = 64
+# The default of report_group_size: ranks per group aggregator in a role larger than this
+# (0: no group level). The finalizer takes world/size calls and a group aggregator size/8
+# (nodes of 8 ranks): at 4,096 to 16,384 ranks both stay between 16 and 128.
+GROUP_SIZE = 128
 
 Forward = Callable[[list[RankReport]], Awaitable[list[BaseException | None]]]
 
@@ -93,6 +113,9 @@ class NodeBatcher:
         # Per recent step, the participants whose reports were forwarded already.
         self._sent: OrderedDict[int, set[Participant]] = OrderedDict()
         self._sending: set[asyncio.Task] = set()
+        # Batches forwarded so far (status and tests: one per node or group when every
+        # rank reports at once).
+        self.batches_sent = 0
 
     def join(self, participant: Participant) -> None:
         """`participant` runs on this node: a step's batch waits for its report."""
@@ -134,6 +157,7 @@ class NodeBatcher:
         self._sent.move_to_end(step)
         while len(self._sent) > _REMEMBERED_STEPS:
             self._sent.popitem(last=False)
+        self.batches_sent += 1
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
@@ -154,32 +178,155 @@ class NodeBatcher:
 
 
 class ReportAggregator:
-    """The Ray actor of one node's NodeBatcher (see the module docstring)."""
+    """The Ray actor of one node's NodeBatcher, or of one rank group's (`members`: the role
+    and the range of ranks of the group; see the module docstring)."""
 
     def __init__(
-        self, finalizer: ray.actor.ActorHandle, timeout_s: float, linger_s: float = LINGER_S
+        self,
+        finalizer: ray.actor.ActorHandle,
+        timeout_s: float,
+        linger_s: float = LINGER_S,
+        members: tuple[str, int, int] | None = None,
     ) -> None:
         self._finalizer = finalizer
         self._timeout_s = timeout_s
+        self._linger_s = linger_s
         self._batcher = NodeBatcher(self._forward, linger_s)
+        if members is not None:
+            role, first, end = members
+            for rank in range(first, end):
+                self._batcher.join((role, rank))
+        # A node aggregator's group aggregators, by (role, group); the size of each role's
+        # groups (roles without groups are absent).
+        self._groups: dict[tuple[str, int], asyncio.Task] = {}
+        self._group_size: dict[str, int] = {}
+        self._root: str | None = None
 
-    async def join(self, role: str, rank: int) -> None:
+    async def join(
+        self,
+        role: str,
+        rank: int,
+        world_size: int = 0,
+        group_size: int = 0,
+        root_dir: str | None = None,
+    ) -> None:
+        """`role` `rank` runs on this node. In a role of more than `group_size` ranks, its
+        group's aggregator is found or started now, so that no report waits for it."""
         self._batcher.join((role, rank))
+        if not uses_groups(world_size, group_size) or root_dir is None:
+            return
+        self._root, self._group_size[role] = root_dir, group_size
+        key = (role, group_of(rank, group_size))
+        members = (role, key[1] * group_size, min(world_size, (key[1] + 1) * group_size))
+        if key not in self._groups:
+            self._groups[key] = asyncio.get_running_loop().create_task(
+                self._open_group(key, members)
+            )
+        try:
+            await asyncio.wait_for(asyncio.shield(self._groups[key]), self._timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the node's batches then go to the finalizer
+            if self._groups.pop(key, None) is not None:
+                logger.warning(
+                    "the report aggregator of %s ranks %d-%d could not be started (%s): this "
+                    "node sends their batches straight to the finalizer",
+                    role,
+                    members[1],
+                    members[2] - 1,
+                    type(exc).__name__,
+                )
 
     async def report(self, report: RankReport) -> BaseException | None:
         return await self._batcher.report(report)
 
+    async def report_batch(
+        self, batch: ReportBatch | list[RankReport]
+    ) -> list[BaseException | None]:
+        """A node aggregator's batch, into this group's batch: each report's answer once the
+        group's batch was delivered."""
+        reports = batch_reports(batch)
+        return list(await asyncio.gather(*(self._batcher.report(r) for r in reports)))
+
     async def pending(self) -> int:
         return self._batcher.pending()
 
+    async def batches_sent(self) -> int:
+        return self._batcher.batches_sent
+
+    async def _open_group(
+        self, key: tuple[str, int], members: tuple[str, int, int]
+    ) -> ray.actor.ActorHandle:
+        handle = (
+            ray.remote(ReportAggregator)
+            .options(
+                name=group_aggregator_name(self._root, *key),
+                namespace=FINALIZER_NAMESPACE,
+                get_if_exists=True,
+                # Restarted empty if it dies, with the same members; the node aggregators
+                # whose calls it held send those batches to the finalizer themselves.
+                max_restarts=-1,
+                max_task_retries=0,
+                num_cpus=0,
+            )
+            .remote(self._finalizer, self._timeout_s, self._linger_s, members)
+        )
+        await handle.pending.remote()
+        return handle
+
     async def _forward(self, reports: list[RankReport]) -> list[BaseException | None]:
-        ref = self._finalizer.report_batch.remote(reports)
+        """A batch that left: each report to its group's aggregator, or (a role without
+        groups) straight to the finalizer; the answers in the batch's order."""
+        parts: dict[tuple[str, int] | None, list[int]] = {}
+        for i, report in enumerate(reports):
+            size = self._group_size.get(report.role)
+            key = (report.role, group_of(report.rank, size)) if size else None
+            parts.setdefault(key if key in self._groups else None, []).append(i)
+        answers: list[BaseException | None] = [None] * len(reports)
+
+        async def send(key: tuple[str, int] | None, indices: list[int]) -> None:
+            part = [reports[i] for i in indices]
+            got = await (self._to_finalizer(part) if key is None else self._to_group(key, part))
+            for i, answer in zip(indices, got, strict=True):
+                answers[i] = answer
+
+        await asyncio.gather(*(send(key, indices) for key, indices in parts.items()))
+        return answers
+
+    async def _to_group(
+        self, key: tuple[str, int], reports: list[RankReport]
+    ) -> list[BaseException | None]:
+        try:
+            group = await self._groups[key]
+            # Longer than the group's own wait on the finalizer, so that its answer (a
+            # timeout included) is the one heard.
+            return await asyncio.wait_for(
+                _awaited(group.report_batch.remote(ReportBatch.of(reports))),
+                self._timeout_s + 2 * RPC_SLACK_S,
+            )
+        except TimeoutError:
+            return [
+                CommitTimeoutError(
+                    f"the group's report aggregator did not answer within {self._timeout_s:.0f}s"
+                )
+            ] * len(reports)
+        except Exception as exc:  # noqa: BLE001 - a dead or unreachable group aggregator
+            logger.warning(
+                "the report aggregator of %s ranks %d-%d is gone (%s): sending its batch "
+                "straight to the finalizer",
+                key[0],
+                key[1] * self._group_size[key[0]],
+                (key[1] + 1) * self._group_size[key[0]] - 1,
+                type(exc).__name__,
+            )
+            return await self._to_finalizer(reports)
+
+    async def _to_finalizer(self, reports: list[RankReport]) -> list[BaseException | None]:
+        ref = self._finalizer.report_batch.remote(ReportBatch.of(reports))
         try:
             return await asyncio.wait_for(_awaited(ref), self._timeout_s + RPC_SLACK_S)
         except TimeoutError:
             return [
                 CommitTimeoutError(
-                    f"the node's report aggregator: the finalizer did not answer within "
+                    f"the report aggregator: the finalizer did not answer within "
                     f"{self._timeout_s:.0f}s"
                 )
             ] * len(reports)
@@ -203,6 +350,22 @@ def aggregator_name(root_dir: str | Path, node_id: str) -> str:
     """The aggregator of a root on a node: found by every rank of the node."""
     digest = hashlib.sha1(f"{Path(root_dir).resolve()}|{node_id}".encode()).hexdigest()[:16]
     return f"verl_ckpt_aggregator_{digest}"
+
+
+def group_aggregator_name(root_dir: str | Path, role: str, group: int) -> str:
+    """The aggregator of a root's rank group `group` of `role`: found by every node's."""
+    return aggregator_name(root_dir, f"group|{role}|{group}")
+
+
+def uses_groups(world_size: int, group_size: int) -> bool:
+    """Whether a role of `world_size` ranks reports through group aggregators
+    (report_group_size: 0 turns the group level off)."""
+    return group_size > 0 and world_size > group_size
+
+
+def group_of(rank: int, group_size: int) -> int:
+    """The rank group of `rank`: ranks g*group_size to (g+1)*group_size - 1 form group g."""
+    return rank // group_size
 
 
 class NodeAggregator:
@@ -237,9 +400,12 @@ def open_node_aggregator(
     rank: int,
     timeout_s: float,
     who: str,
+    world_size: int = 0,
+    group_size: int = 0,
 ) -> NodeAggregator:
     """Start (or find) the aggregator of `root_dir` on this node and join it as `role`
-    `rank`; call it from the rank's own process, on its node."""
+    `rank`; call it from the rank's own process, on its node. A role of more than
+    `group_size` ranks (`world_size`) reports through group aggregators as well."""
     node = ray.get_runtime_context().get_node_id()
     handle = (
         ray.remote(ReportAggregator)
@@ -257,7 +423,9 @@ def open_node_aggregator(
         .remote(finalizer, timeout_s)
     )
     try:
-        ray.get(handle.join.remote(role, rank), timeout=timeout_s)
+        # The group aggregator's start is bounded by timeout_s inside join.
+        join = handle.join.remote(role, rank, world_size, group_size, str(root_dir))
+        ray.get(join, timeout=2 * timeout_s + RPC_SLACK_S)
     except ray.exceptions.GetTimeoutError:
         raise CommitTimeoutError(
             f"{who}: the node's report aggregator did not start within {timeout_s:.0f}s"

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verl_ckpt.protocol.deadlines import call_deadline, deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.protocol.messages import ReportBatch
 from verl_ckpt.store.fsio import read_regular
 from verl_ckpt.store.layout import ROOT_MARKER_FILENAME
 from verl_ckpt.store.signing import Keyring
@@ -252,9 +253,9 @@ class FinalizerClient:
     def report_batch(
         self, reports: list[RankReport], *, deadline: float | None = None
     ) -> list[CheckpointError | None]:
-        """Several participants' reports in one call (a node's, commit/aggregator.py): each
-        one's refusal, or None, in order."""
-        return self._call("report_batch", reports, deadline=deadline)
+        """Several participants' reports in one call (a node's or a rank group's,
+        commit/aggregator.py): each one's refusal, or None, in order."""
+        return self._call("report_batch", ReportBatch.of(reports), deadline=deadline)
 
     # ---- commits and exports (the driver) -----------------------------------------------
 

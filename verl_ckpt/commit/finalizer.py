@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import logging
 import uuid
 from dataclasses import asdict
@@ -29,7 +30,12 @@ from verl_ckpt.commit.waiters import Waiters
 from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
-from verl_ckpt.protocol.messages import GlobalMetadataCache, RankReport
+from verl_ckpt.protocol.messages import (
+    GlobalMetadataCache,
+    RankReport,
+    ReportBatch,
+    batch_reports,
+)
 from verl_ckpt.protocol.redaction import redacted, settings_digest
 from verl_ckpt.store.commit_record import committed_steps
 from verl_ckpt.store.fsio import atomic_write_bytes, make_dir
@@ -111,6 +117,11 @@ class CheckpointFinalizer:
         # (config_kwargs.retries), and describe() must answer what start_finalizer asked for.
         self._remote_settings = copy.deepcopy(remote) if remote else None
         self._connect(participants, remote, run_id)
+        # Everything alive now (Ray's, torch's and DCP's modules: a few hundred thousand
+        # objects) lives as long as the actor: out of the cyclic collector's sight. Each
+        # step's intake makes objects by the thousand per rank group, and every full
+        # collection they set off walked all of those first, serially, on the commit's path.
+        gc.freeze()
 
     def _connect(
         self, participants: dict[str, int], remote: dict[str, Any] | None, run_id: str | None
@@ -241,13 +252,16 @@ class CheckpointFinalizer:
         self._admission.check_participant(report.role, report.rank, report.world_size)
         self._committer.take(report)
 
-    async def report_batch(self, reports: list[RankReport]) -> list[CheckpointError | None]:
-        """Record the reports of one node's ranks in one call (commit/aggregator.py), in one
-        pass; start a commit when a step's last report arrives. Each report's refusal (what
-        `report` would raise for it), or None, in order: one bad report refuses itself only."""
+    async def report_batch(
+        self, batch: ReportBatch | list[RankReport]
+    ) -> list[CheckpointError | None]:
+        """Record the reports of a node's or a rank group's ranks in one call
+        (commit/aggregator.py), in one pass; start a commit when a step's last report
+        arrives. Each report's refusal (what `report` would raise for it), or None, in
+        order: one bad report refuses itself only."""
         accepted: list[RankReport] = []
         errors: list[CheckpointError | None] = []
-        for report in reports:
+        for report in batch_reports(batch):
             try:
                 report.unpack(self._metadata_cache)
                 self._admission.check_participant(report.role, report.rank, report.world_size)

@@ -45,8 +45,8 @@ The code that does each step:
       | participants.saver.StateParticipant.save
  4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
       | commit.committer.Committer.take, commit.ledger.StepLedger.record,
-      | commit.aggregator.NodeBatcher.report, commit.finalizer.CheckpointFinalizer.report_batch,
-      | commit.committer.Committer.take_batch
+      | commit.aggregator.NodeBatcher.report, commit.aggregator.ReportAggregator.report_batch,
+      | commit.finalizer.CheckpointFinalizer.report_batch, commit.committer.Committer.take_batch
  5    | commit.steps.commit_step
  6    | store.tracker.advance_tracker
  7    | store.retention.apply_retention, store.retention.delete_step

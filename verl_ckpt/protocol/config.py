@@ -323,6 +323,10 @@ class CheckpointConfig:
     # call, through a small aggregator actor per node: commit/aggregator.py), off (one call
     # per rank), auto (node for a role of 64 ranks or more).
     report_batching: str = "auto"
+    # With report batching, a role of more than this many ranks also batches its nodes'
+    # reports per group of this many ranks (a small aggregator actor per group), so that
+    # the finalizer takes one call per group; 0: one call per node.
+    report_group_size: int = 128
     writer: WriterConfig = field(default_factory=WriterConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
     hf_export: HFExportConfig = field(default_factory=HFExportConfig)
@@ -383,6 +387,12 @@ class CheckpointConfig:
             self.hf_export = HFExportConfig(**self.hf_export)
         if self.report_batching not in REPORT_BATCHING:
             _fail("report_batching", self.report_batching, "choose auto, node or off")
+        if (
+            not isinstance(self.report_group_size, int)
+            or isinstance(self.report_group_size, bool)
+            or self.report_group_size < 0
+        ):
+            _fail("report_group_size", self.report_group_size, "must be an integer >= 0")
         if self.resume_verify not in RESUME_VERIFY_MODES:
             _fail("resume_verify", self.resume_verify, "choose record or checksums")
         if self.resume_fallback not in RESUME_FALLBACKS:

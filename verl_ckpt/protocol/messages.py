@@ -9,7 +9,15 @@ from typing import Any
 
 from verl_ckpt.protocol import Failure
 
-__all__ = ["FileEntry", "GlobalMetadataCache", "Participant", "RankReport", "StepStatus"]
+__all__ = [
+    "FileEntry",
+    "GlobalMetadataCache",
+    "Participant",
+    "RankReport",
+    "ReportBatch",
+    "StepStatus",
+    "batch_reports",
+]
 
 # (role, rank): who takes part in a step. The driver is role "driver", rank 0.
 Participant = tuple[str, int]
@@ -96,6 +104,58 @@ class RankReport:
     @property
     def participant(self) -> Participant:
         return (self.role, self.rank)
+
+
+@dataclass(frozen=True)
+class ReportBatch:
+    """The reports of several participants as one Ray call carries them (an aggregator's
+    batch: commit/aggregator.py): packed as columns of plain values, one pickle for the
+    whole batch. Ray pickles a list of RankReports object by object, which took the sending
+    aggregator and the receiving finalizer about twice as long per report; the finalizer's
+    intake is serial, so that is on the commit's path once per batch.
+
+    Trust boundary: as RankReport's packed fields, these bytes come over Ray from the job's
+    own aggregators, as trusted as Ray's own pickling of every call between them; never from
+    a root or a bucket."""
+
+    packed: bytes
+    count: int
+
+    @classmethod
+    def of(cls, reports: list[RankReport]) -> ReportBatch:
+        reports = [r.pack() for r in reports]
+        columns = (
+            [r.step for r in reports],
+            [r.role for r in reports],
+            [r.rank for r in reports],
+            [r.world_size for r in reports],
+            [r.save_id for r in reports],
+            [[(f.path, f.size, f.checksum) for f in r.files] for r in reports],
+            [r.packed_write_results for r in reports],
+            [r.packed_global_metadata for r in reports],
+            [r.failure for r in reports],
+        )
+        return cls(pickle.dumps(columns, pickle.HIGHEST_PROTOCOL), len(reports))
+
+    def reports(self) -> list[RankReport]:
+        """The reports, as their participants sent them (write results still packed)."""
+        out = []
+        for step, role, rank, world, save_id, files, results, metadata, failure in zip(
+            *pickle.loads(self.packed), strict=True
+        ):
+            report = RankReport(
+                step, role, rank, world, save_id, [FileEntry(*f) for f in files], failure=failure
+            )
+            report.packed_write_results = results
+            report.packed_global_metadata = metadata
+            out.append(report)
+        return out
+
+
+def batch_reports(batch: ReportBatch | list[RankReport]) -> list[RankReport]:
+    """The reports of a batch a finalizer or an aggregator was sent: packed (ReportBatch),
+    or a plain list (in-process callers)."""
+    return batch.reports() if isinstance(batch, ReportBatch) else list(batch)
 
 
 class GlobalMetadataCache:

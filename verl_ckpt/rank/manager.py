@@ -75,7 +75,14 @@ class CheckpointManager:
         aggregator = None
         if batches_reports(self.config.report_batching, world_size):
             aggregator = open_node_aggregator(
-                self._root, handle, role, rank, self._timeout_s, self._client.who
+                self._root,
+                handle,
+                role,
+                rank,
+                self._timeout_s,
+                self._client.who,
+                world_size,
+                self.config.report_group_size,
             )
         self._link = ParticipantLink(
             self._client,
