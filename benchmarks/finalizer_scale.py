@@ -5,32 +5,38 @@ What is real: the `CheckpointFinalizer` actor (started by
 participant, keep 2 committed steps), its `begin_step`, `report_batch` and `report` calls
 over Ray, and everything a commit does: it checks the size of every reported file (a stat
 each, made as each batch arrives), writes the role's `.metadata` (DCP) and `metadata.json`,
-the commit record, the tracker, and deletes the step that retention drops. The node batching
-is the real one (`verl_ckpt.commit.aggregator.NodeBatcher`, what each node's aggregator
-actor runs).
+the commit record, the tracker, and deletes the step that retention drops. The batches are
+packed as aggregators pack them (`verl_ckpt.protocol.messages.ReportBatch`).
 What is simulated: the ranks and their nodes, 8 ranks a node (512 nodes at 4096 ranks, 2,048
-at 16,384). A few Ray actors (`_NodeGroup`, one process per group of nodes) play them: each
-writes, per rank of its nodes, one real (tiny) DCP data file holding that rank's row of one
-global [N, 16] tensor (DCP's own `_write_item`, so the write results, the global metadata and
-the file sizes are real, and the committed directory loads with
-`torch.distributed.checkpoint.load`), and makes the rank's `RankReport` packed as a rank does.
-Then every rank finishes at once: at one agreed instant (`time.monotonic()`, one clock for
-every process of the machine) each group hands all its ranks' reports to their nodes'
-batchers, which forward one `report_batch` call per node to the finalizer, as the nodes of a
-real job would. In a real job each rank's report also crosses one Ray call to its node's
-aggregator (on the node's own cores, all nodes in parallel); here it is an in-process hand-off.
+at 16,384), in rank groups of GROUP_SIZE (report_group_size's default). A few Ray actors
+(`_NodeGroup`, one process per set of whole rank groups) play them: each writes, per rank of
+its nodes, one real (tiny) DCP data file holding that rank's row of one global [N, 16]
+tensor (DCP's own `_write_item`, so the write results, the global metadata and the file
+sizes are real, and the committed directory loads with `torch.distributed.checkpoint.load`),
+and makes the rank's `RankReport` packed as a rank does. Then every rank finishes at once:
+at one agreed instant (`time.monotonic()`, one clock for every process of the machine) the
+batches that reach the finalizer in a real job leave for it over Ray: one `report_batch`
+per rank group (mode "group", the default configuration), per node (mode "node",
+report_group_size=0), or one `report` per rank (mode "rank", no batching).
+What is measured apart: in a real job each rank's report first crosses one Ray call to its
+node's aggregator, and each node's batch one more to its group's aggregator, every node and
+every group in parallel on their own cores. A 2-core machine cannot run 2,048 nodes' worth
+of those in parallel, so the benchmark forms the batches before the instant and measures the
+two hops apart, each on a real aggregator actor taking all its callers' real calls at once
+(`_hop_latencies`); the verdict adds them to what the finalizer hop measured.
 
 Figures per N (median over the timed steps, after a warm-up step):
-- committed after the last rank's write: the agreed instant (every rank's file written) ->
-  the tracker names the step (the driver polls the tracker file every ms);
-- every report answered: the agreed instant -> the last group's last report answered;
+- committed after the last rank's write, at the finalizer: the agreed instant (every batch
+  leaves) -> the tracker names the step (the driver polls the tracker file every ms); and
+  with the node and group hops added (the verdict);
+- every report answered: the agreed instant -> the finalizer answered the last batch (the
+  answers' way back through the aggregators is not added);
 - the finalizer's CPU time over the same span (its work, whatever the machine's load);
 - begin_step: the N ranks' `begin_step` calls (one call per rank, all groups at once);
 - the finalizer's resident memory (VmRSS) after each step.
-The same at 4096 ranks without batching (one `report` call per rank, all at once) shows what
-the batching changes. Then the finalizer class itself (called directly inside a helper actor)
-takes one step of the largest N in node batches under cProfile, to show what grows with the
-ranks.
+The same at 4096 ranks per node and per rank shows what each level changes. Then the
+finalizer class itself (called directly inside a helper actor) takes one step of the
+largest N in group batches under cProfile, to show what grows with the ranks.
 """
 
 from __future__ import annotations
@@ -341,7 +347,7 @@ def _measure(world: int, root: Path, mode: str, steps: int) -> list[dict[str, fl
         forecasts = ray.get(finalizer.status.remote())["metadata_forecasts"]
         figures[-1]["forecasts"] = forecasts
         if mode != "rank":
-            # Ray's floor: the last step's batches again, to an actor that only answers.
+            # Ray's floor: the last step's batches again, to an actor that only unpacks them.
             cpu = _cpu_s(sink_pid)
             at = time.monotonic() + _START_IN_S
             answered = ray.get([g.finish.remote(at, mode, True) for g in groups])
@@ -379,7 +385,8 @@ class _HopSender:
             batches = [
                 self._reports[i : i + NODE_SIZE] for i in range(0, len(self._reports), NODE_SIZE)
             ]
-            calls = [aggregator.report_batch.remote(b) for b in batches]
+            # Packed, as a node aggregator sends its batch.
+            calls = [aggregator.report_batch.remote(ReportBatch.of(b)) for b in batches]
         else:
             calls = [aggregator.report.remote(r) for r in self._reports]
         await asyncio.gather(*calls)
@@ -391,9 +398,10 @@ def _hop_latencies(world: int) -> dict[str, float]:
     which a real job runs in parallel on every node (each aggregator on its own node, taking
     only its own callers): one real aggregator actor (commit.aggregator.ReportAggregator),
     taking its callers' real Ray calls all at once from 4 other processes and forwarding
-    its batch to an actor that only answers. The node hop: a node's 8 ranks' `report` calls
-    to the node's aggregator; the group hop: a rank group's GROUP_SIZE / 8 node batches
-    (`report_batch`) to the group's aggregator. Median of HOP_SAMPLES, each from the agreed
+    its batch to an actor that only unpacks and answers. The node hop: a node's 8 ranks'
+    `report` calls to the node's aggregator; the group hop: a rank group's GROUP_SIZE / 8
+    node batches (`report_batch`, packed as node aggregators pack them) to the group's
+    aggregator. Median of HOP_SAMPLES, each from the agreed
     instant to the batch's arrival at the next actor (what the commit waits for; the
     answers' way back is not on its path)."""
     from verl_ckpt.commit.aggregator import ReportAggregator
@@ -408,7 +416,7 @@ def _hop_latencies(world: int) -> dict[str, float]:
         aggregator = (
             ray.remote(ReportAggregator).options(num_cpus=0).remote(sink, 60.0, members=members)
         )
-        share = max(NODE_SIZE, len(ranks) // 4)
+        share = len(ranks) // 4  # 4 senders: 2 ranks, or 4 nodes of 8, each
         senders = [
             _HopSender.remote(world, ranks[i : i + share]) for i in range(0, len(ranks), share)
         ]
@@ -441,10 +449,11 @@ def _check_loadable(root: Path, step: int, world: int) -> None:
 def _profile_in_process(world: int, root: Path) -> str:
     """Run the finalizer class itself (no actor) on 2 steps of N reports under cProfile.
 
-    Step 2 is profiled: its N begin_step calls and its reports, one `report_batch` per node
-    of NODE_SIZE ranks (but the last node's), then its commit. The commit normally runs in a
-    worker thread (out of cProfile's sight), so for the profiled step the commit and
-    retention functions (verl_ckpt.commit.steps) are called directly on the reports.
+    Step 2 is profiled: its N begin_step calls and its reports, one packed `report_batch` per
+    rank group of GROUP_SIZE ranks (but the last group's), then its commit. The commit
+    normally runs in a worker thread (out of cProfile's sight), so for the profiled step the
+    commit and retention functions (verl_ckpt.commit.steps) are called directly on the
+    reports.
     """
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
     from verl_ckpt.commit.steps import commit_step
@@ -460,7 +469,7 @@ def _profile_in_process(world: int, root: Path) -> str:
     async def one_step(step: int) -> None:
         directory = Path(await call(finalizer.begin_step, *_begin_args(step, 0, world)))
         reports = _reports(step, world, directory)
-        batches = [reports[i : i + GROUP_SIZE] for i in range(0, world, GROUP_SIZE)]
+        batches = [ReportBatch.of(reports[i : i + GROUP_SIZE]) for i in range(0, world, GROUP_SIZE)]
         os.sync()
         if step == 2:
             profiler.enable()
@@ -557,7 +566,7 @@ _MEMORY_MARKS = (1, 5, 10, 15, 20)
 def _memory_over_steps(world: int, root: Path, steps: int) -> list[tuple[int, float, int]]:
     """The finalizer class in-process (its own helper process), `world` driver-role ranks
     (plain files: no DCP `.metadata`, so that a step takes a second, not a minute), one
-    tiny file each, keep 2: `steps` steps, each begin_step x N, the reports in node batches,
+    tiny file each, keep 2: `steps` steps, each begin_step x N, the reports in group batches,
     wait_for_commit. At each mark: (step, the process's RSS in MiB, the ledger's size)."""
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
@@ -701,8 +710,8 @@ def _verdict(world: int, mode: str, row: dict[str, Any]) -> str:
     )
     if row.get("floor_s") is not None:
         work += (
-            f"; Ray's floor, the same calls to an actor that only answers: every report "
-            f"answered after {row['floor_s'] * 1e3:.0f} ms, its CPU "
+            f"; Ray's floor, the same calls to an actor that only unpacks and answers: every "
+            f"report answered after {row['floor_s'] * 1e3:.0f} ms, its CPU "
             f"{row['floor_cpu_s'] * 1e3:.0f} ms"
         )
     target = TARGETS.get(world)

@@ -252,6 +252,11 @@ def test_a_packed_batch_carries_every_field_a_report_sends():
     assert back[0].packed_global_metadata == b"metadata" and back[0].failure is None
     assert back[1].failure == Failure("actor", 6, Phase.WRITE, "boom")
     assert back[1].files == [] and back[1].files_on_arrival is None
+    # A global metadata object set unpickled travels too (ranks send it pickled already).
+    unpickled = RankReport(3, "actor", 0, 8, "c")
+    unpickled.global_metadata = {"plan": 1}
+    back = ReportBatch.of([unpickled]).reports()[0].unpack()
+    assert back.global_metadata == {"plan": 1}
 
 
 def test_report_batching_auto_batches_large_roles_only():
@@ -332,7 +337,7 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
         for rank in ranks:
             ray.kill(rank, no_restart=True)
         ray.kill(finalizer, no_restart=True)
-    _committed_and_verified_two(Path(root), 2)
+    _committed_and_verified_files(Path(root), 2)
 
 
 def _start_holding_aggregator(
@@ -340,11 +345,13 @@ def _start_holding_aggregator(
     finalizer: ray.actor.ActorHandle,
     name: str | None = None,
     members: tuple[str, int, int] | None = None,
+    group_size: int = 0,
 ) -> ray.actor.ActorHandle:
-    """The node's aggregator (or, by `name` with `members`, a group's), started before the
-    ranks find it, with a linger of NEVER_S: a batch waiting for a rank is held until it is
-    killed. With the default linger (50 ms) the batch could leave before the kill on a loaded
-    machine, and the report would reach the finalizer after all."""
+    """The node's aggregator (with `group_size`, one that batches per rank group too; or, by
+    `name` with `members`, a group's), started before the ranks find it, with a linger of
+    NEVER_S: a batch waiting for a rank is held until it is killed. With the default linger
+    (50 ms) the batch could leave before the kill on a loaded machine, and the report would
+    reach the finalizer after all."""
     node = ray.get_runtime_context().get_node_id()
     handle = (
         ray.remote(ReportAggregator)
@@ -355,7 +362,7 @@ def _start_holding_aggregator(
             max_task_retries=0,
             num_cpus=0,
         )
-        .remote(finalizer, 30.0, NEVER_S, members)
+        .remote(finalizer, 30.0, NEVER_S, members, root, group_size)
     )
     ray.get(handle.pending.remote(), timeout=60)
     return handle
@@ -375,6 +382,29 @@ def _group_ranks(root: str, ranks: tuple[int, ...]) -> list[ray.actor.ActorHandl
     return actors
 
 
+def _group_name(root: str, group: int) -> str:
+    return group_aggregator_name(root, ROLE, group, GROUP_SIZE, GROUP_WORLD)
+
+
+def _group_aggregators(root: str) -> list[ray.actor.ActorHandle]:
+    """The groups' aggregators, once both are up (waited for: they start in the background
+    when a node's aggregator needs them)."""
+    names = [_group_name(root, g) for g in range(GROUP_WORLD // GROUP_SIZE)]
+    found: dict[str, ray.actor.ActorHandle] = {}
+
+    def all_found() -> bool:
+        for name in names:
+            try:
+                found[name] = ray.get_actor(name, namespace=FINALIZER_NAMESPACE)
+                ray.get(found[name].pending.remote(), timeout=60)
+            except ValueError:
+                return False
+        return True
+
+    _until(all_found, 120)
+    return [found[name] for name in names]
+
+
 def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_group(
     ray_local, tmp_path
 ):
@@ -383,18 +413,15 @@ def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_grou
     step commits every rank's file, and a second step goes the same way."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
-    node = _start_holding_aggregator(root, finalizer)
+    node = _start_holding_aggregator(root, finalizer, group_size=GROUP_SIZE)
     ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
-    groups = [
-        ray.get_actor(group_aggregator_name(root, ROLE, g), namespace=FINALIZER_NAMESPACE)
-        for g in range(GROUP_WORLD // GROUP_SIZE)
-    ]
+    groups = _group_aggregators(root)
     try:
         for step in (1, 2):
             saves = [rank.save.remote(step, f"s{step}r{i}") for i, rank in enumerate(ranks)]
             assert ray.get(saves, timeout=120) == [None] * GROUP_WORLD
             ray.get(finalizer.wait_for_commit.remote(step, 60.0), timeout=90)
-            _committed_and_verified_two(Path(root), step)
+            _committed_and_verified_files(Path(root), step)
             assert ray.get(node.batches_sent.remote(), timeout=60) == step
             assert ray.get([g.batches_sent.remote() for g in groups], timeout=60) == [step] * 2
         record = read_commit_record(step_dir(Path(root), 2))
@@ -412,10 +439,8 @@ def test_I5_a_node_whose_group_aggregator_died_sends_its_batch_straight_and_the_
     finalizer itself, rank 0's save succeeds, and once rank 1 reported the step commits."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
-    node = _start_holding_aggregator(root, finalizer)
-    group = _start_holding_aggregator(
-        root, finalizer, group_aggregator_name(root, ROLE, 0), (ROLE, 0, GROUP_SIZE)
-    )
+    node = _start_holding_aggregator(root, finalizer, group_size=GROUP_SIZE)
+    group = _start_holding_aggregator(root, finalizer, _group_name(root, 0), (ROLE, 0, GROUP_SIZE))
     batched = _group_ranks(root, (0, 2, 3))
     direct = _Rank.remote(root, 1, GROUP_WORLD, GROUP_SIZE, batched=False)
     try:
@@ -428,7 +453,82 @@ def test_I5_a_node_whose_group_aggregator_died_sends_its_batch_straight_and_the_
     finally:
         for actor in [*batched, direct, group, node, finalizer]:
             ray.kill(actor, no_restart=True)
-    _committed_and_verified_two(Path(root), 1)
+    _committed_and_verified_files(Path(root), 1)
+
+
+@ray.remote(num_cpus=0)
+class _Squatter:
+    """Another actor under a group aggregator's name (a name taken by anything else)."""
+
+    def ping(self) -> None:
+        return None
+
+
+def test_I5_a_group_aggregator_that_cannot_start_leaves_the_batches_going_straight(
+    ray_local, tmp_path
+):
+    """Group 0's name is taken by an actor that is no aggregator (fault injected: a real
+    actor under that name): the node's aggregator cannot open group 0, says so, and sends
+    group 0's reports straight to the finalizer, group 1's through its aggregator; the
+    step commits."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
+    squatter = _Squatter.options(name=_group_name(root, 0), namespace=FINALIZER_NAMESPACE).remote()
+    ray.get(squatter.ping.remote(), timeout=60)
+    node = _start_holding_aggregator(root, finalizer, group_size=GROUP_SIZE)
+    ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
+    group_1 = ray.get_actor(_group_name(root, 1), namespace=FINALIZER_NAMESPACE)
+    try:
+        saves = [rank.save.remote(1, f"r{i}") for i, rank in enumerate(ranks)]
+        assert ray.get(saves, timeout=120) == [None] * GROUP_WORLD
+        ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
+        assert ray.get(group_1.batches_sent.remote(), timeout=60) == 1
+    finally:
+        for actor in [*ranks, group_1, squatter, node, finalizer]:
+            ray.kill(actor, no_restart=True)
+    _committed_and_verified_files(Path(root), 1)
+
+
+def test_I5_a_restarted_node_aggregator_finds_its_groups_again_from_the_reports(
+    ray_local, tmp_path
+):
+    """The node's aggregator is killed and restarted between steps (it loses its joins,
+    and the group aggregators it started die with it): the steps commit throughout (while
+    it restarts, ranks report directly; then it sends straight to the finalizer), and the
+    reports that reach the restarted aggregator open the groups again: a later step goes
+    through the groups as before, one batch per group (of the groups started again)."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
+    ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
+    node = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
+    try:
+        _save_all(ranks, finalizer, 1)
+        ray.kill(node, no_restart=False)
+        _until(lambda: _answers(node))  # restarted
+        # Each rank's first call after the restart hears that its aggregator restarted
+        # (Ray tells each caller once), and reports directly.
+        _save_all(ranks, finalizer, 2)
+        _save_all(ranks, finalizer, 3)
+        groups = _group_aggregators(root)
+        _save_all(ranks, finalizer, 4)
+        assert ray.get([g.batches_sent.remote() for g in groups], timeout=60) == [1, 1]
+    finally:
+        for actor in [*ranks, node, finalizer]:
+            ray.kill(actor, no_restart=True)
+    _committed_and_verified_files(Path(root), 4)
+
+
+def _answers(actor: ray.actor.ActorHandle) -> bool:
+    try:
+        return ray.get(actor.pending.remote(), timeout=60) == 0
+    except ray.exceptions.RayActorError:  # restarting
+        return False
+
+
+def _save_all(ranks: list[ray.actor.ActorHandle], finalizer: ray.actor.ActorHandle, step: int):
+    saves = [rank.save.remote(step, f"s{step}r{i}") for i, rank in enumerate(ranks)]
+    assert ray.get(saves, timeout=120) == [None] * len(ranks)
+    ray.get(finalizer.wait_for_commit.remote(step, 60.0), timeout=90)
 
 
 def test_report_groups_are_ranges_of_ranks_of_larger_roles_only():
@@ -436,7 +536,7 @@ def test_report_groups_are_ranges_of_ranks_of_larger_roles_only():
     assert [group_of(r, 128) for r in (0, 127, 128, 16_383)] == [0, 0, 1, 127]
 
 
-def _committed_and_verified_two(root: Path, step: int) -> None:
+def _committed_and_verified_files(root: Path, step: int) -> None:
     path = step_dir(root, step)
     assert read_tracker(root) == step
     assert verify_files(path, read_commit_record(path)) == []

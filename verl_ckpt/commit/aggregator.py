@@ -19,8 +19,10 @@ reports of the step being batched.
 A group is a range of ranks of one role (ranks g*size to (g+1)*size - 1, `group_of`): its
 members are known from the start, so a group's batch leaves as soon as its last rank's
 report arrives, whichever nodes they came through. A group aggregator is started by the
-first node aggregator that needs it (at a rank's join, not on the report's path) and found
-by name by the others.
+first node aggregator that needs it (at a rank's join, off the report's path) and found by
+name by the others (`GroupRoutes`); a node aggregator sends a group's reports straight to
+the finalizer until that group's aggregator is up. A restarted node aggregator finds its
+groups again from the reports that reach it.
 
 When a batch leaves (`NodeBatcher`, at either level):
 - at once when every rank of the node that joined has reported the step (the usual case:
@@ -46,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -85,6 +88,10 @@ AUTO_MIN_RANKS = 64
 # (0: no group level). The finalizer takes world/size calls and a group aggregator size/8
 # (nodes of 8 ranks): at 4,096 to 16,384 ranks both stay between 16 and 128.
 GROUP_SIZE = 128
+# How long a rank's join waits for its group's aggregator to start, and how often a node
+# aggregator tries again to open one that failed: until it is up, the node's batches go
+# straight to the finalizer.
+GROUP_START_S = 60.0
 
 Forward = Callable[[list[RankReport]], Awaitable[list[BaseException | None]]]
 
@@ -179,7 +186,9 @@ class NodeBatcher:
 
 class ReportAggregator:
     """The Ray actor of one node's NodeBatcher, or of one rank group's (`members`: the role
-    and the range of ranks of the group; see the module docstring)."""
+    and the range of ranks of the group; see the module docstring). A node's aggregator is
+    made with the root and report_group_size (`group_size`), which it keeps across a restart:
+    it then finds its groups' aggregators again from the reports themselves."""
 
     def __init__(
         self,
@@ -187,55 +196,30 @@ class ReportAggregator:
         timeout_s: float,
         linger_s: float = LINGER_S,
         members: tuple[str, int, int] | None = None,
+        root_dir: str | None = None,
+        group_size: int = 0,
     ) -> None:
         self._finalizer = finalizer
         self._timeout_s = timeout_s
-        self._linger_s = linger_s
         self._batcher = NodeBatcher(self._forward, linger_s)
         if members is not None:
             role, first, end = members
             for rank in range(first, end):
                 self._batcher.join((role, rank))
-        # A node aggregator's group aggregators, by (role, group); the size of each role's
-        # groups (roles without groups are absent).
-        self._groups: dict[tuple[str, int], asyncio.Task] = {}
-        self._group_size: dict[str, int] = {}
-        self._root: str | None = None
+        self._groups = GroupRoutes(root_dir, finalizer, group_size, timeout_s, linger_s)
 
-    async def join(
-        self,
-        role: str,
-        rank: int,
-        world_size: int = 0,
-        group_size: int = 0,
-        root_dir: str | None = None,
-    ) -> None:
-        """`role` `rank` runs on this node. In a role of more than `group_size` ranks, its
-        group's aggregator is found or started now, so that no report waits for it."""
+    async def join(self, role: str, rank: int, world_size: int = 0) -> None:
+        """`role` `rank` (of `world_size`) runs on this node. In a role of more than
+        group_size ranks, its group's aggregator is found or started now (waited for up to
+        GROUP_START_S; until it is up, the node's batches go straight to the finalizer)."""
         self._batcher.join((role, rank))
-        if not uses_groups(world_size, group_size) or root_dir is None:
-            return
-        self._root, self._group_size[role] = root_dir, group_size
-        key = (role, group_of(rank, group_size))
-        members = (role, key[1] * group_size, min(world_size, (key[1] + 1) * group_size))
-        if key not in self._groups:
-            self._groups[key] = asyncio.get_running_loop().create_task(
-                self._open_group(key, members)
-            )
-        try:
-            await asyncio.wait_for(asyncio.shield(self._groups[key]), self._timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the node's batches then go to the finalizer
-            if self._groups.pop(key, None) is not None:
-                logger.warning(
-                    "the report aggregator of %s ranks %d-%d could not be started (%s): this "
-                    "node sends their batches straight to the finalizer",
-                    role,
-                    members[1],
-                    members[2] - 1,
-                    type(exc).__name__,
-                )
+        started = self._groups.open(role, rank, world_size)
+        if started is not None:
+            await asyncio.wait({started}, timeout=GROUP_START_S)
 
     async def report(self, report: RankReport) -> BaseException | None:
+        # After a restart nobody joins again: the reports name their groups.
+        self._groups.open(report.role, report.rank, report.world_size)
         return await self._batcher.report(report)
 
     async def report_batch(
@@ -252,39 +236,27 @@ class ReportAggregator:
     async def batches_sent(self) -> int:
         return self._batcher.batches_sent
 
-    async def _open_group(
-        self, key: tuple[str, int], members: tuple[str, int, int]
-    ) -> ray.actor.ActorHandle:
-        handle = (
-            ray.remote(ReportAggregator)
-            .options(
-                name=group_aggregator_name(self._root, *key),
-                namespace=FINALIZER_NAMESPACE,
-                get_if_exists=True,
-                # Restarted empty if it dies, with the same members; the node aggregators
-                # whose calls it held send those batches to the finalizer themselves.
-                max_restarts=-1,
-                max_task_retries=0,
-                num_cpus=0,
-            )
-            .remote(self._finalizer, self._timeout_s, self._linger_s, members)
-        )
-        await handle.pending.remote()
-        return handle
-
     async def _forward(self, reports: list[RankReport]) -> list[BaseException | None]:
-        """A batch that left: each report to its group's aggregator, or (a role without
-        groups) straight to the finalizer; the answers in the batch's order."""
+        """A batch that left: the reports of each group whose aggregator is up to it, the
+        others straight to the finalizer; the answers in the batch's order. One part that
+        fails answers its own reports only."""
         parts: dict[tuple[str, int] | None, list[int]] = {}
         for i, report in enumerate(reports):
-            size = self._group_size.get(report.role)
-            key = (report.role, group_of(report.rank, size)) if size else None
-            parts.setdefault(key if key in self._groups else None, []).append(i)
+            parts.setdefault(self._groups.route(report), []).append(i)
         answers: list[BaseException | None] = [None] * len(reports)
 
         async def send(key: tuple[str, int] | None, indices: list[int]) -> None:
             part = [reports[i] for i in indices]
-            got = await (self._to_finalizer(part) if key is None else self._to_group(key, part))
+            try:
+                got = await (
+                    _send_batch(self._finalizer, part, self._timeout_s, "the finalizer")
+                    if key is None
+                    else self._to_group(key, part)
+                )
+                if len(got) != len(part):
+                    raise CheckpointError(f"{len(got)} answers to a batch of {len(part)}")
+            except Exception as exc:  # noqa: BLE001 - each rank of the part hears it
+                got = [exc] * len(part)
             for i, answer in zip(indices, got, strict=True):
                 answers[i] = answer
 
@@ -295,44 +267,147 @@ class ReportAggregator:
         self, key: tuple[str, int], reports: list[RankReport]
     ) -> list[BaseException | None]:
         try:
-            group = await self._groups[key]
-            # Longer than the group's own wait on the finalizer, so that its answer (a
-            # timeout included) is the one heard.
-            return await asyncio.wait_for(
-                _awaited(group.report_batch.remote(ReportBatch.of(reports))),
-                self._timeout_s + 2 * RPC_SLACK_S,
+            # Its wait on the finalizer is timeout_s + RPC_SLACK_S: this one is longer, so
+            # that a group that hears nothing says so. Both only bound a batch that would
+            # otherwise wait forever: a rank's own deadline (the step's) governs what it hears.
+            return await _send_batch(
+                self._groups.handle(key),
+                reports,
+                self._timeout_s + RPC_SLACK_S,
+                "the group's report aggregator",
             )
-        except TimeoutError:
-            return [
-                CommitTimeoutError(
-                    f"the group's report aggregator did not answer within {self._timeout_s:.0f}s"
-                )
-            ] * len(reports)
-        except Exception as exc:  # noqa: BLE001 - a dead or unreachable group aggregator
-            logger.warning(
-                "the report aggregator of %s ranks %d-%d is gone (%s): sending its batch "
-                "straight to the finalizer",
-                key[0],
-                key[1] * self._group_size[key[0]],
-                (key[1] + 1) * self._group_size[key[0]] - 1,
-                type(exc).__name__,
-            )
-            return await self._to_finalizer(reports)
+        except ray.exceptions.RayActorError as exc:
+            # Dead (its owner, the node aggregator that started it, died with it) or
+            # restarting: this batch goes straight, and the next report opens it again.
+            self._groups.lost(key, exc)
+            return await _send_batch(self._finalizer, reports, self._timeout_s, "the finalizer")
 
-    async def _to_finalizer(self, reports: list[RankReport]) -> list[BaseException | None]:
-        ref = self._finalizer.report_batch.remote(ReportBatch.of(reports))
-        try:
-            return await asyncio.wait_for(_awaited(ref), self._timeout_s + RPC_SLACK_S)
-        except TimeoutError:
-            return [
-                CommitTimeoutError(
-                    f"the report aggregator: the finalizer did not answer within "
-                    f"{self._timeout_s:.0f}s"
-                )
-            ] * len(reports)
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if isinstance(exc.cause, CheckpointError) else exc
-            return [cause] * len(reports)
+
+class GroupRoutes:
+    """A node aggregator's way to its groups' aggregators (module docstring): each started
+    (or found by name) when a rank of its group joins or reports, used once it is up, and
+    opened again, at most once per GROUP_START_S, when it died or failed to start."""
+
+    def __init__(
+        self,
+        root_dir: str | None,
+        finalizer: ray.actor.ActorHandle,
+        group_size: int,
+        timeout_s: float,
+        linger_s: float,
+    ) -> None:
+        self._root = root_dir
+        self._finalizer = finalizer
+        self._size = group_size
+        self._timeout_s = timeout_s
+        self._linger_s = linger_s
+        self._opening: dict[tuple[str, int], asyncio.Task] = {}
+        self._opened_at: dict[tuple[str, int], float] = {}
+
+    def open(self, role: str, rank: int, world_size: int) -> asyncio.Task | None:
+        """Start opening the aggregator of `role` `rank`'s group unless it is open, opening,
+        or failed within GROUP_START_S; the opening under way, None without groups."""
+        if self._root is None or not uses_groups(world_size, self._size):
+            return None
+        key = (role, group_of(rank, self._size))
+        task = self._opening.get(key)
+        now = time.monotonic()
+        if task is None or (_failed(task) and now - self._opened_at[key] > GROUP_START_S):
+            task = asyncio.get_running_loop().create_task(self._open(key, world_size))
+            task.add_done_callback(lambda done: self._started(key, done))
+            self._opening[key], self._opened_at[key] = task, now
+        return task
+
+    def route(self, report: RankReport) -> tuple[str, int] | None:
+        """The group whose aggregator `report` goes to, None when it goes to the finalizer
+        (no groups, or the group's aggregator is not up)."""
+        if not self._size:
+            return None
+        key = (report.role, group_of(report.rank, self._size))
+        task = self._opening.get(key)
+        return key if task is not None and task.done() and not _failed(task) else None
+
+    def handle(self, key: tuple[str, int]) -> ray.actor.ActorHandle:
+        return self._opening[key].result()
+
+    def lost(self, key: tuple[str, int], exc: BaseException) -> None:
+        logger.warning(
+            "the report aggregator of %s ranks %d-%d is gone (%s): its batches go straight "
+            "to the finalizer until it is opened again",
+            key[0],
+            key[1] * self._size,
+            (key[1] + 1) * self._size - 1,
+            type(exc).__name__,
+        )
+        self._opening.pop(key, None)
+
+    async def _open(self, key: tuple[str, int], world_size: int) -> ray.actor.ActorHandle:
+        role, group = key
+        members = (role, group * self._size, min(world_size, (group + 1) * self._size))
+        name = group_aggregator_name(self._root, role, group, self._size, world_size)
+        options = {
+            "name": name,
+            "namespace": FINALIZER_NAMESPACE,
+            "get_if_exists": True,
+            # Restarted empty if it dies, with the same members; the node aggregators whose
+            # calls it held send those batches to the finalizer themselves. Owned by the node
+            # aggregator that started it, and gone with it: the next report of the group
+            # through a node aggregator starts it again.
+            "max_restarts": -1,
+            "max_task_retries": 0,
+            "num_cpus": 0,
+        }
+        args = (self._finalizer, self._timeout_s, self._linger_s, members)
+        deadline = time.monotonic() + GROUP_START_S
+        while True:
+            # In a thread: get_if_exists looks the name up with a blocking call.
+            handle = await asyncio.to_thread(
+                lambda: ray.remote(ReportAggregator).options(**options).remote(*args)
+            )
+            try:
+                await asyncio.wait_for(_awaited(handle.pending.remote()), time_left(deadline))
+                return handle
+            except ray.exceptions.RayActorError:
+                # The name still held by an aggregator that is dying (its owner just died):
+                # once it is dead, the name is free for a new one.
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+    def _started(self, key: tuple[str, int], task: asyncio.Task) -> None:
+        if _failed(task) and self._opening.get(key) is task:
+            exc = task.exception() if not task.cancelled() else None
+            logger.warning(
+                "the report aggregator of %s ranks %d-%d could not be started (%s): this "
+                "node sends their batches straight to the finalizer",
+                key[0],
+                key[1] * self._size,
+                (key[1] + 1) * self._size - 1,
+                type(exc).__name__ if exc is not None else "cancelled",
+            )
+
+
+def _failed(task: asyncio.Task) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
+
+
+async def _send_batch(
+    to: ray.actor.ActorHandle, reports: list[RankReport], timeout_s: float, what: str
+) -> list[BaseException | None]:
+    """`reports` packed, as one `report_batch` call to `to` (the finalizer or a group's
+    aggregator): each report's answer. A timeout or a refused call answers every report."""
+    ref = to.report_batch.remote(ReportBatch.of(reports))
+    try:
+        return await asyncio.wait_for(_awaited(ref), timeout_s + RPC_SLACK_S)
+    except TimeoutError:
+        return [
+            CommitTimeoutError(
+                f"the report aggregator: {what} did not answer within {timeout_s:.0f}s"
+            )
+        ] * len(reports)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, CheckpointError) else exc
+        return [cause] * len(reports)
 
 
 async def _awaited(ref: ray.ObjectRef):
@@ -352,9 +427,12 @@ def aggregator_name(root_dir: str | Path, node_id: str) -> str:
     return f"verl_ckpt_aggregator_{digest}"
 
 
-def group_aggregator_name(root_dir: str | Path, role: str, group: int) -> str:
-    """The aggregator of a root's rank group `group` of `role`: found by every node's."""
-    return aggregator_name(root_dir, f"group|{role}|{group}")
+def group_aggregator_name(
+    root_dir: str | Path, role: str, group: int, group_size: int, world_size: int
+) -> str:
+    """The aggregator of a root's rank group `group` of `role`: found by every node's (the
+    sizes in the name: a role made again with other sizes in the same job gets new ones)."""
+    return aggregator_name(root_dir, f"group|{role}|{group}|{group_size}|{world_size}")
 
 
 def uses_groups(world_size: int, group_size: int) -> bool:
@@ -420,14 +498,14 @@ def open_node_aggregator(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )
-        .remote(finalizer, timeout_s)
+        .remote(finalizer, timeout_s, LINGER_S, None, str(root_dir), group_size)
     )
+    # join waits up to GROUP_START_S for the group's aggregator, and never fails for it.
+    wait_s = timeout_s + GROUP_START_S
     try:
-        # The group aggregator's start is bounded by timeout_s inside join.
-        join = handle.join.remote(role, rank, world_size, group_size, str(root_dir))
-        ray.get(join, timeout=2 * timeout_s + RPC_SLACK_S)
+        ray.get(handle.join.remote(role, rank, world_size), timeout=wait_s)
     except ray.exceptions.GetTimeoutError:
         raise CommitTimeoutError(
-            f"{who}: the node's report aggregator did not start within {timeout_s:.0f}s"
+            f"{who}: the node's report aggregator did not start within {wait_s:.0f}s"
         ) from None
     return NodeAggregator(handle, who)

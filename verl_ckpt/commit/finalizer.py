@@ -117,11 +117,7 @@ class CheckpointFinalizer:
         # (config_kwargs.retries), and describe() must answer what start_finalizer asked for.
         self._remote_settings = copy.deepcopy(remote) if remote else None
         self._connect(participants, remote, run_id)
-        # Everything alive now (Ray's, torch's and DCP's modules: a few hundred thousand
-        # objects) lives as long as the actor: out of the cyclic collector's sight. Each
-        # step's intake makes objects by the thousand per rank group, and every full
-        # collection they set off walked all of those first, serially, on the commit's path.
-        gc.freeze()
+        _freeze_long_lived()
 
     def _connect(
         self, participants: dict[str, int], remote: dict[str, Any] | None, run_id: str | None
@@ -367,6 +363,21 @@ def finalizer_settings(
         "signing": signing,
     }
     return {**redacted(settings), "settings_digest": settings_digest(settings)}
+
+
+def _freeze_long_lived() -> None:
+    """In the finalizer's actor process: everything alive once it started (Ray's, torch's
+    and DCP's modules: a few hundred thousand objects) lives as long as the process, so it
+    goes out of the cyclic collector's sight. Each step's intake makes objects by the
+    thousand per rank group, and every full collection they set off walked all of those
+    first, serially, on the commit's path. Garbage is collected first (frozen, it would
+    stay); not in a process that only hosts a finalizer among other things (tests)."""
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    gc.collect()
+    gc.freeze()
 
 
 def _open_remote_tier(remote, root, participants, local_status, on_upload_end, changes, keyring):

@@ -75,10 +75,15 @@ class RankReport:
     files_on_arrival: str | None = None
 
     def pack(self) -> RankReport:
-        """Before sending: write_results as one pickled blob."""
+        """Before sending: write_results as one pickled blob, and the global metadata
+        pickled if a sender set it unpickled (ranks send it pickled already)."""
         if self.write_results:
             self.packed_write_results = pickle.dumps(self.write_results, pickle.HIGHEST_PROTOCOL)
             self.write_results = []
+        if self.global_metadata is not None and self.packed_global_metadata is None:
+            self.packed_global_metadata = pickle.dumps(
+                self.global_metadata, pickle.HIGHEST_PROTOCOL
+            )
         return self
 
     def unpack(self, metadata_cache: GlobalMetadataCache | None = None) -> RankReport:
@@ -115,8 +120,8 @@ class ReportBatch:
     intake is serial, so that is on the commit's path once per batch.
 
     Trust boundary: as RankReport's packed fields, these bytes come over Ray from the job's
-    own aggregators, as trusted as Ray's own pickling of every call between them; never from
-    a root or a bucket."""
+    own aggregators and drivers (FinalizerClient.report_batch), as trusted as Ray's own
+    pickling of every call between them; never from a root or a bucket."""
 
     packed: bytes
     count: int
@@ -139,9 +144,12 @@ class ReportBatch:
 
     def reports(self) -> list[RankReport]:
         """The reports, as their participants sent them (write results still packed)."""
+        columns = pickle.loads(self.packed)
+        if any(len(column) != self.count for column in columns):
+            raise ValueError(f"a report batch of {self.count} holds columns of other lengths")
         out = []
         for step, role, rank, world, save_id, files, results, metadata, failure in zip(
-            *pickle.loads(self.packed), strict=True
+            *columns, strict=True
         ):
             report = RankReport(
                 step, role, rank, world, save_id, [FileEntry(*f) for f in files], failure=failure
