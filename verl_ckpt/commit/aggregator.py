@@ -187,8 +187,9 @@ class NodeBatcher:
 class ReportAggregator:
     """The Ray actor of one node's NodeBatcher, or of one rank group's (`members`: the role
     and the range of ranks of the group; see the module docstring). A node's aggregator is
-    made with the root and report_group_size (`group_size`), which it keeps across a restart:
-    it then finds its groups' aggregators again from the reports themselves."""
+    made with the root (`root_dir`), which it keeps across a restart; each join and report
+    carries its role's report_group_size, so that a restarted one finds its groups again
+    from the reports themselves."""
 
     def __init__(
         self,
@@ -197,7 +198,6 @@ class ReportAggregator:
         linger_s: float = LINGER_S,
         members: tuple[str, int, int] | None = None,
         root_dir: str | None = None,
-        group_size: int = 0,
     ) -> None:
         self._finalizer = finalizer
         self._timeout_s = timeout_s
@@ -206,20 +206,20 @@ class ReportAggregator:
             role, first, end = members
             for rank in range(first, end):
                 self._batcher.join((role, rank))
-        self._groups = GroupRoutes(root_dir, finalizer, group_size, timeout_s, linger_s)
+        self._groups = GroupRoutes(root_dir, finalizer, timeout_s, linger_s)
 
-    async def join(self, role: str, rank: int, world_size: int = 0) -> None:
+    async def join(self, role: str, rank: int, world_size: int = 0, group_size: int = 0) -> None:
         """`role` `rank` (of `world_size`) runs on this node. In a role of more than
-        group_size ranks, its group's aggregator is found or started now (waited for up to
-        GROUP_START_S; until it is up, the node's batches go straight to the finalizer)."""
+        `group_size` ranks, its group's aggregator is found or started now (waited for up
+        to GROUP_START_S; until it is up, the node's batches go straight to the finalizer)."""
         self._batcher.join((role, rank))
-        started = self._groups.open(role, rank, world_size)
+        started = self._groups.open(role, rank, world_size, group_size)
         if started is not None:
             await asyncio.wait({started}, timeout=GROUP_START_S)
 
-    async def report(self, report: RankReport) -> BaseException | None:
+    async def report(self, report: RankReport, group_size: int = 0) -> BaseException | None:
         # After a restart nobody joins again: the reports name their groups.
-        self._groups.open(report.role, report.rank, report.world_size)
+        self._groups.open(report.role, report.rank, report.world_size, group_size)
         return await self._batcher.report(report)
 
     async def report_batch(
@@ -240,18 +240,18 @@ class ReportAggregator:
         """A batch that left: the reports of each group whose aggregator is up to it, the
         others straight to the finalizer; the answers in the batch's order. One part that
         fails answers its own reports only."""
-        parts: dict[tuple[str, int] | None, list[int]] = {}
+        parts: dict[Route | None, list[int]] = {}
         for i, report in enumerate(reports):
             parts.setdefault(self._groups.route(report), []).append(i)
         answers: list[BaseException | None] = [None] * len(reports)
 
-        async def send(key: tuple[str, int] | None, indices: list[int]) -> None:
+        async def send(route: Route | None, indices: list[int]) -> None:
             part = [reports[i] for i in indices]
             try:
                 got = await (
                     _send_batch(self._finalizer, part, self._timeout_s, "the finalizer")
-                    if key is None
-                    else self._to_group(key, part)
+                    if route is None
+                    else self._to_group(route, part)
                 )
                 if len(got) != len(part):
                     raise CheckpointError(f"{len(got)} answers to a batch of {len(part)}")
@@ -260,93 +260,105 @@ class ReportAggregator:
             for i, answer in zip(indices, got, strict=True):
                 answers[i] = answer
 
-        await asyncio.gather(*(send(key, indices) for key, indices in parts.items()))
+        await asyncio.gather(*(send(route, indices) for route, indices in parts.items()))
         return answers
 
-    async def _to_group(
-        self, key: tuple[str, int], reports: list[RankReport]
-    ) -> list[BaseException | None]:
+    async def _to_group(self, route: Route, reports: list[RankReport]) -> list:
         try:
-            # Its wait on the finalizer is timeout_s + RPC_SLACK_S: this one is longer, so
-            # that a group that hears nothing says so. Both only bound a batch that would
+            # Its own wait on the finalizer is timeout_s + RPC_SLACK_S: this one is longer,
+            # so that a group that hears nothing says so. Both only bound a batch that would
             # otherwise wait forever: a rank's own deadline (the step's) governs what it hears.
             return await _send_batch(
-                self._groups.handle(key),
+                route.handle,
                 reports,
                 self._timeout_s + RPC_SLACK_S,
                 "the group's report aggregator",
+                raise_ray_errors=True,
             )
-        except ray.exceptions.RayActorError as exc:
-            # Dead (its owner, the node aggregator that started it, died with it) or
-            # restarting: this batch goes straight, and the next report opens it again.
-            self._groups.lost(key, exc)
+        except ray.exceptions.RayError as exc:
+            # Dead (its owner, the node aggregator that started it, died with it), restarting
+            # or broken: this batch goes straight, and the next report opens it again.
+            self._groups.lost(route, exc)
             return await _send_batch(self._finalizer, reports, self._timeout_s, "the finalizer")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A group aggregator that is up, as GroupRoutes hands it to a batch that leaves."""
+
+    key: tuple[str, int, int, int]  # role, group, group size, world size
+    handle: ray.actor.ActorHandle
 
 
 class GroupRoutes:
     """A node aggregator's way to its groups' aggregators (module docstring): each started
     (or found by name) when a rank of its group joins or reports, used once it is up, and
-    opened again, at most once per GROUP_START_S, when it died or failed to start."""
+    opened again when it died, or GROUP_START_S after it failed to start."""
 
     def __init__(
         self,
         root_dir: str | None,
         finalizer: ray.actor.ActorHandle,
-        group_size: int,
         timeout_s: float,
         linger_s: float,
     ) -> None:
-        self._root = root_dir
+        # Resolved once: the names are made on the event loop.
+        self._root = str(Path(root_dir).resolve()) if root_dir is not None else None
         self._finalizer = finalizer
-        self._size = group_size
         self._timeout_s = timeout_s
         self._linger_s = linger_s
-        self._opening: dict[tuple[str, int], asyncio.Task] = {}
-        self._opened_at: dict[tuple[str, int], float] = {}
+        # Per role, the sizes its ranks said last (group size, world size).
+        self._sizes: dict[str, tuple[int, int]] = {}
+        self._opening: dict[tuple[str, int, int, int], asyncio.Task] = {}
+        self._failed_at: dict[tuple[str, int, int, int], float] = {}
 
-    def open(self, role: str, rank: int, world_size: int) -> asyncio.Task | None:
+    def open(self, role: str, rank: int, world_size: int, group_size: int) -> asyncio.Task | None:
         """Start opening the aggregator of `role` `rank`'s group unless it is open, opening,
-        or failed within GROUP_START_S; the opening under way, None without groups."""
-        if self._root is None or not uses_groups(world_size, self._size):
+        or failed within GROUP_START_S; the opening, None without groups."""
+        if self._root is None or not uses_groups(world_size, group_size):
             return None
-        key = (role, group_of(rank, self._size))
+        self._sizes[role] = (group_size, world_size)
+        key = (role, group_of(rank, group_size), group_size, world_size)
         task = self._opening.get(key)
-        now = time.monotonic()
-        if task is None or (_failed(task) and now - self._opened_at[key] > GROUP_START_S):
-            task = asyncio.get_running_loop().create_task(self._open(key, world_size))
+        if task is None or (
+            _failed(task) and time.monotonic() - self._failed_at.get(key, 0.0) > GROUP_START_S
+        ):
+            task = asyncio.get_running_loop().create_task(self._open(key))
             task.add_done_callback(lambda done: self._started(key, done))
-            self._opening[key], self._opened_at[key] = task, now
+            self._opening[key] = task
         return task
 
-    def route(self, report: RankReport) -> tuple[str, int] | None:
-        """The group whose aggregator `report` goes to, None when it goes to the finalizer
-        (no groups, or the group's aggregator is not up)."""
-        if not self._size:
+    def route(self, report: RankReport) -> Route | None:
+        """Where `report` goes: its group's aggregator if that is up, None (the finalizer)
+        otherwise or without groups."""
+        sizes = self._sizes.get(report.role)
+        if sizes is None:
             return None
-        key = (report.role, group_of(report.rank, self._size))
+        key = (report.role, group_of(report.rank, sizes[0]), *sizes)
         task = self._opening.get(key)
-        return key if task is not None and task.done() and not _failed(task) else None
+        if task is None or not task.done() or _failed(task):
+            return None
+        return Route(key, task.result())
 
-    def handle(self, key: tuple[str, int]) -> ray.actor.ActorHandle:
-        return self._opening[key].result()
-
-    def lost(self, key: tuple[str, int], exc: BaseException) -> None:
+    def lost(self, route: Route, exc: BaseException) -> None:
+        """The aggregator of `route` failed a call: forget it (unless it was opened again
+        since), so that the next report opens it again."""
+        task = self._opening.get(route.key)
+        if task is None or not task.done() or _failed(task) or task.result() is not route.handle:
+            return
+        del self._opening[route.key]
         logger.warning(
-            "the report aggregator of %s ranks %d-%d is gone (%s): its batches go straight "
-            "to the finalizer until it is opened again",
-            key[0],
-            key[1] * self._size,
-            (key[1] + 1) * self._size - 1,
+            "the report aggregator of %s is gone (%s): its batches go straight to the "
+            "finalizer until it is opened again",
+            _describe(route.key),
             type(exc).__name__,
         )
-        self._opening.pop(key, None)
 
-    async def _open(self, key: tuple[str, int], world_size: int) -> ray.actor.ActorHandle:
-        role, group = key
-        members = (role, group * self._size, min(world_size, (group + 1) * self._size))
-        name = group_aggregator_name(self._root, role, group, self._size, world_size)
+    async def _open(self, key: tuple[str, int, int, int]) -> ray.actor.ActorHandle:
+        role, group, size, world_size = key
+        members = (role, group * size, min(world_size, (group + 1) * size))
         options = {
-            "name": name,
+            "name": group_aggregator_name(self._root, role, group, size, world_size),
             "namespace": FINALIZER_NAMESPACE,
             "get_if_exists": True,
             # Restarted empty if it dies, with the same members; the node aggregators whose
@@ -367,24 +379,30 @@ class GroupRoutes:
             try:
                 await asyncio.wait_for(_awaited(handle.pending.remote()), time_left(deadline))
                 return handle
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as exc:
                 # The name still held by an aggregator that is dying (its owner just died):
-                # once it is dead, the name is free for a new one.
-                if time.monotonic() > deadline:
+                # once it is dead, the name is free for a new one. One that cannot even be
+                # made will not be made by trying again.
+                if getattr(exc, "actor_init_failed", False) or time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.5)
 
-    def _started(self, key: tuple[str, int], task: asyncio.Task) -> None:
-        if _failed(task) and self._opening.get(key) is task:
-            exc = task.exception() if not task.cancelled() else None
-            logger.warning(
-                "the report aggregator of %s ranks %d-%d could not be started (%s): this "
-                "node sends their batches straight to the finalizer",
-                key[0],
-                key[1] * self._size,
-                (key[1] + 1) * self._size - 1,
-                type(exc).__name__ if exc is not None else "cancelled",
-            )
+    def _started(self, key: tuple[str, int, int, int], task: asyncio.Task) -> None:
+        if not _failed(task) or self._opening.get(key) is not task:
+            return
+        self._failed_at[key] = time.monotonic()
+        exc = task.exception() if not task.cancelled() else None
+        logger.warning(
+            "the report aggregator of %s could not be started (%s): this node sends their "
+            "batches straight to the finalizer",
+            _describe(key),
+            type(exc).__name__ if exc is not None else "cancelled",
+        )
+
+
+def _describe(key: tuple[str, int, int, int]) -> str:
+    role, group, size, world_size = key
+    return f"{role} ranks {group * size}-{min(world_size, (group + 1) * size) - 1}"
 
 
 def _failed(task: asyncio.Task) -> bool:
@@ -392,22 +410,30 @@ def _failed(task: asyncio.Task) -> bool:
 
 
 async def _send_batch(
-    to: ray.actor.ActorHandle, reports: list[RankReport], timeout_s: float, what: str
+    to: ray.actor.ActorHandle,
+    reports: list[RankReport],
+    timeout_s: float,
+    what: str,
+    raise_ray_errors: bool = False,
 ) -> list[BaseException | None]:
     """`reports` packed, as one `report_batch` call to `to` (the finalizer or a group's
-    aggregator): each report's answer. A timeout or a refused call answers every report."""
+    aggregator), waited for up to `timeout_s` + RPC_SLACK_S: each report's answer. A timeout
+    or a refused call answers every report; with `raise_ray_errors`, any other failure of
+    the call (Ray's) is raised instead."""
+    wait_s = timeout_s + RPC_SLACK_S
     ref = to.report_batch.remote(ReportBatch.of(reports))
     try:
-        return await asyncio.wait_for(_awaited(ref), timeout_s + RPC_SLACK_S)
+        return await asyncio.wait_for(_awaited(ref), wait_s)
     except TimeoutError:
         return [
-            CommitTimeoutError(
-                f"the report aggregator: {what} did not answer within {timeout_s:.0f}s"
-            )
+            CommitTimeoutError(f"the report aggregator: {what} did not answer within {wait_s:.0f}s")
         ] * len(reports)
     except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause if isinstance(exc.cause, CheckpointError) else exc
-        return [cause] * len(reports)
+        if isinstance(exc.cause, CheckpointError):
+            return [exc.cause] * len(reports)
+        if raise_ray_errors:
+            raise
+        return [exc] * len(reports)
 
 
 async def _awaited(ref: ray.ObjectRef):
@@ -449,14 +475,15 @@ def group_of(rank: int, group_size: int) -> int:
 class NodeAggregator:
     """A rank's side of its node's aggregator: `report` as FinalizerClient.report does it."""
 
-    def __init__(self, handle: ray.actor.ActorHandle, who: str) -> None:
+    def __init__(self, handle: ray.actor.ActorHandle, who: str, group_size: int = 0) -> None:
         self.handle = handle
         self.who = who
+        self._group_size = group_size
 
     def report(self, report: RankReport, deadline: float) -> None:
         """Deliver `report` through the node's batch; raise the finalizer's refusal of it,
         CommitTimeoutError past `deadline`, AggregatorLost when the aggregator is gone."""
-        ref = self.handle.report.remote(report)
+        ref = self.handle.report.remote(report, self._group_size)
         try:
             answer = ray.get(ref, timeout=time_left(deadline, 0.1))
         except ray.exceptions.GetTimeoutError:
@@ -498,14 +525,14 @@ def open_node_aggregator(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )
-        .remote(finalizer, timeout_s, LINGER_S, None, str(root_dir), group_size)
+        .remote(finalizer, timeout_s, LINGER_S, None, str(root_dir))
     )
     # join waits up to GROUP_START_S for the group's aggregator, and never fails for it.
     wait_s = timeout_s + GROUP_START_S
     try:
-        ray.get(handle.join.remote(role, rank, world_size), timeout=wait_s)
+        ray.get(handle.join.remote(role, rank, world_size, group_size), timeout=wait_s)
     except ray.exceptions.GetTimeoutError:
         raise CommitTimeoutError(
             f"{who}: the node's report aggregator did not start within {wait_s:.0f}s"
         ) from None
-    return NodeAggregator(handle, who)
+    return NodeAggregator(handle, who, group_size)

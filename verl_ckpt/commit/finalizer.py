@@ -366,12 +366,13 @@ def finalizer_settings(
 
 
 def _freeze_long_lived() -> None:
-    """In the finalizer's actor process: everything alive once it started (Ray's, torch's
-    and DCP's modules: a few hundred thousand objects) lives as long as the process, so it
-    goes out of the cyclic collector's sight. Each step's intake makes objects by the
-    thousand per rank group, and every full collection they set off walked all of those
-    first, serially, on the commit's path. Garbage is collected first (frozen, it would
-    stay); not in a process that only hosts a finalizer among other things (tests)."""
+    """In an actor process (the finalizer's, or a benchmark's helper that hosts one):
+    everything alive once the finalizer started (Ray's, torch's and DCP's modules: a few
+    hundred thousand objects) lives as long as the process, so it goes out of the cyclic
+    collector's sight. Each step's intake makes objects by the thousand per rank group, and
+    every full collection they set off walked all of those first, serially, on the commit's
+    path. Garbage is collected first (frozen, it would stay). Not in a driver or a test
+    process, which host other things and make finalizers by the dozen."""
     import ray
 
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:

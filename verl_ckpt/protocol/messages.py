@@ -145,7 +145,7 @@ class ReportBatch:
     def reports(self) -> list[RankReport]:
         """The reports, as their participants sent them (write results still packed)."""
         columns = pickle.loads(self.packed)
-        if any(len(column) != self.count for column in columns):
+        if len(columns) != 9 or any(len(column) != self.count for column in columns):
             raise ValueError(f"a report batch of {self.count} holds columns of other lengths")
         out = []
         for step, role, rank, world, save_id, files, results, metadata, failure in zip(
