@@ -478,7 +478,8 @@ def _profile_in_process(world: int, root: Path) -> str:
         for batch in batches[:-1]:
             await finalizer.report_batch(batch)
         if step == 2:
-            commit_step(root, step, {ROLE: world}, reports)
+            # The finalizer unpacked its own copies of these (ReportBatch): these, not yet.
+            commit_step(root, step, {ROLE: world}, [r.unpack() for r in reports])
             apply_retention(root, 2, ())
             profiler.disable()
         else:
