@@ -86,6 +86,91 @@ def test_direct_writes_leave_the_page_cache_but_the_last_block(tmp_path):
     assert _cached_pages(buffered) > 1000  # the same bytes through the page cache stay cached
 
 
+def _aligned_bytes(nbytes: int, lead: int) -> tuple[mmap.mmap, memoryview]:
+    """Random bytes starting `lead` bytes after a page boundary (page-aligned for 0)."""
+    memory = mmap.mmap(-1, nbytes + lead)
+    view = memoryview(memory)[lead:]
+    view[:] = os.urandom(nbytes)
+    return memory, view
+
+
+@pytest.mark.parametrize(
+    "before, lead, nbytes",
+    [
+        (0, 0, 4 * MiB),  # page-aligned memory at the file's start
+        (0, 0, 4 * MiB + 5),  # a partial block after the aligned middle
+        (64, 64, 3 * MiB + 17),  # memory and position one cache line past a page
+        (3 * 4096 + 100, 100, 9 * MiB),  # several pages in, more than a buffer's worth
+    ],
+)
+def test_a_large_write_congruent_to_the_position_goes_from_the_callers_memory(
+    tmp_path, before, lead, nbytes
+):
+    """Zero copy: the whole blocks of a large write whose address agrees with the file
+    position modulo the block are written from where they lie; the file holds exactly the
+    bytes (and the checksum covers them), the partial blocks around them copied."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    head = os.urandom(before)
+    memory, view = _aligned_bytes(nbytes, lead)
+    expected = head + bytes(view)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    with open_direct(fd) as direct:
+        direct.write(head)
+        direct.write(view)
+        direct.write(b"tail")
+        direct.finish()
+        in_place = direct.zero_copy_bytes
+    del view
+    memory.close()
+    assert (tmp_path / "f").read_bytes() == expected + b"tail"
+    assert in_place >= nbytes - 2 * 4096 and in_place % 4096 == 0
+
+
+def test_a_write_whose_address_disagrees_with_the_position_is_copied(tmp_path):
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    memory, view = _aligned_bytes(4 * MiB, 0)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    with open_direct(fd) as direct:
+        direct.write(b"x" * 100)  # the position is 100 past a block; the address on one
+        direct.write(view)
+        direct.finish()
+        assert direct.zero_copy_bytes == 0
+    expected = b"x" * 100 + bytes(view)
+    del view
+    memory.close()
+    assert (tmp_path / "f").read_bytes() == expected
+
+
+def test_a_device_that_refuses_writes_from_the_callers_memory_gets_copies(tmp_path, monkeypatch):
+    """Faked, saying so: a device whose DMA needs more alignment than a block refuses a write
+    from the caller's memory (EINVAL) while it takes the buffers' (page-aligned, 8 MiB)
+    writes. The rest of that write and the later ones are copied in; the file is whole."""
+    real_pwrite = os.pwrite
+    refused = []
+
+    def refusing_in_place(fd, data, offset):
+        if not isinstance(data, memoryview):  # the in-place writes pass the caller's array
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing_in_place)
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    memories = [_aligned_bytes(5 * MiB, 0) for _ in range(2)]
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    with open_direct(fd) as direct:
+        for _, view in memories:
+            direct.write(view)
+        direct.finish()
+        assert direct.zero_copy_bytes == 0
+    expected = b"".join(bytes(view) for _, view in memories)
+    assert refused == [0]  # tried once, then copies for the rest of the file
+    assert (tmp_path / "f").read_bytes() == expected
+
+
 def test_a_filesystem_that_refuses_the_flag_is_written_through_the_page_cache(
     tmp_path, monkeypatch
 ):

@@ -31,6 +31,8 @@ def _in_thread(work):
 
 
 def test_a_thread_stays_idle_while_its_work_progresses_and_leaves_when_starved(monkeypatch):
+    monkeypatch.setattr(threads, "_CHECK_EVERY_S", 0.0)  # every call checks
+
     def work():
         assert idle_until_starved(10)
         seen = [os.sched_getscheduler(0)]
@@ -48,6 +50,7 @@ def test_a_thread_stays_idle_while_its_work_progresses_and_leaves_when_starved(m
 
 
 def test_the_writer_pool_runs_each_call_idle_again_after_one_starved(monkeypatch):
+    monkeypatch.setattr(threads, "_CHECK_EVERY_S", 0.0)  # every call checks
     pool = DaemonPool(1, "test_idle_pool", nice=10, idle_until_starved=True)
     try:
 
@@ -62,6 +65,27 @@ def test_the_writer_pool_runs_each_call_idle_again_after_one_starved(monkeypatch
         assert pool.submit(lambda: os.sched_getscheduler(0)).result(60) == os.SCHED_IDLE
     finally:
         assert pool.close(30) == []
+
+
+def test_progress_reads_the_kernels_count_at_most_every_check_interval(monkeypatch):
+    """A save makes hundreds of small writes: made_progress reads /proc (the thread's
+    schedstat) once per _CHECK_EVERY_S, not once per write."""
+    reads = []
+    real = threads._waited_for_cores_s
+    monkeypatch.setattr(threads, "_waited_for_cores_s", lambda: reads.append(1) or real())
+
+    def work():
+        assert idle_until_starved(10)
+        reads.clear()
+        for _ in range(1000):
+            made_progress()
+        within = len(reads)
+        time.sleep(threads._CHECK_EVERY_S * 2)
+        made_progress()
+        return within, len(reads)
+
+    within, after = _in_thread(work)
+    assert within <= 5 and after == within + 1
 
 
 def test_a_write_starved_of_its_only_core_leaves_the_idle_class_and_ends(tmp_path):

@@ -22,10 +22,13 @@ from verl_ckpt.format.torch_format import (
     _WRITE_ITEM_KWARGS,
     BLOB_TEMPLATES,
     CRC_FREE_BLOBS,
+    PAGE_ALIGNED_MIN,
+    PAGE_BYTES,
     save_tensor_blob,
     write_item,
     write_tensor_blob,
 )
+from verl_ckpt.rank.staging import StagingPool
 
 TENSORS = {
     "fp32 matrix": torch.randn(300, 17),
@@ -185,6 +188,40 @@ def test_I7_write_item_places_items_as_dcp_does():
     # The odd-length object before the tensors makes padding; what no item covers is zeros.
     gaps = bytes(b for b, c in zip(written, covered, strict=True) if not c)
     assert gaps and gaps == bytes(len(gaps))
+
+
+def test_a_large_storage_lies_at_a_file_offset_congruent_to_its_address():
+    """A storage of PAGE_ALIGNED_MIN bytes or more starts at a file offset congruent to its
+    address modulo the page, whatever its allocator (a file written around the page cache
+    then takes its pages from the tensor itself: store/direct_io.py); the padding before it
+    is zeros and the blob loads back. Staging buffers that large are page-aligned, so two
+    slots of one structure give the same write results (the finalizer's forecast holds)."""
+    torch.manual_seed(0)
+    big = torch.rand(PAGE_ALIGNED_MIN // 4 + 3)  # torch's allocator: 64-byte aligned
+    pools = [StagingPool(slots=2, pin_memory=False) for _ in range(2)]
+    staged = []
+    for pool in pools:
+        slot, _ = pool.acquire(["big", "small"], [big, torch.ones(5)])
+        assert slot.buffers[0].data_ptr() % PAGE_BYTES == 0
+        slot.buffers[0].copy_(big)
+        staged.append(slot.buffers[0])
+    assert staged[0].data_ptr() != staged[1].data_ptr()
+    layouts = []
+    for tensor in (big, *staged):
+        stream = io.BytesIO()
+        stream.write(b"odd")  # the blob does not start at a page
+        result = write_item(
+            _StorageWriterTransforms(), stream, tensor, whole_tensor_item("w", tensor), "f"
+        )
+        where = result.storage_data
+        written = stream.getvalue()
+        head = written.index(tensor.numpy().tobytes()[:64], where.offset)
+        assert (head - tensor.untyped_storage().data_ptr()) % PAGE_BYTES == 0
+        assert written[3 : where.offset] == bytes(where.offset - 3)
+        blob = written[where.offset : where.offset + where.length]
+        assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), big)
+        layouts.append((where.offset, where.length))
+    assert layouts[1] == layouts[2]
 
 
 def _fresh(data):

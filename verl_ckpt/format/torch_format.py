@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _write_item
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from verl_ckpt.store.direct_io import ZERO_COPY_MIN
+
 try:  # torch >= 2.5 takes the serialization format explicitly
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
@@ -243,13 +245,32 @@ def _blob_templates_work() -> bool:
 BLOB_TEMPLATES = _blob_templates_work()
 
 
-def _pad_to_alignment(stream: IO[bytes]) -> None:
-    """Zero bytes up to the next multiple of torch's storage alignment (64), so that the blob
-    written next starts there and its storage, which torch aligns within the blob, lies at
-    an aligned file offset. Why: the kernel's copies between the page cache and a tensor
-    (itself aligned) run slower when the file offset is not aligned alike. DCP's readers
-    read every item at its recorded offset, so the padding between blobs is never read."""
-    gap = -stream.tell() % torch_serialization._get_storage_alignment()
+# A storage this large lies at a file offset congruent to its address modulo PAGE_BYTES
+# (_pad_before_blob): at most PAGE_BYTES of padding against a megabyte or more of tensor.
+PAGE_ALIGNED_MIN = ZERO_COPY_MIN
+PAGE_BYTES = 4096
+
+
+def _pad_before_blob(stream: IO[bytes], tensor: torch.Tensor) -> None:
+    """Zero bytes before a tensor's blob, so that its storage lies at an aligned file offset.
+    DCP's readers read every item at its recorded offset, so the padding is never read.
+
+    Why: the kernel's copies between the page cache and a tensor (itself aligned) run slower
+    when the file offset is not aligned alike, so every blob starts at a multiple of torch's
+    storage alignment (64), where torch aligns the storage within the blob. A large storage
+    goes further: its first byte lands at a file offset congruent to its address modulo the
+    page, which lets a file written around the page cache take its whole pages from the
+    tensor's own memory (store/direct_io.py, zero copy). Staging buffers are page-aligned,
+    so a staged tensor's padding is the same at every save (the write results do not change,
+    and the finalizer's forecast of `.metadata` holds)."""
+    position = stream.tell()
+    gap = -position % torch_serialization._get_storage_alignment()
+    key = _template_key(tensor) if BLOB_TEMPLATES else None
+    if key is not None and tensor.untyped_storage().nbytes() >= PAGE_ALIGNED_MIN:
+        address = tensor.untyped_storage().data_ptr()
+        head = len(_blob_template(tensor, key).head)
+        if address % torch_serialization._get_storage_alignment() == 0:
+            gap = (address - position - head) % PAGE_BYTES
     if gap:
         stream.write(bytes(gap))
 
@@ -264,7 +285,7 @@ def write_item(
         return _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
     if data.device.type != "cpu":
         raise ValueError(f"{item.index.fqn}: only host tensors are written, got {data.device}")
-    _pad_to_alignment(stream)
+    _pad_before_blob(stream, data)
     offset = stream.tell()
     target, descriptors = (
         transforms.transform_save_stream(item, stream) if transforms else (stream, [])

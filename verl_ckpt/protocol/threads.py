@@ -72,6 +72,11 @@ def run_when_idle() -> None:
 # result is awaited (a save). The bound also ends a priority inversion: a starved writer
 # thread holding the GIL holds up the trainer's thread.
 STARVED_AFTER_S = 0.5
+# made_progress reads the kernel's count at most this often: a save writes hundreds of small
+# pieces (a blob's head and tail, padding), and a read of /proc per piece cost the writer
+# thread more CPU than the bytes themselves. Small against STARVED_AFTER_S, so a starved
+# thread still leaves the idle class in time.
+_CHECK_EVERY_S = 0.01
 
 _idle_state = threading.local()
 _may_leave: dict[int, bool] = {}  # niceness -> whether a thread at it may leave SCHED_IDLE
@@ -92,6 +97,7 @@ def idle_until_starved(nice: int) -> bool:
     _idle_state.nice = nice
     _idle_state.waited = _waited_for_cores_s()
     _idle_state.since = time.monotonic()
+    _idle_state.checked = _idle_state.since
     return True
 
 
@@ -104,11 +110,15 @@ def made_progress() -> None:
     nice = getattr(_idle_state, "nice", None)
     if nice is None:
         return
+    now = time.monotonic()
+    if now - _idle_state.checked < _CHECK_EVERY_S:
+        return
+    _idle_state.checked = now
     waited = _waited_for_cores_s()
     if waited is not None and _idle_state.waited is not None:
         starved = waited - _idle_state.waited
     else:
-        starved = time.monotonic() - _idle_state.since
+        starved = now - _idle_state.since
     if starved <= STARVED_AFTER_S:
         return
     _idle_state.nice = None

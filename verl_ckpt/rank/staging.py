@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
+import mmap
 import pickle
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from verl_ckpt.format.torch_format import PAGE_ALIGNED_MIN
 from verl_ckpt.rank.copy_progress import CopyProgress
 
 __all__ = ["StagingPool", "StagingSlot", "copy_into", "device_ready_events", "staging_signature"]
@@ -60,12 +63,26 @@ def _allocate_like(tensor: torch.Tensor, pin_memory: bool, shared: bool) -> torc
     if shared:
         # Shared memory, so that a writer process reads the snapshot without a copy.
         buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    elif pin_memory and tensor.is_cuda:
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
     else:
-        pin = pin_memory and tensor.is_cuda
-        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+        buffer = _page_aligned_empty(tensor.shape, tensor.dtype)
     # Touch every page now, so that the first snapshot does not pay the page faults.
     buffer.zero_()
     return buffer
+
+
+def _page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor; one large enough to be written with zero copy gets a
+    mapping of its own, so that its storage starts on a page: its blob then lies
+    page-aligned in the file at every save (torch_format._pad_before_blob), and a file
+    written around the page cache takes its pages straight from it. torch's allocator
+    aligns to 64 bytes only. The mapping lives as long as the tensor."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < PAGE_ALIGNED_MIN:  # written through the buffers anyway: no mapping of its own
+        return torch.empty(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class StagingPool:

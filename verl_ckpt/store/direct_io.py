@@ -13,6 +13,12 @@ through page-aligned buffers that are written whole, at aligned offsets, and onl
 partial block of the file is written through the page cache (O_DIRECT cleared on the
 descriptor for it), before the usual fsync. Where the filesystem refuses O_DIRECT (tmpfs,
 some network and FUSE filesystems), the file is written through the page cache as before.
+
+Zero copy: a large write whose bytes lie at an address congruent to the file position
+(modulo the block) skips the buffers for all but its first and last partial blocks: the
+device reads the caller's memory itself. The rank's writer lays its files out so that a large
+tensor's storage lands that way (format/torch_format.py pads before its blob, and staging
+buffers are page-aligned), which leaves the write one copy fewer: the snapshot's.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 # How long one buffer's write may take before the device is named as hung: 8 MiB; the
 # save's own deadline bounds the whole write as well.
 _HELPER_WAIT_S = 300.0
+# A write at least this large goes from the caller's memory where its address allows (see
+# DirectFile.write); below it, a copy into the buffer costs less than a request of its own.
+ZERO_COPY_MIN = 1 << 20
 
 
 def open_direct(fd: int) -> DirectFile | None:
@@ -74,6 +83,11 @@ class DirectFile:
     the other, so that the device never waits for the copy (the writer waits only when both
     are full). The helper runs in the normal scheduling class: it takes next to no CPU, and
     in the idle class it could be starved while the writer waits for it.
+
+    A write of ZERO_COPY_MIN bytes or more whose address is congruent to the file position
+    modulo the block is written from the caller's memory, before write() returns (so the
+    caller may reuse its memory afterwards, as with any stream): `zero_copy_bytes` counts
+    those bytes.
     """
 
     def __init__(self, fd: int) -> None:
@@ -87,9 +101,54 @@ class DirectFile:
         self._writing: Future | None = None  # the other buffer's write, if one runs
         self._hung = False  # that write outlasted _HELPER_WAIT_S
         self._helper: DaemonPool | None = None
+        self._zero_copy = True  # until a write from the caller's memory is refused
+        self.zero_copy_bytes = 0
 
     def write(self, data: bytes | memoryview) -> int:
         source = np.frombuffer(data, dtype=np.uint8)
+        if self._zero_copy and self._direct and source.size >= ZERO_COPY_MIN:
+            return self._write_in_place(source)
+        return self._copy_in(source)
+
+    def _write_in_place(self, source: np.ndarray) -> int:
+        """Write `source` with its whole aligned blocks taken from where it lies, if its
+        address and the file position agree modulo the block; else copy it in."""
+        lead = -source.ctypes.data % _ALIGN  # bytes before its first aligned address
+        if (self.tell() + lead) % _ALIGN or source.size - lead < _ALIGN:
+            return self._copy_in(source)
+        self._copy_in(source[:lead])
+        # The position is aligned now, so the buffer holds whole blocks: it goes first (to
+        # the helper), then the aligned middle goes from the caller's memory to the offsets
+        # after it (the two writes touch different offsets, so they may overlap).
+        self._hand_over(self._filled)
+        middle = (source.size - lead) - (source.size - lead) % _ALIGN
+        done = self._pwrite_in_place(source[lead : lead + middle], self._written)
+        self._written += done
+        self.zero_copy_bytes += done
+        self._copy_in(source[lead + done :])
+        return source.size
+
+    def _pwrite_in_place(self, view: np.ndarray, offset: int) -> int:
+        """Write `view` (aligned) at `offset` from its own memory; return the bytes written,
+        fewer only where the device refused such a write (EINVAL): the rest is then copied
+        in, for this file's remaining writes too."""
+        done = 0
+        while done < view.size:
+            try:
+                wrote = os.pwrite(self._fd, view[done:], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._zero_copy = False
+                return done
+            if wrote == 0:  # a device that takes nothing: never spin on it
+                raise OSError(errno.ENOSPC, "No space left on device")
+            # A short write off the block makes the next one EINVAL, which ends this above;
+            # the buffers' own writes then fall back to the page cache (_write_buffer).
+            done += wrote
+        return done
+
+    def _copy_in(self, source: np.ndarray) -> int:
         done = 0
         while done < source.size:
             take = min(source.size - done, _BUFFER_BYTES - self._filled)
@@ -157,16 +216,19 @@ class DirectFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _hand_over(self) -> None:
-        """The current buffer is full: the helper writes it; the writer goes on in the other
-        one, once the helper's last write from that one ended."""
+    def _hand_over(self, nbytes: int = _BUFFER_BYTES) -> None:
+        """The current buffer's first `nbytes` (whole blocks: all of it when it is full) go
+        to the helper to write; the writer goes on in the other buffer, once the helper's
+        last write from that one ended."""
+        if not nbytes:
+            return
         self._wait_for_writing()
         if self._helper is None:
             self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
         self._writing = self._helper.submit(
-            self._write_buffer, self._current, 0, _BUFFER_BYTES, self._written
+            self._write_buffer, self._current, 0, nbytes, self._written
         )
-        self._written += _BUFFER_BYTES
+        self._written += nbytes
         self._current = 1 - self._current
         self._filled = 0
 
