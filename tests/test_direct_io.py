@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.store import direct_io
 from verl_ckpt.store.direct_io import open_direct
 from verl_ckpt.store.fsio import WriteOptions, file_checksum
 
@@ -169,6 +170,30 @@ def test_a_device_that_refuses_writes_from_the_callers_memory_gets_copies(tmp_pa
     expected = b"".join(bytes(view) for _, view in memories)
     assert refused == [0]  # tried once, then copies for the rest of the file
     assert (tmp_path / "f").read_bytes() == expected
+
+
+def test_the_next_file_fills_the_buffers_the_last_one_gave_back(tmp_path):
+    """A fresh mapping pays a page fault per page on its first fill: files reuse the
+    buffers of files closed before them, and no more than _BUFFERS_KEPT are kept."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    pool = direct_io._buffers
+    handles = [
+        open_direct(os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o600)) for i in range(3)
+    ]  # six buffers in use at once
+    for handle in handles:
+        handle.write(os.urandom(5000))
+        handle.finish()
+    given = {id(b) for handle in handles for b in handle._buffers}
+    for handle in handles:
+        handle.close()
+    kept = {id(b) for b in pool._free}
+    assert len(kept) == direct_io._BUFFERS_KEPT and kept <= given
+    with open_direct(os.open(tmp_path / "next", os.O_WRONLY | os.O_CREAT, 0o600)) as handle:
+        assert {id(b) for b in handle._buffers} <= kept
+        handle.write(b"next")
+        handle.finish()
+    assert (tmp_path / "next").read_bytes() == b"next"
 
 
 def test_a_filesystem_that_refuses_the_flag_is_written_through_the_page_cache(

@@ -136,7 +136,7 @@ _TEMPLATES_MAX = 4096
 _templates_lock = threading.Lock()
 
 
-def _template_key(tensor: torch.Tensor) -> tuple | None:
+def _template_key(tensor: torch.Tensor, alignment: int | None = None) -> tuple | None:
     """Everything save_tensor_blob's bytes depend on besides the storage's bytes, or None
     for a tensor whose pickle may hold more (it is then written by torch.save itself)."""
     if (
@@ -155,7 +155,7 @@ def _template_key(tensor: torch.Tensor) -> tuple | None:
         tensor.untyped_storage().nbytes(),
         tensor.requires_grad,
         tuple(sorted(torch._C._get_tensor_metadata(tensor).items())),  # conj, neg bits
-        torch_serialization._get_storage_alignment(),
+        alignment if alignment is not None else torch_serialization._get_storage_alignment(),
     )
 
 
@@ -184,11 +184,20 @@ def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
 
 def write_tensor_blob(tensor: torch.Tensor, stream: IO[bytes]) -> None:
     """save_tensor_blob's bytes, exactly; from the geometry's template where it can be."""
-    key = _template_key(tensor) if BLOB_TEMPLATES else None
-    if key is None:
+    _write_blob(tensor, _template_of(tensor), stream)
+
+
+def _template_of(tensor: torch.Tensor, alignment: int | None = None) -> BlobLayout | None:
+    """The template of the tensor's geometry, or None where torch.save writes its blob."""
+    key = _template_key(tensor, alignment) if BLOB_TEMPLATES else None
+    return None if key is None else _blob_template(tensor, key)
+
+
+def _write_blob(tensor: torch.Tensor, template: BlobLayout | None, stream: IO[bytes]) -> None:
+    if template is None:
         save_tensor_blob(tensor, stream)
-        return
-    _write_templated(_blob_template(tensor, key), tensor, stream)
+    else:
+        _write_templated(template, tensor, stream)
 
 
 def whole_tensor_blob_layout(shape: tuple[int, ...], dtype: torch.dtype) -> BlobLayout | None:
@@ -251,7 +260,9 @@ PAGE_ALIGNED_MIN = ZERO_COPY_MIN
 PAGE_BYTES = 4096
 
 
-def _pad_before_blob(stream: IO[bytes], tensor: torch.Tensor) -> None:
+def _pad_before_blob(
+    stream: IO[bytes], tensor: torch.Tensor, template: BlobLayout | None, alignment: int
+) -> None:
     """Zero bytes before a tensor's blob, so that its storage lies at an aligned file offset.
     DCP's readers read every item at its recorded offset, so the padding is never read.
 
@@ -264,13 +275,11 @@ def _pad_before_blob(stream: IO[bytes], tensor: torch.Tensor) -> None:
     so a staged tensor's padding is the same at every save (the write results do not change,
     and the finalizer's forecast of `.metadata` holds)."""
     position = stream.tell()
-    gap = -position % torch_serialization._get_storage_alignment()
-    key = _template_key(tensor) if BLOB_TEMPLATES else None
-    if key is not None and tensor.untyped_storage().nbytes() >= PAGE_ALIGNED_MIN:
+    gap = -position % alignment
+    if template is not None and template.storage_nbytes >= PAGE_ALIGNED_MIN:
         address = tensor.untyped_storage().data_ptr()
-        head = len(_blob_template(tensor, key).head)
-        if address % torch_serialization._get_storage_alignment() == 0:
-            gap = (address - position - head) % PAGE_BYTES
+        if address % alignment == 0:
+            gap = (address - position - len(template.head)) % PAGE_BYTES
     if gap:
         stream.write(bytes(gap))
 
@@ -285,12 +294,15 @@ def write_item(
         return _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
     if data.device.type != "cpu":
         raise ValueError(f"{item.index.fqn}: only host tensors are written, got {data.device}")
-    _pad_before_blob(stream, data)
+    # Looked up once per item: torch's config lookup costs as much as the rest of the key.
+    alignment = torch_serialization._get_storage_alignment()
+    template = _template_of(data, alignment)
+    _pad_before_blob(stream, data, template, alignment)
     offset = stream.tell()
     target, descriptors = (
         transforms.transform_save_stream(item, stream) if transforms else (stream, [])
     )
-    write_tensor_blob(data, target)
+    _write_blob(data, template, target)
     if target is not stream:
         target.close()  # a transform's wrapper: closing it flushes, never closes `stream`
     length = stream.tell() - offset

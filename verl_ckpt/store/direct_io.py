@@ -30,6 +30,7 @@ import mmap
 import os
 import stat
 import sys
+import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 
@@ -52,6 +53,38 @@ _HELPER_WAIT_S = 300.0
 # A write at least this large goes from the caller's memory where its address allows (see
 # DirectFile.write); below it, a copy into the buffer costs less than a request of its own.
 ZERO_COPY_MIN = 1 << 20
+# Buffers kept for the next file once one is closed: two files' worth (a rank's two writer
+# threads). A fresh mapping pays a page fault (and the kernel's zeroing) per page on its first
+# fill and an unmap at the end, which cost a rank's small files more than their bytes.
+_BUFFERS_KEPT = 4
+
+
+class _BufferPool:
+    """Page-aligned buffers of _BUFFER_BYTES, handed out to files and taken back."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, _BUFFER_BYTES)  # page-aligned
+
+    def give_back(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buffer)
+                return
+        # A view still alive elsewhere (a caller's traceback) keeps the buffer mapped until
+        # it is collected: never an error of the file.
+        with contextlib.suppress(BufferError):
+            buffer.close()
+
+
+_buffers = _BufferPool(_BUFFERS_KEPT)
 
 
 def open_direct(fd: int) -> DirectFile | None:
@@ -92,7 +125,12 @@ class DirectFile:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._buffers = [mmap.mmap(-1, _BUFFER_BYTES) for _ in range(2)]  # page-aligned
+        self._buffers = [_buffers.take()]
+        try:
+            self._buffers.append(_buffers.take())
+        except (OSError, ValueError, MemoryError):
+            _buffers.give_back(self._buffers[0])
+            raise
         self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._buffers]
         self._current = 0  # the buffer being filled
         self._filled = 0  # bytes in it
@@ -203,12 +241,10 @@ class DirectFile:
         finally:
             os.close(fd)
             self._arrays.clear()
+            # A buffer a hung write may still read is never handed out again.
             if self._writing is None or self._writing.done():
                 for buffer in self._buffers:
-                    # A view still alive elsewhere (a caller's traceback) keeps the buffer
-                    # mapped until it is collected: never an error of the file.
-                    with contextlib.suppress(BufferError):
-                        buffer.close()
+                    _buffers.give_back(buffer)
 
     def __enter__(self) -> DirectFile:
         return self
