@@ -128,6 +128,32 @@ def test_a_large_write_congruent_to_the_position_goes_from_the_callers_memory(
     assert in_place >= nbytes - 2 * 4096 and in_place % 4096 == 0
 
 
+def test_a_rank_file_written_with_zero_copy_has_the_checksum_of_its_bytes(tmp_path, monkeypatch):
+    """Through the writers' own path (write_checksummed: 8 MiB slices, each hashed after it
+    is written): a page-aligned tensor of 20 MiB after an odd head goes mostly from its own
+    memory, and the file's bytes and checksum are exactly what was written."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    real_pwrite = os.pwrite
+    in_place = []
+
+    def counting(fd, data, offset):
+        wrote = real_pwrite(fd, data, offset)
+        if not isinstance(data, memoryview):  # the in-place writes pass the caller's array
+            in_place.append(wrote)
+        return wrote
+
+    monkeypatch.setattr(os, "pwrite", counting)
+    _, view = _aligned_bytes(20 * MiB + 333, 5)  # 5 bytes past a page, as the position
+    head = os.urandom(5)
+    expected = head + bytes(view)
+    path = tmp_path / "rank.distcp"
+    written = write_checksummed(path, lambda s: (s.write(head), s.write(view)), options=DIRECT)
+    assert path.read_bytes() == expected
+    assert (written.size, written.checksum) == file_checksum(path)
+    assert sum(in_place) >= 20 * MiB - 4 * 4096  # a partial page copied per 8 MiB slice
+
+
 def test_a_write_whose_address_disagrees_with_the_position_is_copied(tmp_path):
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
@@ -144,17 +170,22 @@ def test_a_write_whose_address_disagrees_with_the_position_is_copied(tmp_path):
     assert (tmp_path / "f").read_bytes() == expected
 
 
-def test_a_device_that_refuses_writes_from_the_callers_memory_gets_copies(tmp_path, monkeypatch):
-    """Faked, saying so: a device whose DMA needs more alignment than a block refuses a write
-    from the caller's memory (EINVAL) while it takes the buffers' (page-aligned, 8 MiB)
-    writes. The rest of that write and the later ones are copied in; the file is whole."""
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EFAULT])
+def test_a_device_that_refuses_writes_from_the_callers_memory_gets_copies(
+    tmp_path, monkeypatch, refusal
+):
+    """Faked, saying so: a device whose DMA needs more alignment than a block (EINVAL), or
+    memory the kernel cannot pin for the device (EFAULT: some accelerators' host memory),
+    refuses a write from the caller's memory while it takes the buffers' (page-aligned,
+    8 MiB) writes. The rest of that write and the later ones are copied in; the file is
+    whole."""
     real_pwrite = os.pwrite
     refused = []
 
     def refusing_in_place(fd, data, offset):
         if not isinstance(data, memoryview):  # the in-place writes pass the caller's array
             refused.append(offset)
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", refusing_in_place)
@@ -181,12 +212,14 @@ def test_the_next_file_fills_the_buffers_the_last_one_gave_back(tmp_path):
     handles = [
         open_direct(os.open(tmp_path / f"f{i}", os.O_WRONLY | os.O_CREAT, 0o600)) for i in range(3)
     ]  # six buffers in use at once
-    for handle in handles:
-        handle.write(os.urandom(5000))
-        handle.finish()
-    given = {id(b) for handle in handles for b in handle._buffers}
-    for handle in handles:
-        handle.close()
+    try:
+        for handle in handles:
+            handle.write(os.urandom(5000))
+            handle.finish()
+        given = {id(b) for handle in handles for b in handle._buffers}
+    finally:
+        for handle in handles:
+            handle.close()
     kept = {id(b) for b in pool._free}
     assert len(kept) == direct_io._BUFFERS_KEPT and kept <= given
     with open_direct(os.open(tmp_path / "next", os.O_WRONLY | os.O_CREAT, 0o600)) as handle:

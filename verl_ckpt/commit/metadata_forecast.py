@@ -3,8 +3,9 @@
 Making a role's `.metadata` (DCP's finish: every rank's write results merged into the plan's
 metadata, the whole pickled) is most of a commit's own time, and a commit starts only when
 the last report arrives: it counts in every save's time to durable. While a role's plan
-holds, its ranks send the same plan metadata and (their blobs' sizes depending on the
-tensors' geometry only, torch_format) the same write results at every step. So when a role
+holds, its ranks send the same plan metadata and (their blobs' sizes and padding depending
+on the tensors' geometry only, and on whether a large storage starts on a page, which a
+staging buffer always does: torch_format) the same write results at every step. So when a role
 begins a step, the finalizer makes, in the background, the `.metadata` that the inputs of
 the role's last commit give for the new step's directory. The commit uses it only if every
 rank of the role sent exactly those bytes again (compared whole, not hashed); otherwise it

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from verl_ckpt.format.safe_reader import SafeFileSystemReader
-from verl_ckpt.format.torch_format import BlobLayout, whole_tensor_blob_layout
+from verl_ckpt.format.torch_format import PAGE_BYTES, BlobLayout, whole_tensor_blob_layout
 from verl_ckpt.protocol.errors import CheckpointError
 from verl_ckpt.store.fsio import open_regular
 from verl_ckpt.store.layout import checked_relative_path
@@ -232,8 +232,9 @@ _READ_THREADS = 4
 _RUN_BYTES = 32 << 20
 _RUN_BUFFERS = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 # Blobs this close are read by one call, the bytes between them into scratch memory: the
-# writer pads each blob's start to torch's storage alignment (torch_format).
-_MAX_GAP = 64
+# writer pads each blob's start to torch's storage alignment, and up to a page before a large
+# storage (torch_format._pad_before_blob).
+_MAX_GAP = PAGE_BYTES
 
 
 @dataclass
@@ -283,7 +284,8 @@ def _synchronize_devices(targets: list[torch.Tensor]) -> None:
 def _runs_of_templated_blobs(reads: list[_DirectRead]) -> list[list[_DirectRead]]:
     """Consecutive blobs (in file order) of exactly their template's length, in runs of at
     most _RUN_BYTES, each read with one call. Consecutive: at most the writer's alignment
-    padding between them (torch_format pads each blob's start to 64 bytes)."""
+    padding between them (torch_format pads each blob's start to 64 bytes, or up to a page
+    before a large storage)."""
     runs: list[list[_DirectRead]] = []
     run: list[_DirectRead] = []
     end = run_bytes = run_buffers = 0

@@ -254,8 +254,8 @@ def _blob_templates_work() -> bool:
 BLOB_TEMPLATES = _blob_templates_work()
 
 
-# A storage this large lies at a file offset congruent to its address modulo PAGE_BYTES
-# (_pad_before_blob): at most PAGE_BYTES of padding against a megabyte or more of tensor.
+# A storage this large that starts on a page starts on a page of the file (_pad_before_blob):
+# at most PAGE_BYTES of padding against a megabyte or more of tensor.
 PAGE_ALIGNED_MIN = ZERO_COPY_MIN
 PAGE_BYTES = 4096
 
@@ -269,17 +269,21 @@ def _pad_before_blob(
     Why: the kernel's copies between the page cache and a tensor (itself aligned) run slower
     when the file offset is not aligned alike, so every blob starts at a multiple of torch's
     storage alignment (64), where torch aligns the storage within the blob. A large storage
-    goes further: its first byte lands at a file offset congruent to its address modulo the
-    page, which lets a file written around the page cache take its whole pages from the
-    tensor's own memory (store/direct_io.py, zero copy). Staging buffers are page-aligned,
-    so a staged tensor's padding is the same at every save (the write results do not change,
-    and the finalizer's forecast of `.metadata` holds)."""
+    that starts on a page (a staging buffer: rank/staging.py) starts on a page of the file as
+    well, which lets a file written around the page cache take its whole pages from the
+    tensor's own memory (store/direct_io.py, zero copy). The layout depends only on whether
+    the storage starts on a page, never on where: a tensor written in place (offload-aware
+    staging) moves between saves, and the write results, which the finalizer's forecast of
+    `.metadata` compares whole, must not change with it."""
     position = stream.tell()
     gap = -position % alignment
-    if template is not None and template.storage_nbytes >= PAGE_ALIGNED_MIN:
-        address = tensor.untyped_storage().data_ptr()
-        if address % alignment == 0:
-            gap = (address - position - len(template.head)) % PAGE_BYTES
+    if (
+        template is not None
+        and template.storage_nbytes >= PAGE_ALIGNED_MIN
+        and PAGE_BYTES % alignment == 0  # a page start is then a multiple of the alignment
+        and tensor.untyped_storage().data_ptr() % PAGE_BYTES == 0
+    ):
+        gap = (-position - len(template.head)) % PAGE_BYTES
     if gap:
         stream.write(bytes(gap))
 

@@ -29,6 +29,8 @@ _slot_ids = itertools.count()
 # Host bytes copied per call (the interpreter lock is released for a whole call); a write
 # waiting for a tensor waits for the group holding it.
 COPY_GROUP_BYTES = 32 * 2**20
+# Private anonymous mappings (POSIX): large staging buffers start on a page.
+_PRIVATE = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMOUS") else 0
 
 
 def staging_signature(keys: list[str], tensors: list[torch.Tensor]) -> str:
@@ -77,11 +79,13 @@ def _page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     mapping of its own, so that its storage starts on a page: its blob then lies
     page-aligned in the file at every save (torch_format._pad_before_blob), and a file
     written around the page cache takes its pages straight from it. torch's allocator
-    aligns to 64 bytes only. The mapping lives as long as the tensor."""
+    aligns to 64 bytes only. The mapping lives as long as the tensor; private (not shared
+    memory), so that the kernel merges neighbouring ones into one mapping."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < PAGE_ALIGNED_MIN:  # written through the buffers anyway: no mapping of its own
+    # Below it written through the buffers anyway: no mapping of its own.
+    if nbytes < PAGE_ALIGNED_MIN or not _PRIVATE:
         return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes)
+    memory = mmap.mmap(-1, nbytes, flags=_PRIVATE)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 

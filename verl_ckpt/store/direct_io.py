@@ -47,6 +47,12 @@ _ALIGN = 4096
 # a few large requests, small enough to stay a cheap allocation per file.
 _BUFFER_BYTES = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+# Private anonymous memory: not shared memory, and neighbouring mappings merge into one.
+_PRIVATE = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMOUS") else 0
+# What a write from the caller's memory may be refused with where a copy is taken: EINVAL (a
+# device that wants more alignment), EFAULT (memory the kernel cannot pin for the device,
+# such as some accelerators' host allocations), EOPNOTSUPP.
+_IN_PLACE_REFUSED = (errno.EINVAL, errno.EFAULT, errno.EOPNOTSUPP)
 # How long one buffer's write may take before the device is named as hung: 8 MiB; the
 # save's own deadline bounds the whole write as well.
 _HELPER_WAIT_S = 300.0
@@ -71,7 +77,12 @@ class _BufferPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return mmap.mmap(-1, _BUFFER_BYTES)  # page-aligned
+        # Page-aligned; where the flags are unknown (not Linux) the file is not direct anyway.
+        return (
+            mmap.mmap(-1, _BUFFER_BYTES, flags=_PRIVATE)
+            if _PRIVATE
+            else mmap.mmap(-1, _BUFFER_BYTES)
+        )
 
     def give_back(self, buffer: mmap.mmap) -> None:
         with self._lock:
@@ -118,9 +129,9 @@ class DirectFile:
     in the idle class it could be starved while the writer waits for it.
 
     A write of ZERO_COPY_MIN bytes or more whose address is congruent to the file position
-    modulo the block is written from the caller's memory, before write() returns (so the
-    caller may reuse its memory afterwards, as with any stream): `zero_copy_bytes` counts
-    those bytes.
+    modulo the block is written from the caller's memory (by the helper, bounded as a
+    buffer's write), before write() returns (so the caller may reuse its memory afterwards,
+    as with any stream): `zero_copy_bytes` counts those bytes.
     """
 
     def __init__(self, fd: int) -> None:
@@ -160,22 +171,34 @@ class DirectFile:
         # after it (the two writes touch different offsets, so they may overlap).
         self._hand_over(self._filled)
         middle = (source.size - lead) - (source.size - lead) % _ALIGN
-        done = self._pwrite_in_place(source[lead : lead + middle], self._written)
+        done = self._in_place(source[lead : lead + middle], self._written)
         self._written += done
         self.zero_copy_bytes += done
         self._copy_in(source[lead + done :])
         return source.size
 
+    def _in_place(self, view: np.ndarray, offset: int) -> int:
+        """_pwrite_in_place on the helper (after the buffer handed over before it), waited
+        for as long as a buffer's write: a hung device is named, not waited on for good."""
+        if self._helper is None:
+            self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
+        writing = self._helper.submit(self._pwrite_in_place, view, offset)
+        done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
+        if not done:
+            self._hung = True  # close() does not wait for it again
+            raise OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
+        return writing.result()
+
     def _pwrite_in_place(self, view: np.ndarray, offset: int) -> int:
         """Write `view` (aligned) at `offset` from its own memory; return the bytes written,
-        fewer only where the device refused such a write (EINVAL): the rest is then copied
-        in, for this file's remaining writes too."""
+        fewer only where the device refused such a write (_IN_PLACE_REFUSED): the rest is
+        then copied in, for this file's remaining writes too."""
         done = 0
         while done < view.size:
             try:
                 wrote = os.pwrite(self._fd, view[done:], offset + done)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
+                if exc.errno not in _IN_PLACE_REFUSED:
                     raise
                 self._zero_copy = False
                 return done
