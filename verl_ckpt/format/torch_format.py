@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _write_item
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from verl_ckpt.store.direct_io import ZERO_COPY_MIN
+from verl_ckpt.store.direct_io import BLOCK_BYTES, ZERO_COPY_MIN
 
 try:  # torch >= 2.5 takes the serialization format explicitly
     from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -255,9 +255,10 @@ BLOB_TEMPLATES = _blob_templates_work()
 
 
 # A storage this large that starts on a page starts on a page of the file (_pad_before_blob):
-# at most PAGE_BYTES of padding against a megabyte or more of tensor.
+# at most PAGE_BYTES of padding against a megabyte or more of tensor. The page is the block
+# that a file written around the page cache aligns its offsets and memory to.
 PAGE_ALIGNED_MIN = ZERO_COPY_MIN
-PAGE_BYTES = 4096
+PAGE_BYTES = BLOCK_BYTES
 
 
 def _pad_before_blob(

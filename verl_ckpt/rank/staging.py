@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-import mmap
 import pickle
 import threading
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ import torch
 
 from verl_ckpt.format.torch_format import PAGE_ALIGNED_MIN
 from verl_ckpt.rank.copy_progress import CopyProgress
+from verl_ckpt.store.direct_io import page_aligned_buffer
 
 __all__ = ["StagingPool", "StagingSlot", "copy_into", "device_ready_events", "staging_signature"]
 
@@ -29,8 +29,6 @@ _slot_ids = itertools.count()
 # Host bytes copied per call (the interpreter lock is released for a whole call); a write
 # waiting for a tensor waits for the group holding it.
 COPY_GROUP_BYTES = 32 * 2**20
-# Private anonymous mappings (POSIX): large staging buffers start on a page.
-_PRIVATE = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMOUS") else 0
 
 
 def staging_signature(keys: list[str], tensors: list[torch.Tensor]) -> str:
@@ -83,9 +81,9 @@ def _page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     memory), so that the kernel merges neighbouring ones into one mapping."""
     nbytes = math.prod(shape) * dtype.itemsize
     # Below it written through the buffers anyway: no mapping of its own.
-    if nbytes < PAGE_ALIGNED_MIN or not _PRIVATE:
+    if nbytes < PAGE_ALIGNED_MIN:
         return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=_PRIVATE)
+    memory = page_aligned_buffer(nbytes)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 

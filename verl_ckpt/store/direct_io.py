@@ -38,11 +38,11 @@ import numpy as np
 
 from verl_ckpt.protocol.threads import DaemonPool
 
-__all__ = ["DirectFile", "open_direct"]
+__all__ = ["BLOCK_BYTES", "ZERO_COPY_MIN", "DirectFile", "open_direct", "page_aligned_buffer"]
 
 # The device block that O_DIRECT offsets and lengths are aligned to: 4096 covers the 512-byte
 # and the 4096-byte logical blocks of every common device.
-_ALIGN = 4096
+BLOCK_BYTES = 4096
 # The bounce buffer, written in one call each time it is full: large enough that a file is
 # a few large requests, small enough to stay a cheap allocation per file.
 _BUFFER_BYTES = 8 << 20
@@ -65,6 +65,16 @@ ZERO_COPY_MIN = 1 << 20
 _BUFFERS_KEPT = 4
 
 
+def _hung_error() -> OSError:
+    return OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
+
+
+def page_aligned_buffer(nbytes: int) -> mmap.mmap:
+    """`nbytes` of zeroed memory starting on a page: a mapping of its own, private where the
+    platform says how (not shared memory, and neighbouring mappings merge into one)."""
+    return mmap.mmap(-1, nbytes, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, nbytes)
+
+
 class _BufferPool:
     """Page-aligned buffers of _BUFFER_BYTES, handed out to files and taken back."""
 
@@ -77,12 +87,7 @@ class _BufferPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        # Page-aligned; where the flags are unknown (not Linux) the file is not direct anyway.
-        return (
-            mmap.mmap(-1, _BUFFER_BYTES, flags=_PRIVATE)
-            if _PRIVATE
-            else mmap.mmap(-1, _BUFFER_BYTES)
-        )
+        return page_aligned_buffer(_BUFFER_BYTES)
 
     def give_back(self, buffer: mmap.mmap) -> None:
         with self._lock:
@@ -145,7 +150,7 @@ class DirectFile:
         self._arrays = [np.frombuffer(b, dtype=np.uint8) for b in self._buffers]
         self._current = 0  # the buffer being filled
         self._filled = 0  # bytes in it
-        self._written = 0  # bytes handed to the device (a multiple of _ALIGN until finish)
+        self._written = 0  # bytes handed to the device (a multiple of BLOCK_BYTES until finish)
         self._direct = True
         self._writing: Future | None = None  # the other buffer's write, if one runs
         self._hung = False  # that write outlasted _HELPER_WAIT_S
@@ -162,15 +167,15 @@ class DirectFile:
     def _write_in_place(self, source: np.ndarray) -> int:
         """Write `source` with its whole aligned blocks taken from where it lies, if its
         address and the file position agree modulo the block; else copy it in."""
-        lead = -source.ctypes.data % _ALIGN  # bytes before its first aligned address
-        if (self.tell() + lead) % _ALIGN or source.size - lead < _ALIGN:
+        lead = -source.ctypes.data % BLOCK_BYTES  # bytes before its first aligned address
+        if (self.tell() + lead) % BLOCK_BYTES or source.size - lead < BLOCK_BYTES:
             return self._copy_in(source)
         self._copy_in(source[:lead])
         # The position is aligned now, so the buffer holds whole blocks: it goes first (to
         # the helper), then the aligned middle goes from the caller's memory to the offsets
         # after it (the two writes touch different offsets, so they may overlap).
         self._hand_over(self._filled)
-        middle = (source.size - lead) - (source.size - lead) % _ALIGN
+        middle = (source.size - lead) - (source.size - lead) % BLOCK_BYTES
         done = self._in_place(source[lead : lead + middle], self._written)
         self._written += done
         self.zero_copy_bytes += done
@@ -180,13 +185,9 @@ class DirectFile:
     def _in_place(self, view: np.ndarray, offset: int) -> int:
         """_pwrite_in_place on the helper (after the buffer handed over before it), waited
         for as long as a buffer's write: a hung device is named, not waited on for good."""
-        if self._helper is None:
-            self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
-        writing = self._helper.submit(self._pwrite_in_place, view, offset)
-        done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
-        if not done:
-            self._hung = True  # close() does not wait for it again
-            raise OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
+        writing = self._helper_pool().submit(self._pwrite_in_place, view, offset)
+        if not self._ended_in_time(writing):
+            raise _hung_error()
         return writing.result()
 
     def _pwrite_in_place(self, view: np.ndarray, offset: int) -> int:
@@ -234,7 +235,7 @@ class DirectFile:
         """Write what the buffers hold: whole blocks O_DIRECT, the rest (under one block)
         through the page cache; the caller's fsync makes both durable."""
         self._wait_for_writing()
-        whole = self._filled - self._filled % _ALIGN
+        whole = self._filled - self._filled % BLOCK_BYTES
         if whole:
             self._write_buffer(self._current, 0, whole, self._written)
         if self._filled > whole:
@@ -282,9 +283,7 @@ class DirectFile:
         if not nbytes:
             return
         self._wait_for_writing()
-        if self._helper is None:
-            self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
-        self._writing = self._helper.submit(
+        self._writing = self._helper_pool().submit(
             self._write_buffer, self._current, 0, nbytes, self._written
         )
         self._written += nbytes
@@ -297,12 +296,24 @@ class DirectFile:
         writing, self._writing = self._writing, None
         if writing is None:
             return
+        if not self._ended_in_time(writing):
+            self._writing = writing  # still reading its buffer: close() must not unmap it
+            raise _hung_error()
+        writing.result()
+
+    def _helper_pool(self) -> DaemonPool:
+        """The helper thread that hands this file's writes to the device, started once."""
+        if self._helper is None:
+            self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
+        return self._helper
+
+    def _ended_in_time(self, writing: Future) -> bool:
+        """Whether the helper's `writing` ended within _HELPER_WAIT_S; if not, the file is
+        hung, and close() does not wait for its helper again."""
         done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
         if not done:
-            self._writing = writing  # still reading its buffer: close() must not unmap it
             self._hung = True
-            raise OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
-        writing.result()
+        return bool(done)
 
     def _write_buffer(self, index: int, start: int, nbytes: int, offset: int) -> None:
         """Write `nbytes` of buffer `index` from `start` at file offset `offset`."""
