@@ -272,7 +272,9 @@ def _materialise_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def optimizer_sharded_state_dict(model: GPTModel, optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_sharded_state_dict(
+    model: GPTModel, optimizer: torch.optim.Optimizer, model_sharded: dict | None = None
+) -> dict:
     """Sharded state dict of a torch Adam over ``model``, laid out like megatron's optimizers.
 
     Each moment becomes a ShardedTensor keyed ``optimizer.state.<name>.<param key>`` with the
@@ -281,6 +283,9 @@ def optimizer_sharded_state_dict(model: GPTModel, optimizer: torch.optim.Optimiz
     ``params`` becomes a LocalNonpersistentObject. Works before the first step: missing state
     is materialised in ``optimizer`` as Adam itself would (zeros, step 0). The ShardedTensors
     share memory with the live state, so the result serves as a save or a load template.
+    ``model_sharded``: ``model.sharded_state_dict()`` where the caller already built it (as
+    megatron's ``optimizer.sharded_state_dict(model_sharded_state_dict)`` takes it), read
+    only: a save then builds the model's dict once, not twice.
     """
     if not isinstance(optimizer, torch.optim.Adam):
         raise TypeError(f"expected torch.optim.Adam (state layout is Adam's), got {optimizer!r}")
@@ -295,8 +300,10 @@ def optimizer_sharded_state_dict(model: GPTModel, optimizer: torch.optim.Optimiz
     ):
         raise ValueError("Adam step differs between parameters; only a common step is supported")
     sharded = {"state": state, "param_groups": live["param_groups"]}
+    if model_sharded is None:
+        model_sharded = model.sharded_state_dict()
     id_map = get_param_id_to_sharded_param_map(
-        model.sharded_state_dict(), chain.from_iterable(g["params"] for g in optimizer.param_groups)
+        model_sharded, chain.from_iterable(g["params"] for g in optimizer.param_groups)
     )
     optim_state_to_sharding_state(sharded, id_map)  # deep-copies param_groups
     if common_step is not None:

@@ -304,11 +304,14 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
                 log.error("step %d did not commit: %s", lost, exc)
 
     def save(self, step: int) -> dict[str, Any]:
-        """The driver saves its own state, then every rank snapshots its state (concurrently).
+        """Every rank snapshots its state and the driver saves its own, concurrently.
 
         The step commits when the last participant reported, and that report waits for the
-        commit. The driver's small synchronous save goes first so that the last report is
-        normally a rank's, sent from its background writer, not the training loop.
+        commit. The ranks' saves are asked for first, and the driver's small synchronous save
+        runs while they copy: it is then off the step's path (the driver waited for the
+        ranks anyway), and its report still comes before theirs, which their background
+        writes send, so the last report is normally a rank's, not the training loop's. A
+        driver save that fails reports it, which fails the step for the ranks as well.
         Once the job must stop, every wait here ends at the stop's deadline.
         """
         if self.rollout is not None:
@@ -317,6 +320,7 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
         if self.preemption is not None:
             self.preemption.save_started(step)
         timeout = self.stop.remaining_s() if self.stop is not None else None
+        refs = self._call_all("save", step)
         try:
             self.coordinator.save_driver_state(
                 step,
@@ -333,7 +337,6 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
             if self.stop is None:
                 raise
             raise verl_ckpt.preemption_failure(step, self.stop, exc) from None
-        refs = self._call_all("save", step)
         if self.rollout is not None:
             self.rollout.save(step)  # not waited for: off the trainer's path
         if self.replay is not None:

@@ -197,9 +197,10 @@ class _RankWorker:
         # What the first save would pay for (planning over the role's group, the staging
         # buffers, a writer process), paid now: every rank of the role is in setup together.
         # The extra state's content does not shape the plan (the actor's sampler comes later).
+        model = self.model.sharded_state_dict()
         self.manager.prepare(
-            model=self.model.sharded_state_dict(),
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            model=model,
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer, model),
         )
         # checkpoint.snapshot=deferred: a save's copy runs while the next step's rollout only
         # reads the state; the next optimizer step (the first change) waits for it.
@@ -210,10 +211,11 @@ class _RankWorker:
 
     def save(self, step: int) -> dict[str, Any]:
         """Snapshot model, optimizer and RNG for `step`; the write continues in the background."""
+        model = self.model.sharded_state_dict()
         stats = self.manager.save(
             step,
-            model=self.model.sharded_state_dict(),
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            model=model,
+            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer, model),
             extra=self._extra_state(),
             # What a Hugging Face export of this step needs to know (checkpoint.save_contents
             # with hf_model, or `verl-ckpt export` later).

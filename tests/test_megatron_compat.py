@@ -230,6 +230,39 @@ print("ok", len(items))
     )
 
 
+def test_the_optimizer_state_from_the_models_own_sharded_dict_is_the_same_state():
+    """A save builds the model's sharded dict once and hands it to the optimizer's as well
+    (recipes/workers.py, as megatron's optimizer.sharded_state_dict takes it): the optimizer
+    state is the same as from a dict of its own, and the model's dict is left as it was."""
+    run_with_megatron(
+        """
+from verl_ckpt.format import megatron_compat
+shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=128)
+model = mc.build_tiny_gpt(shape, seed=1)
+optimizer = mc.make_adam(model)
+for p in model.parameters():
+    p.grad = torch.ones_like(p)
+optimizer.step()
+def described(state):
+    _, common, items = megatron_compat.split_common_state(state)
+    return repr(common), [
+        (type(i).__name__, i.key, i.replica_id, getattr(i, "global_shape", None),
+         getattr(i, "global_offset", None), torch.is_tensor(getattr(i, "data", None))
+         and i.data.data_ptr())
+        for i in items
+    ]
+model_dict = model.sharded_state_dict()
+before = described({"model": model_dict})
+shared = mc.optimizer_sharded_state_dict(model, optimizer, model_dict)
+alone = mc.optimizer_sharded_state_dict(model, optimizer)
+assert described({"optimizer": shared}) == described({"optimizer": alone})
+assert len(described({"optimizer": shared})[1]) > 20
+assert described({"model": model_dict}) == before
+print("ok")
+"""
+    )
+
+
 def test_the_finalizers_metadata_json_is_what_megatron_core_writes(tmp_path):
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     ours.mkdir(), theirs.mkdir()
