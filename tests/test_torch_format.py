@@ -4,10 +4,12 @@ its zip CRC32, for the files that DCP's and megatron-core's loaders read (I7). N
 from __future__ import annotations
 
 import io
+from typing import IO, Any
 
 import pytest
 import torch
 import torch.serialization as torch_serialization
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms, _write_item
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -188,6 +190,66 @@ def test_I7_write_item_places_items_as_dcp_does():
     # The odd-length object before the tensors makes padding; what no item covers is zeros.
     gaps = bytes(b for b, c in zip(written, covered, strict=True) if not c)
     assert gaps and gaps == bytes(len(gaps))
+
+
+class _RecordingExtension(StreamTransformExtension):
+    """A DCP stream transform that passes the bytes on unchanged and keeps a copy."""
+
+    seen = bytearray()
+
+    @staticmethod
+    def registry_name() -> str:
+        return "verl_ckpt_test_recording"
+
+    @staticmethod
+    def from_descriptor(version: str) -> _RecordingExtension:
+        return _RecordingExtension()
+
+    def get_descriptor(self) -> str:
+        return "verl_ckpt_test_recording/1"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        seen = self.seen
+
+        class Recording(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, data: Any) -> int:
+                seen.extend(memoryview(data).cast("B"))
+                return output.write(data)
+
+        return Recording()
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return input
+
+
+def test_dcp_stream_transforms_wrap_a_blob_only_where_an_extension_changes_it(monkeypatch):
+    """DCP's transforms without extensions pass the bytes through (their wrapper is skipped:
+    write_item's bytes and results are DCP's own, test_I7_write_item_places_items_as_dcp_does);
+    with an extension, every blob still goes through it and its descriptor is recorded."""
+    tensor = torch.arange(32, dtype=torch.float32)
+    item = whole_tensor_item("w", tensor)
+    plain = _StorageWriterTransforms()
+
+    def refused(*args: Any) -> Any:
+        raise AssertionError("a pass-through transform was asked for")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(_StorageWriterTransforms, "transform_save_stream", refused)
+        result = write_item(plain, io.BytesIO(), tensor, item, "__0_0.distcp")
+    assert not getattr(result.storage_data, "transform_descriptors", None)
+
+    _RecordingExtension.seen.clear()
+    stream = io.BytesIO()
+    result = write_item(
+        _StorageWriterTransforms([_RecordingExtension()]), stream, tensor, item, "__0_0.distcp"
+    )
+    where = result.storage_data
+    assert where.transform_descriptors == ["verl_ckpt_test_recording/1"]
+    assert bytes(_RecordingExtension.seen) == stream.getvalue()[where.offset :]
+    assert len(_RecordingExtension.seen) == where.length > tensor.nbytes
 
 
 def test_a_large_storage_on_a_page_lies_on_a_page_of_the_file_and_no_other_moves_it():

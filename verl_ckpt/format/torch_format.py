@@ -289,6 +289,15 @@ def _pad_before_blob(
         stream.write(bytes(gap))
 
 
+def _transforms_bytes(transforms: Any) -> bool:
+    """Whether DCP's stream transforms (compression, encryption: its extensions) change what
+    is written. Without extensions, its transform_save_stream only wraps the stream in a
+    pass-through writer, of a class it defines anew on every call: for a file of small
+    tensors, a large share of the writer thread's CPU (benchmarks/README.md). A transforms
+    object without an `extensions` attribute (another torch) is always asked."""
+    return transforms is not None and bool(getattr(transforms, "extensions", True))
+
+
 def write_item(
     transforms: Any, stream: IO[bytes], data: Any, item: WriteItem, storage_key: str
 ) -> WriteResult:
@@ -305,7 +314,9 @@ def write_item(
     _pad_before_blob(stream, data, template, alignment)
     offset = stream.tell()
     target, descriptors = (
-        transforms.transform_save_stream(item, stream) if transforms else (stream, [])
+        transforms.transform_save_stream(item, stream)
+        if _transforms_bytes(transforms)
+        else (stream, [])
     )
     _write_blob(data, template, target)
     if target is not stream:
