@@ -41,6 +41,10 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "verl_ckpt thread page cache": ("verl", {**_THREAD, "direct_io": False}),
     "verl_ckpt thread not idle class": ("verl", {**_THREAD, "idle_class": False}),
     "verl_ckpt thread write while copying": ("verl", {**_THREAD, "write_while_copying": True}),
+    "verl_ckpt thread write while copying, normal class": (
+        "verl",
+        {**_THREAD, "write_while_copying": True, "idle_class": False},
+    ),
     "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
     "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),
