@@ -388,7 +388,7 @@ SYSTEM_NOTES = [
     "plan is reused starts writing while save() still copies, each tensor once its copy "
     "ended, instead of once the whole copy ended (the trade-off: blocking against time to "
     "durable).",
-    "verl_ckpt thread write while copying, normal class: the same with writer.idle_class="
+    "verl_ckpt thread write while copying in the normal class: the same with writer.idle_class="
     "false: the writer threads run at nice 10 in the normal class, so they write during the "
     "copy too, which the idle class leaves them no core for on 2 busy cores.",
     "verl_ckpt thread offload_aware: staging.offload_aware=true; the optimizer state lives on "

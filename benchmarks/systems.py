@@ -41,7 +41,7 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
     "verl_ckpt thread page cache": ("verl", {**_THREAD, "direct_io": False}),
     "verl_ckpt thread not idle class": ("verl", {**_THREAD, "idle_class": False}),
     "verl_ckpt thread write while copying": ("verl", {**_THREAD, "write_while_copying": True}),
-    "verl_ckpt thread write while copying, normal class": (
+    "verl_ckpt thread write while copying in the normal class": (
         "verl",
         {**_THREAD, "write_while_copying": True, "idle_class": False},
     ),
