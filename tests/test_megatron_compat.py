@@ -204,10 +204,8 @@ mc.init_distributed(0, 1, port)
     assert done.stdout.startswith("ok"), done.stdout
 
 
-def test_a_real_gpt_and_adam_state_splits_as_megatron_core_splits_it():
-    run_with_megatron(
-        """
-from tests.test_megatron_compat import assert_same_split
+# For run_with_megatron: a tiny megatron GPT and its Adam state after one step.
+TINY_GPT_AFTER_ONE_STEP = """
 from verl_ckpt.format import megatron_compat
 shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=128)
 model = mc.build_tiny_gpt(shape, seed=1)
@@ -215,6 +213,14 @@ optimizer = mc.make_adam(model)
 for p in model.parameters():
     p.grad = torch.ones_like(p)
 optimizer.step()
+"""
+
+
+def test_a_real_gpt_and_adam_state_splits_as_megatron_core_splits_it():
+    run_with_megatron(
+        TINY_GPT_AFTER_ONE_STEP
+        + """
+from tests.test_megatron_compat import assert_same_split
 def build():
     return {
         "model": model.sharded_state_dict(),
@@ -235,14 +241,8 @@ def test_the_optimizer_state_from_the_models_own_sharded_dict_is_the_same_state(
     (recipes/workers.py, as megatron's optimizer.sharded_state_dict takes it): the optimizer
     state is the same as from a dict of its own, and the model's dict is left as it was."""
     run_with_megatron(
-        """
-from verl_ckpt.format import megatron_compat
-shape = mc.TinyGPTConfig(hidden_size=64, num_layers=2, ffn_hidden_size=128)
-model = mc.build_tiny_gpt(shape, seed=1)
-optimizer = mc.make_adam(model)
-for p in model.parameters():
-    p.grad = torch.ones_like(p)
-optimizer.step()
+        TINY_GPT_AFTER_ONE_STEP
+        + """
 def described(state):
     _, common, items = megatron_compat.split_common_state(state)
     return repr(common), [

@@ -1,0 +1,104 @@
+"""What a device write costs a copy running beside it: why writing during save()'s copy
+slows the copy on a small host (benchmarks/results_issue44.md, "the trade-off of writing
+during the copy").
+
+Two processes (a save's two ranks) each copy 512 MiB into a page-aligned private mapping
+with `torch._foreach_copy_` in 32 MiB groups, as rank/staging.py copies a snapshot, six
+times. In the "beside a write" rounds, a thread of each process writes another 512 MiB of
+its own memory O_DIRECT to a file in `--dir` (8 MiB requests, as store/direct_io.py
+makes them) while the copy runs. The copies' times are printed per round, in ms:
+
+    python -m benchmarks.copy_beside_write --dir /path/on/the/checkpoint/disk
+
+Rounds alternate alone / beside a write, twice. Linux only (O_DIRECT); the files are
+deleted after each copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import threading
+import time
+from multiprocessing import Barrier, Process, Queue
+from pathlib import Path
+
+import torch
+
+__all__ = ["main"]
+
+_BYTES = 512 << 20
+_GROUP = 32 << 20
+_REQUEST = 8 << 20
+_COPIES = 6
+
+
+def _private(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Queue) -> None:
+    torch.set_num_threads(1)
+    source = torch.randn(_BYTES // 4)
+    target_memory = _private(_BYTES)
+    target = torch.frombuffer(target_memory, dtype=torch.float32)
+    target.copy_(source)  # every page touched before the timings
+    written_memory = _private(_BYTES)
+    written_memory[:] = b"\x01" * _BYTES
+    group = _GROUP // 4
+    times = []
+    for _ in range(_COPIES):
+        path = directory / f"copy_beside_write_{rank}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        stop = threading.Event()
+
+        def write(fd: int = fd, stop: threading.Event = stop) -> None:
+            view = memoryview(written_memory)
+            offset = 0
+            while not stop.is_set() and offset < _BYTES:
+                offset += os.pwrite(fd, view[offset : offset + _REQUEST], offset)
+            view.release()
+
+        writer = threading.Thread(target=write) if beside_write else None
+        start.wait()
+        if writer is not None:
+            writer.start()
+        began = time.perf_counter()
+        for first in range(0, _BYTES // 4, group):
+            torch._foreach_copy_([target[first : first + group]], [source[first : first + group]])
+        times.append(time.perf_counter() - began)
+        stop.set()
+        if writer is not None:
+            writer.join()
+        os.close(fd)
+        path.unlink()
+    out.put(times)
+
+
+def _round(beside_write: bool, directory: Path) -> list[float]:
+    start, out = Barrier(2), Queue()
+    ranks = [Process(target=_rank, args=(r, beside_write, directory, start, out)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    times = out.get() + out.get()
+    for process in ranks:
+        process.join()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True, help="a directory on the disk to use")
+    args = parser.parse_args()
+    for beside_write in (False, True, False, True):
+        times = _round(beside_write, args.dir)
+        label = "beside a write" if beside_write else "alone"
+        figures = " ".join(f"{t * 1e3:.1f}" for t in times)
+        median = statistics.median(times) * 1e3
+        print(f"{label:15s} median {median:.1f} ms; each copy (both processes): {figures}")
+
+
+if __name__ == "__main__":
+    main()
