@@ -10,8 +10,10 @@ makes them) while the copy runs. The copies' times are printed per round, in ms:
 
     python -m benchmarks.copy_beside_write --dir /path/on/the/checkpoint/disk
 
-Rounds alternate alone / beside a write, twice. Linux only (O_DIRECT); the files are
-deleted after each copy.
+Rounds alternate alone / beside a write, twice. Linux only, on a filesystem that takes
+O_DIRECT (checked first: tmpfs does not); the files are deleted after each copy. What the
+write costs the copy is its thread's CPU (the system calls, pinning the pages) and the
+device's reads of memory together.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import time
 from multiprocessing import Barrier, Process, Queue
 from pathlib import Path
+from queue import Empty
 
 import torch
 
@@ -33,6 +36,8 @@ _BYTES = 512 << 20
 _GROUP = 32 << 20
 _REQUEST = 8 << 20
 _COPIES = 6
+# Every wait of a round ends: a process that failed leaves its peer at the barrier.
+_ROUND_S = 300.0
 
 
 def _private(nbytes: int) -> mmap.mmap:
@@ -46,7 +51,7 @@ def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Q
     target = torch.frombuffer(target_memory, dtype=torch.float32)
     target.copy_(source)  # every page touched before the timings
     written_memory = _private(_BYTES)
-    written_memory[:] = b"\x01" * _BYTES
+    torch.frombuffer(written_memory, dtype=torch.uint8).fill_(1)  # touched, not zero pages
     group = _GROUP // 4
     times = []
     for _ in range(_COPIES):
@@ -58,7 +63,10 @@ def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Q
             view = memoryview(written_memory)
             offset = 0
             while not stop.is_set() and offset < _BYTES:
-                offset += os.pwrite(fd, view[offset : offset + _REQUEST], offset)
+                done = os.pwrite(fd, view[offset : offset + _REQUEST], offset)
+                if done != _REQUEST:  # the next O_DIRECT write would be misaligned
+                    raise OSError(f"short direct write: {done} of {_REQUEST} bytes")
+                offset += done
             view.release()
 
         writer = threading.Thread(target=write) if beside_write else None
@@ -78,20 +86,36 @@ def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Q
 
 
 def _round(beside_write: bool, directory: Path) -> list[float]:
-    start, out = Barrier(2), Queue()
+    start, out = Barrier(2, timeout=_ROUND_S), Queue()
     ranks = [Process(target=_rank, args=(r, beside_write, directory, start, out)) for r in (0, 1)]
     for process in ranks:
         process.start()
-    times = out.get() + out.get()
-    for process in ranks:
-        process.join()
+    try:
+        times = out.get(timeout=_ROUND_S) + out.get(timeout=_ROUND_S)
+    except Empty:
+        raise SystemExit(f"a copy process did not finish within {_ROUND_S:.0f}s") from None
+    finally:
+        for process in ranks:
+            process.join(timeout=_ROUND_S)
+            if process.is_alive():
+                process.kill()
     return times
+
+
+def _check_direct(directory: Path) -> None:
+    probe = directory / "copy_beside_write_probe.bin"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except (AttributeError, OSError) as exc:
+        raise SystemExit(f"{directory}: no O_DIRECT files here ({exc})") from None
+    probe.unlink()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True, help="a directory on the disk to use")
     args = parser.parse_args()
+    _check_direct(args.dir)
     for beside_write in (False, True, False, True):
         times = _round(beside_write, args.dir)
         label = "beside a write" if beside_write else "alone"

@@ -389,8 +389,8 @@ SYSTEM_NOTES = [
     "ended, instead of once the whole copy ended (the trade-off: blocking against time to "
     "durable).",
     "verl_ckpt thread write while copying in the normal class: the same with writer.idle_class="
-    "false: the writer threads run at nice 10 in the normal class, so they write during the "
-    "copy too, which the idle class leaves them no core for on 2 busy cores.",
+    "false: the writer threads run at nice 10 in the normal class, so they take a share of the "
+    "cores during the copy; in the idle class they run only where a core is left.",
     "verl_ckpt thread offload_aware: staging.offload_aware=true; the optimizer state lives on "
     "the host (as an offloaded optimizer does), so exp_avg/exp_avg_sq are written from the "
     "live tensors and only the parameters are copied: it copies a third of the bytes the copy "

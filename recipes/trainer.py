@@ -310,8 +310,12 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
         commit. The ranks' saves are asked for first, and the driver's small synchronous save
         runs while they copy: it is then off the step's path (the driver waited for the
         ranks anyway), and its report still comes before theirs, which their background
-        writes send, so the last report is normally a rank's, not the training loop's. A
-        driver save that fails reports it, which fails the step for the ranks as well.
+        writes send, so the last report is normally a rank's, not the training loop's. If
+        the driver's save fails, its error is raised here while the ranks may still be
+        saving the step: that step never commits (it lacks the driver's report; where the
+        driver had begun it, its failure is reported and fails the step at once), and what
+        the ranks wrote of it is an uncommitted leftover: never resumed from, and removed
+        before that step number is saved again.
         Once the job must stop, every wait here ends at the stop's deadline.
         """
         if self.rollout is not None:
