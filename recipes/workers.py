@@ -197,11 +197,7 @@ class _RankWorker:
         # What the first save would pay for (planning over the role's group, the staging
         # buffers, a writer process), paid now: every rank of the role is in setup together.
         # The extra state's content does not shape the plan (the actor's sampler comes later).
-        model = self.model.sharded_state_dict()
-        self.manager.prepare(
-            model=model,
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer, model),
-        )
+        self.manager.prepare(**self._sharded_state())
         # checkpoint.snapshot=deferred: a save's copy runs while the next step's rollout only
         # reads the state; the next optimizer step (the first change) waits for it.
         self.manager.fence_before(self.optimizer)
@@ -211,11 +207,9 @@ class _RankWorker:
 
     def save(self, step: int) -> dict[str, Any]:
         """Snapshot model, optimizer and RNG for `step`; the write continues in the background."""
-        model = self.model.sharded_state_dict()
         stats = self.manager.save(
             step,
-            model=model,
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer, model),
+            **self._sharded_state(),
             extra=self._extra_state(),
             # What a Hugging Face export of this step needs to know (checkpoint.save_contents
             # with hf_model, or `verl-ckpt export` later).
@@ -230,6 +224,13 @@ class _RankWorker:
             "bytes_zero_copy": stats.bytes_zero_copy,
             "snapshot": stats.snapshot,
         }
+
+    def _sharded_state(self) -> dict[str, dict]:
+        """The model's and the optimizer's sharded state dicts for a save (or prepare()): the
+        model's built once and handed to the optimizer's, which reads it."""
+        model = self.model.sharded_state_dict()
+        optimizer = self.mc.optimizer_sharded_state_dict(self.model, self.optimizer, model)
+        return {"model": model, "optimizer": optimizer}
 
     def finished_writes(self) -> list[dict[str, Any]]:
         """Figures of this rank's saves whose background write ended since the last call.

@@ -195,7 +195,8 @@ def test_I7_write_item_places_items_as_dcp_does():
 class _RecordingExtension(StreamTransformExtension):
     """A DCP stream transform that passes the bytes on unchanged and keeps a copy."""
 
-    seen = bytearray()
+    def __init__(self) -> None:
+        self.seen = bytearray()
 
     @staticmethod
     def registry_name() -> str:
@@ -241,15 +242,13 @@ def test_dcp_stream_transforms_wrap_a_blob_only_where_an_extension_changes_it(mo
         result = write_item(plain, io.BytesIO(), tensor, item, "__0_0.distcp")
     assert not getattr(result.storage_data, "transform_descriptors", None)
 
-    _RecordingExtension.seen.clear()
+    recording = _RecordingExtension()
     stream = io.BytesIO()
-    result = write_item(
-        _StorageWriterTransforms([_RecordingExtension()]), stream, tensor, item, "__0_0.distcp"
-    )
+    result = write_item(_StorageWriterTransforms([recording]), stream, tensor, item, "__0_0.distcp")
     where = result.storage_data
     assert where.transform_descriptors == ["verl_ckpt_test_recording/1"]
-    assert bytes(_RecordingExtension.seen) == stream.getvalue()[where.offset :]
-    assert len(_RecordingExtension.seen) == where.length > tensor.nbytes
+    assert bytes(recording.seen) == stream.getvalue()[where.offset :]
+    assert len(recording.seen) == where.length > tensor.nbytes
 
 
 def test_a_large_storage_on_a_page_lies_on_a_page_of_the_file_and_no_other_moves_it():
