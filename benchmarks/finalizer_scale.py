@@ -23,7 +23,10 @@ node's aggregator, and each node's batch one more to its group's aggregator, eve
 every group in parallel on their own cores. A 2-core machine cannot run 2,048 nodes' worth
 of those in parallel, so the benchmark forms the batches before the instant and measures the
 two hops apart, each on a real aggregator actor taking all its callers' real calls at once
-(`_hop_latencies`); the verdict adds them to what the finalizer hop measured.
+(`_hop_latencies`); the verdict adds them to what the finalizer hop measured. Each hop's
+floor is measured the same way: the same callers' same calls straight to an actor that only
+unpacks them and answers (for the finalizer hop, the last step's batches again): what Ray's
+calls alone cost on this machine, below which no intake can go.
 
 Figures per N (median over the timed steps, after a warm-up step):
 - committed after the last rank's write, at the finalizer: the agreed instant (every batch
@@ -276,6 +279,10 @@ class _Sink:
         self._arrived = time.monotonic()
         return [None] * len(reports)
 
+    async def report(self, report: RankReport) -> None:
+        """A rank's report, as a node aggregator takes it (the node hop's floor)."""
+        self._arrived = time.monotonic()
+
     async def last_arrival(self) -> float:
         """When the last batch arrived (time.monotonic(): one clock for the machine)."""
         return self._arrived
@@ -403,7 +410,11 @@ def _hop_latencies(world: int) -> dict[str, float]:
     node batches (`report_batch`, packed as node aggregators pack them) to the group's
     aggregator. Median of HOP_SAMPLES, each from the agreed
     instant to the batch's arrival at the next actor (what the commit waits for; the
-    answers' way back is not on its path)."""
+    answers' way back is not on its path).
+
+    Each hop's floor (`<hop>_floor_s`): the same callers' same calls, at the same instant,
+    straight to the actor that only unpacks and answers (no aggregator, no forward): what
+    Ray's calls alone cost on this machine's cores."""
     from verl_ckpt.commit.aggregator import ReportAggregator
 
     out = {}
@@ -422,12 +433,13 @@ def _hop_latencies(world: int) -> dict[str, float]:
         ]
         try:
             ray.get(aggregator.pending.remote())
-            samples = []
-            for step in range(HOP_SAMPLES + 1):  # the first warms the actors up
-                at = time.monotonic() + _START_IN_S
-                ray.get([s.send.remote(aggregator, step, at, per_node) for s in senders])
-                samples.append(ray.get(sink.last_arrival.remote()) - at)
-            out[hop] = _median(samples[1:])
+            for target, key in ((aggregator, hop), (sink, hop.replace("_s", "_floor_s"))):
+                samples = []
+                for step in range(HOP_SAMPLES + 1):  # the first warms the actors up
+                    at = time.monotonic() + _START_IN_S
+                    ray.get([s.send.remote(target, step, at, per_node) for s in senders])
+                    samples.append(ray.get(sink.last_arrival.remote()) - at)
+                out[key] = _median(samples[1:])
         finally:
             for actor in [*senders, aggregator]:
                 ray.kill(actor, no_restart=True)
@@ -714,6 +726,14 @@ def _verdict(world: int, mode: str, row: dict[str, Any]) -> str:
             f"; Ray's floor, the same calls to an actor that only unpacks and answers: every "
             f"report answered after {row['floor_s'] * 1e3:.0f} ms, its CPU "
             f"{row['floor_cpu_s'] * 1e3:.0f} ms"
+        )
+    if row.get("floor_s") is not None and mode == "group":
+        # The three hops' floors together: what no intake, however fast, gets below here.
+        floors = row["node_hop_floor_s"] + row["group_hop_floor_s"] + row["floor_s"]
+        work += (
+            f"; the hops' floors (each hop's calls straight to that actor: node "
+            f"{row['node_hop_floor_s'] * 1e3:.0f}, group {row['group_hop_floor_s'] * 1e3:.0f}, "
+            f"finalizer {row['floor_s'] * 1e3:.0f} ms) add up to {floors * 1e3:.0f} ms"
         )
     target = TARGETS.get(world)
     if mode != "group" or target is None:

@@ -213,29 +213,30 @@ class StepLedger:
 
     def record(self, report: RankReport) -> Recorded:
         """Take one participant's report; the caller checked that it is an expected one."""
-        if report.participant not in self._expected_set:
-            raise ValueError(f"unexpected participant {report.participant}")
+        participant = report.participant
+        if participant not in self._expected_set:
+            raise ValueError(f"unexpected participant {participant}")
         entry = self.entry(report.step)
         if entry is not None and entry.status is StepStatus.LOST:
             return Recorded.REFUSED_LOST
         if entry is not None and entry.status is StepStatus.FAILED:
             # Too late to count, but this save has stopped writing into the directory.
-            if entry.writing.get(report.participant) == report.save_id:
-                del entry.writing[report.participant]
+            if entry.writing.get(participant) == report.save_id:
+                del entry.writing[participant]
             return Recorded.IGNORED
         if entry is None:
             entry = self.open(report.step)
         # Committing means every participant already reported success: anything more is a
         # duplicate (Ray retried a call) and must neither start a second commit nor fail
         # the step that is committing.
-        if entry.status is not StepStatus.COLLECTING or report.participant in entry.reports:
+        if entry.status is not StepStatus.COLLECTING or participant in entry.reports:
             return Recorded.IGNORED
-        registered = entry.attempts.get(report.participant)
+        registered = entry.attempts.get(participant)
         if registered is not None and report.save_id != registered:
             # A save this participant replaced (a restarted rank's earlier one): its files
             # were overwritten by the registered save, whose report is the one that counts.
             return Recorded.STALE
-        entry.reports[report.participant] = report
+        entry.reports[participant] = report
         if report.failure is not None:
             self._decide(entry, StepStatus.FAILED, report.failure)
             return Recorded.FAILED

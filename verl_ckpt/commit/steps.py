@@ -167,9 +167,11 @@ def _reported_files(path: Path, reports: list[RankReport]) -> list[FileEntry]:
 def reported_files_problem(path: Path | str, report: RankReport) -> str:
     """What is wrong on disk with the files `report` names under the step directory `path`
     (the first missing file or file of another size), or "" when nothing."""
-    base = str(path)  # plain strings: thousands of ranks' files are checked per step
+    # Plain strings: thousands of ranks' files are checked per step. Joined with "/", not
+    # os.path.join, which would also follow a reported absolute path out of the step.
+    base = f"{path}/"
     for entry in report.files:
-        actual = os.path.join(base, entry.path)
+        actual = base + entry.path
         try:
             size: int | None = os.stat(actual).st_size
         except (FileNotFoundError, NotADirectoryError):

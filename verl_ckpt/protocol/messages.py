@@ -147,17 +147,27 @@ class ReportBatch:
         columns = pickle.loads(self.packed)
         if len(columns) != 9 or any(len(column) != self.count for column in columns):
             raise ValueError(f"a report batch of {self.count} holds columns of other lengths")
-        out = []
-        for step, role, rank, world, save_id, files, results, metadata, failure in zip(
-            *columns, strict=True
-        ):
-            report = RankReport(
-                step, role, rank, world, save_id, [FileEntry(*f) for f in files], failure=failure
+        # Every field positionally, in one call: keywords, default factories and setting the
+        # packed fields afterwards cost more than the fields themselves, once per report on
+        # the finalizer's serial intake.
+        return [
+            RankReport(
+                step,
+                role,
+                rank,
+                world,
+                save_id,
+                [FileEntry(*f) for f in files],
+                [],
+                None,
+                failure,
+                results,
+                metadata,
             )
-            report.packed_write_results = results
-            report.packed_global_metadata = metadata
-            out.append(report)
-        return out
+            for step, role, rank, world, save_id, files, results, metadata, failure in zip(
+                *columns, strict=True
+            )
+        ]
 
 
 def batch_reports(batch: ReportBatch | list[RankReport]) -> list[RankReport]:
