@@ -149,7 +149,8 @@ class ReportBatch:
             raise ValueError(f"a report batch of {self.count} holds columns of other lengths")
         # Every field positionally, in one call: keywords, default factories and setting the
         # packed fields afterwards cost more than the fields themselves, once per report on
-        # the finalizer's serial intake.
+        # the finalizer's serial intake. The order is RankReport's fields' (a test sends
+        # every field through a batch and back).
         return [
             RankReport(
                 step,
