@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_ckpt.commit.steps import commit_step, discard_failed_steps
+from verl_ckpt.commit.steps import commit_step, discard_failed_steps, reported_files_problem
 from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol import Phase
 from verl_ckpt.protocol.faults import ENV_VAR
@@ -72,6 +72,18 @@ def test_I1_a_problem_found_when_the_report_arrived_fails_the_commit(tmp_path):
     with pytest.raises(CommitPhaseError, match="with 5 bytes, found 4"):
         commit_step(tmp_path, 1, DRIVER_ONLY, [report])
     assert not is_committed(step_dir(tmp_path, 1)) and read_tracker(tmp_path) is None
+
+
+def test_I1_a_reported_absolute_path_is_checked_under_the_step_not_where_it_points(tmp_path):
+    """A report naming an absolute path (a rank's bug) names no file of the step: it is
+    looked for under the step directory, not at that path, even where a file of the reported
+    size exists there."""
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"12345")
+    report = driver_report(tmp_path / "root", 1)
+    report.files = [FileEntry(str(elsewhere), 5, report.files[0].checksum)]
+    problem = reported_files_problem(step_dir(tmp_path / "root", 1), report)
+    assert problem.startswith(f"{step_dir(tmp_path / 'root', 1)}/") and "found no file" in problem
 
 
 def test_I2_the_tracker_never_moves_backwards(tmp_path):
