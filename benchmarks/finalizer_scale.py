@@ -35,7 +35,8 @@ Figures per N (median over the timed steps, after a warm-up step):
 - every report answered: the agreed instant -> the finalizer answered the last batch (the
   answers' way back through the aggregators is not added);
 - the finalizer's CPU time over the same span (its work, whatever the machine's load);
-- begin_step: the N ranks' `begin_step` calls (one call per rank, all groups at once);
+- begin_step: the N ranks' `begin_step` calls (one call per rank, all groups at once), and
+  Ray's floor of the same calls to an actor that only answers (the last step's, once);
 - the finalizer's resident memory (VmRSS) after each step.
 The same at 4096 ranks per node and per rank shows what each level changes. Then the
 finalizer class itself (called directly inside a helper actor) takes one step of the
@@ -229,12 +230,14 @@ class _NodeGroup:
         self._reports: list[RankReport] = []
         self._directory: Path | None = None
 
-    async def begin(self, step: int) -> None:
-        refs = [
-            self._finalizer.begin_step.remote(*_begin_args(step, r, self._world))
-            for r in self._ranks
-        ]
-        self._directory = Path((await asyncio.gather(*refs))[0])
+    async def begin(self, step: int, floor: bool = False) -> None:
+        """These ranks' begin_step calls, all at once. `floor`: the same calls to an actor
+        that only answers (Ray's own cost)."""
+        to = self._sink if floor else self._finalizer
+        refs = [to.begin_step.remote(*_begin_args(step, r, self._world)) for r in self._ranks]
+        directory = Path((await asyncio.gather(*refs))[0])
+        if not floor:
+            self._directory = directory
 
     async def write(self, step: int) -> None:
         self._reports = _reports(step, self._world, self._directory, self._ranks)
@@ -282,6 +285,10 @@ class _Sink:
     async def report(self, report: RankReport) -> None:
         """A rank's report, as a node aggregator takes it (the node hop's floor)."""
         self._arrived = time.monotonic()
+
+    async def begin_step(self, step: int, role: str, rank: int, *args: Any) -> str:
+        """What begin_step answers, a directory, and nothing done (begin_step's floor)."""
+        return f"/nonexistent/global_step_{step}/{role}"
 
     async def last_arrival(self) -> float:
         """When the last batch arrived (time.monotonic(): one clock for the machine)."""
@@ -353,6 +360,9 @@ def _measure(world: int, root: Path, mode: str, steps: int) -> list[dict[str, fl
             )
         forecasts = ray.get(finalizer.status.remote())["metadata_forecasts"]
         figures[-1]["forecasts"] = forecasts
+        t = time.monotonic()
+        ray.get([g.begin.remote(steps + 1, True) for g in groups])
+        figures[-1]["begin_floor_s"] = time.monotonic() - t
         if mode != "rank":
             # Ray's floor: the last step's batches again, to an actor that only unpacks them.
             cpu = _cpu_s(sink_pid)
@@ -633,7 +643,7 @@ def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
                 shutil.rmtree(workdir / f"n{world}", ignore_errors=True)
                 row = {k: _median([f[k] for f in figures]) for k in figures[0] if k != "forecasts"}
                 row["rss"] = [f["rss_mib"] for f in figures]
-                for key in ("forecasts", "floor_s", "floor_cpu_s"):
+                for key in ("forecasts", "floor_s", "floor_cpu_s", "begin_floor_s"):
                     row[key] = figures[-1].get(key)
                 row.update(hops)
                 rows.append((world, mode, row))
@@ -847,8 +857,8 @@ def _markdown(
     lines = [
         "| ranks N | reports | committed after the last rank's write, at the finalizer ms | "
         "node hop ms | group hop ms | committed, hops included ms | every report answered "
-        "ms | finalizer CPU from the reports to the commit ms | begin_step x N s | finalizer "
-        "RSS per step MiB | .metadata forecasts used / missed / late |",
+        "ms | finalizer CPU from the reports to the commit ms | begin_step x N s (Ray's "
+        "floor) | finalizer RSS per step MiB | .metadata forecasts used / missed / late |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for world, mode, r in rows:
@@ -860,7 +870,8 @@ def _markdown(
             f"| {world} | {_how(world, mode)} | {r['committed_s'] * 1e3:.0f} | {node_hop} | "
             f"{group_hop} | {_critical_path_s(mode, r) * 1e3:.0f} | "
             f"{r['answered_s'] * 1e3:.0f} | {r['finalizer_cpu_s'] * 1e3:.0f} | "
-            f"{r['begin_s']:.2f} | {rss} | {f['used']} / {f['missed']} / {f['late']} |"
+            f"{r['begin_s']:.2f} ({r['begin_floor_s']:.2f}) | {rss} | "
+            f"{f['used']} / {f['missed']} / {f['late']} |"
         )
     verdicts = [_verdict(world, mode, r) for world, mode, r in rows]
     return (
