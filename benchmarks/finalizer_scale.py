@@ -443,7 +443,7 @@ def _hop_latencies(world: int) -> dict[str, float]:
         ]
         try:
             ray.get(aggregator.pending.remote())
-            for target, key in ((aggregator, hop), (sink, hop.replace("_s", "_floor_s"))):
+            for target, key in ((aggregator, hop), (sink, hop.removesuffix("_s") + "_floor_s")):
                 samples = []
                 for step in range(HOP_SAMPLES + 1):  # the first warms the actors up
                     at = time.monotonic() + _START_IN_S
