@@ -2,7 +2,8 @@
 
 What is real: the `CheckpointFinalizer` actor (started by
 `verl_ckpt.commit.client.start_finalizer` with participants {"actor": N}, no driver
-participant, keep 2 committed steps), its `begin_step`, `report_batch` and `report` calls
+participant, keep 2 committed steps), its `begin_batch`, `begin_step`, `report_batch` and
+`report` calls
 over Ray, and everything a commit does: it checks the size of every reported file (a stat
 each, made as each batch arrives), writes the role's `.metadata` (DCP) and `metadata.json`,
 the commit record, the tracker, and deletes the step that retention drops. The batches are
@@ -35,8 +36,11 @@ Figures per N (median over the timed steps, after a warm-up step):
 - every report answered: the agreed instant -> the finalizer answered the last batch (the
   answers' way back through the aggregators is not added);
 - the finalizer's CPU time over the same span (its work, whatever the machine's load);
-- begin_step: the N ranks' `begin_step` calls (one call per rank, all groups at once), and
-  Ray's floor of the same calls to an actor that only answers (the last step's, once);
+- the begins: the N ranks' begins as they reach the finalizer, all at once (one
+  `begin_batch` per rank group or per node as the aggregators forward them, or one
+  `begin_step` per rank), until the last answer; and Ray's floor of the same calls to an
+  actor that only answers (the last step's, once). A begin crosses the same node and
+  group hops as a report, there and back: not added here;
 - the finalizer's resident memory (VmRSS) after each step.
 The same at 4096 ranks per node and per rank shows what each level changes. Then the
 finalizer class itself (called directly inside a helper actor) takes one step of the
@@ -195,6 +199,25 @@ def _begin_args(step: int, rank: int, world: int) -> tuple:
     return args + (120.0,) if _begin_takes_timeout() else args
 
 
+def _begins_batch() -> bool:
+    """Whether the finalizer takes an aggregator's batch of begins (`begin_batch`): older
+    commits took one begin_step per rank, which is then what the benchmark sends."""
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+
+    return hasattr(CheckpointFinalizer, "begin_batch")
+
+
+def _begin_batches(step: int, ranks: list[int], world: int, size: int) -> list[list]:
+    """The begins of `ranks` as aggregators forward them: one batch per `size` ranks."""
+    from verl_ckpt.protocol.messages import BeginRequest
+
+    batches: dict[int, list] = {}
+    for rank in ranks:
+        request = BeginRequest(step, ROLE, rank, world, 120.0, None)
+        batches.setdefault(rank // size, []).append(request)
+    return list(batches.values())
+
+
 NODE_SIZE = 8
 # Ranks per group aggregator (config report_group_size's default).
 GROUP_SIZE = 128
@@ -230,12 +253,24 @@ class _NodeGroup:
         self._reports: list[RankReport] = []
         self._directory: Path | None = None
 
-    async def begin(self, step: int, floor: bool = False) -> None:
-        """These ranks' begin_step calls, all at once. `floor`: the same calls to an actor
-        that only answers (Ray's own cost)."""
+    async def begin(self, step: int, mode: str, floor: bool = False) -> None:
+        """These ranks' begins, all at once, as they reach the finalizer: one `begin_batch`
+        per rank group (mode "group") or per node ("node"), or one `begin_step` per rank
+        (mode "rank", or a finalizer without begin_batch). `floor`: the same calls to an
+        actor that only answers (Ray's own cost)."""
         to = self._sink if floor else self._finalizer
-        refs = [to.begin_step.remote(*_begin_args(step, r, self._world)) for r in self._ranks]
-        directory = Path((await asyncio.gather(*refs))[0])
+        size = {"group": GROUP_SIZE, "node": NODE_SIZE}.get(mode)
+        if size is None or not _begins_batch():
+            refs = [to.begin_step.remote(*_begin_args(step, r, self._world)) for r in self._ranks]
+            answers = await asyncio.gather(*refs)
+        else:
+            batches = _begin_batches(step, self._ranks, self._world, size)
+            answered = await asyncio.gather(*(to.begin_batch.remote(b) for b in batches))
+            answers = [a for batch in answered for a in batch]
+            refused = [a for a in answers if not isinstance(a, str)]
+            if refused:
+                raise RuntimeError(f"{len(refused)} begins refused, the first: {refused[0]}")
+        directory = Path(answers[0])
         if not floor:
             self._directory = directory
 
@@ -290,6 +325,10 @@ class _Sink:
         """What begin_step answers, a directory, and nothing done (begin_step's floor)."""
         return f"/nonexistent/global_step_{step}/{role}"
 
+    async def begin_batch(self, requests: list) -> list[str]:
+        """What begin_batch answers, a directory each, and nothing done (its floor)."""
+        return [f"/nonexistent/global_step_{r.step}/{r.role}" for r in requests]
+
     async def last_arrival(self) -> float:
         """When the last batch arrived (time.monotonic(): one clock for the machine)."""
         return self._arrived
@@ -329,7 +368,7 @@ def _measure(world: int, root: Path, mode: str, steps: int) -> list[dict[str, fl
     try:
         for step in range(1, steps + 2):
             t = time.monotonic()
-            ray.get([g.begin.remote(step) for g in groups])
+            ray.get([g.begin.remote(step, mode) for g in groups])
             begin_s = time.monotonic() - t
             ray.get([g.write.remote(step) for g in groups])
             os.sync()  # the files' dirty pages out of the way of the timed commit
@@ -361,7 +400,7 @@ def _measure(world: int, root: Path, mode: str, steps: int) -> list[dict[str, fl
         forecasts = ray.get(finalizer.status.remote())["metadata_forecasts"]
         figures[-1]["forecasts"] = forecasts
         t = time.monotonic()
-        ray.get([g.begin.remote(steps + 1, True) for g in groups])
+        ray.get([g.begin.remote(steps + 1, mode, True) for g in groups])
         figures[-1]["begin_floor_s"] = time.monotonic() - t
         if mode != "rank":
             # Ray's floor: the last step's batches again, to an actor that only unpacks them.
@@ -471,8 +510,9 @@ def _check_loadable(root: Path, step: int, world: int) -> None:
 def _profile_in_process(world: int, root: Path) -> str:
     """Run the finalizer class itself (no actor) on 2 steps of N reports under cProfile.
 
-    Step 2 is profiled: its N begin_step calls and its reports, one packed `report_batch` per
-    rank group of GROUP_SIZE ranks (but the last group's), then its commit. The commit
+    Step 2 is profiled: its begins and its reports, one `begin_batch` and one packed
+    `report_batch` per rank group of GROUP_SIZE ranks (but the last group's reports), then
+    its commit. The commit
     normally runs in a worker thread (out of cProfile's sight), so for the profiled step the
     commit and retention functions (verl_ckpt.commit.steps) are called directly on the
     reports.
@@ -495,8 +535,12 @@ def _profile_in_process(world: int, root: Path) -> str:
         os.sync()
         if step == 2:
             profiler.enable()
-        for rank in range(1, world):
-            await call(finalizer.begin_step, *_begin_args(step, rank, world))
+        if _begins_batch():
+            for begins in _begin_batches(step, list(range(1, world)), world, GROUP_SIZE):
+                await finalizer.begin_batch(begins)
+        else:
+            for rank in range(1, world):
+                await call(finalizer.begin_step, *_begin_args(step, rank, world))
         for batch in batches[:-1]:
             await finalizer.report_batch(batch)
         if step == 2:
@@ -518,7 +562,7 @@ def _profile_in_process(world: int, root: Path) -> str:
     stats.sort_stats("tottime").print_stats("verl_ckpt", 8)
     stats.sort_stats("cumulative").print_stats(
         r"verl_ckpt.*\((report_batch|take_batch|_record|commit_step|_reported_files"
-        r"|_complete_role|apply_retention|committed_steps|missing|begin_step"
+        r"|_complete_role|apply_retention|committed_steps|missing|begin_step|begin_batch"
         r"|write_commit_record|record)\)",
         12,
     )
@@ -589,7 +633,7 @@ _MEMORY_MARKS = (1, 5, 10, 15, 20)
 def _memory_over_steps(world: int, root: Path, steps: int) -> list[tuple[int, float, int]]:
     """The finalizer class in-process (its own helper process), `world` driver-role ranks
     (plain files: no DCP `.metadata`, so that a step takes a second, not a minute), one
-    tiny file each, keep 2: `steps` steps, each begin_step x N, the reports in group batches,
+    tiny file each, keep 2: `steps` steps, each the begins and the reports in group batches,
     wait_for_commit. At each mark: (step, the process's RSS in MiB, the ledger's size)."""
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
@@ -599,10 +643,19 @@ def _memory_over_steps(world: int, root: Path, steps: int) -> list[tuple[int, fl
 
     async def one_step(step: int) -> None:
         directory = Path(await finalizer.begin_step(step, "driver", 0, world, 60.0))
+        if _begins_batch():
+            from verl_ckpt.protocol.messages import BeginRequest
+
+            for i in range(1, world, GROUP_SIZE):
+                ranks = range(i, min(world, i + GROUP_SIZE))
+                await finalizer.begin_batch(
+                    [BeginRequest(step, "driver", r, world, 60.0, None) for r in ranks]
+                )
+        else:
+            for rank in range(1, world):
+                await finalizer.begin_step(step, "driver", rank, world, 60.0)
         reports = []
         for rank in range(world):
-            if rank:
-                await finalizer.begin_step(step, "driver", rank, world, 60.0)
             name = f"part{rank}.bin"
             (directory / name).write_bytes(b"x")
             entry = FileEntry(name, 1, "0")
@@ -727,6 +780,14 @@ def _verdict(world: int, mode: str, row: dict[str, Any]) -> str:
             + f"aggregators) {total * 1e3:.0f} ms"
         )
     rss = row.get("rss") or [row["rss_mib"]]
+    line += (
+        f"; the N ranks' begins answered at the finalizer after {row['begin_s'] * 1e3:.0f} ms"
+        + (
+            f" (Ray's floor {row['begin_floor_s'] * 1e3:.0f} ms)"
+            if row.get("begin_floor_s") is not None
+            else ""
+        )
+    )
     work = (
         f" (finalizer CPU {row['finalizer_cpu_s'] * 1e3:.0f} ms; RSS {min(rss):.0f}-"
         f"{max(rss):.0f} MiB over the timed steps)"
@@ -857,8 +918,9 @@ def _markdown(
     lines = [
         "| ranks N | reports | committed after the last rank's write, at the finalizer ms | "
         "node hop ms | group hop ms | committed, hops included ms | every report answered "
-        "ms | finalizer CPU from the reports to the commit ms | begin_step x N s (Ray's "
-        "floor) | finalizer RSS per step MiB | .metadata forecasts used / missed / late |",
+        "ms | finalizer CPU from the reports to the commit ms | the N ranks' begins at the "
+        "finalizer ms (Ray's floor) | finalizer RSS per step MiB | .metadata forecasts used "
+        "/ missed / late |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for world, mode, r in rows:
@@ -870,7 +932,7 @@ def _markdown(
             f"| {world} | {_how(world, mode)} | {r['committed_s'] * 1e3:.0f} | {node_hop} | "
             f"{group_hop} | {_critical_path_s(mode, r) * 1e3:.0f} | "
             f"{r['answered_s'] * 1e3:.0f} | {r['finalizer_cpu_s'] * 1e3:.0f} | "
-            f"{r['begin_s']:.2f} ({r['begin_floor_s']:.2f}) | {rss} | "
+            f"{r['begin_s'] * 1e3:.0f} ({r['begin_floor_s'] * 1e3:.0f}) | {rss} | "
             f"{f['used']} / {f['missed']} / {f['late']} |"
         )
     verdicts = [_verdict(world, mode, r) for world, mode, r in rows]
@@ -884,7 +946,7 @@ def _markdown(
         + "\n".join(lines)
         + "\n\n"
         + "\n".join(f"- {v}" for v in verdicts)
-        + f"\n\nIn-process cProfile of one step with N={largest} (begin_step x N, the reports in "
+        + f"\n\nIn-process cProfile of one step with N={largest} (the begins and the reports in "
         f"batches of {GROUP_SIZE}, the commit; by own time, then cumulative):\n\n```\n"
         + profile
         + "\n```"

@@ -18,7 +18,6 @@ import ray
 
 from verl_ckpt.commit.aggregator import (
     AggregatorLost,
-    NodeBatcher,
     ReportAggregator,
     aggregator_name,
     batches_reports,
@@ -27,6 +26,7 @@ from verl_ckpt.commit.aggregator import (
     open_node_aggregator,
     uses_groups,
 )
+from verl_ckpt.commit.batcher import NodeBatcher
 from verl_ckpt.commit.client import (
     FINALIZER_NAMESPACE,
     FinalizerClient,
@@ -87,7 +87,7 @@ async def _written(
 async def _report_all(nodes: list[_Node], reports: list[RankReport]) -> list:
     """Every rank reports at once through its node's batcher."""
     node_of = {rank: nodes[rank // PER_NODE] for rank in range(WORLD)}
-    return await asyncio.gather(*(node_of[r.rank].batcher.report(r) for r in reports))
+    return await asyncio.gather(*(node_of[r.rank].batcher.submit(r) for r in reports))
 
 
 def _committed_and_verified(root: Path, step: int) -> None:
@@ -126,7 +126,7 @@ def test_I5_a_failure_in_a_batch_fails_the_step_at_once_naming_the_rank(tmp_path
         report = await _written(finalizer, 2, 0, "broken")
         report.files = []
         report.failure = Failure(ROLE, 0, Phase.WRITE, "OSError: disk on fire", 5)
-        assert await nodes[0].batcher.report(report) is None
+        assert await nodes[0].batcher.submit(report) is None
         with pytest.raises(StepNotCommittedError) as caught:
             await finalizer.wait_for_commit(2, 10.0)
         return caught.value, nodes[0]
@@ -151,11 +151,11 @@ def test_I5_a_lost_batch_fails_the_step_at_its_deadline_naming_the_missing_ranks
         nodes = _nodes(finalizer)
         reports = [await _written(finalizer, 3, r, f"s{r}", timeout_s=0.2) for r in range(WORLD)]
         # Node 1 delivers; node 0's batch holds rank 0 and waits for rank 1, which is lost.
-        assert await asyncio.gather(*(nodes[1].batcher.report(r) for r in reports[2:])) == [
+        assert await asyncio.gather(*(nodes[1].batcher.submit(r) for r in reports[2:])) == [
             None,
             None,
         ]
-        held = asyncio.ensure_future(nodes[0].batcher.report(reports[0]))
+        held = asyncio.ensure_future(nodes[0].batcher.submit(reports[0]))
         with pytest.raises(StepNotCommittedError) as caught:
             await finalizer.wait_for_commit(3, 10.0)
         assert nodes[0].batcher.pending() == 1 and not held.done()
@@ -184,7 +184,7 @@ def test_a_batch_whose_node_never_completes_leaves_after_its_linger(tmp_path):
         for rank in range(WORLD):
             node.batcher.join((ROLE, rank))
         reports = [await _written(finalizer, 7, r, f"s{r}") for r in range(WORLD)]
-        answers = await asyncio.gather(*(node.batcher.report(r) for r in reports[:-1]))
+        answers = await asyncio.gather(*(node.batcher.submit(r) for r in reports[:-1]))
         return answers, node, finalizer.status()["pending"]
 
     answers, node, pending = asyncio.run(run())
@@ -288,8 +288,13 @@ class _Rank:
     def aggregator_handle(self) -> ray.actor.ActorHandle:
         return self.aggregator.handle
 
-    def write(self, step: int, save_id: str) -> RankReport:
-        directory = self.link.begin(step, save_id)
+    def begin(self, step: int, save_id: str) -> str:
+        """begin_step alone; `report_directly` writes into its directory later."""
+        self.began = self.link.begin(step, save_id)
+        return str(self.began)
+
+    def write(self, step: int, save_id: str, directory: Path | None = None) -> RankReport:
+        directory = directory or self.link.begin(step, save_id)
         name = f"part{self.rank}.bin"
         written = write_checksummed(directory / name, lambda s: s.write(b"z" * 32))
         report = self.link.new_report(step, save_id)
@@ -301,6 +306,10 @@ class _Rank:
         failure = self.link.deliver(self.write(step, save_id), call_deadline(30.0))
         return None if failure is None else failure.describe()
 
+    def report_directly(self, step: int, save_id: str) -> None:
+        """Its files of the step it began (`begin`), reported straight to the finalizer."""
+        self.link.client.report(self.write(step, save_id, self.began).pack())
+
     def report_through_aggregator_only(self, step: int, save_id: str) -> str:
         """A report handed to the aggregator alone (no fallback): what the rank hears."""
         try:
@@ -311,10 +320,10 @@ class _Rank:
 
 
 def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray_local, tmp_path):
-    """The node's aggregator actor is killed while it holds rank 0's report of step 1 (its
-    batch waits for rank 1): rank 0 hears at once that its aggregator is gone, nothing
-    hangs. Then the aggregator is killed for good: a save through ParticipantLink falls back
-    to a direct report, and step 2 commits."""
+    """The node's aggregator actor is killed while it holds rank 0's report of step 1 (both
+    ranks began the step through it; its batch of reports waits for rank 1): rank 0 hears at
+    once that its aggregator is gone, nothing hangs. Then the aggregator is killed for good:
+    a save through ParticipantLink falls back to direct calls, and step 2 commits."""
     root = str(tmp_path)
     finalizer = start_finalizer(
         root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0, max_in_flight=2
@@ -323,7 +332,9 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
     ranks = [_Rank.remote(root, r) for r in (0, 1)]
     try:
         aggregator = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
+        began = ranks[1].begin.remote(1, "a1")
         held = ranks[0].report_through_aggregator_only.remote(1, "a0")
+        ray.get(began, timeout=60)
         _until(lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1)
         ray.kill(aggregator, no_restart=False)
         assert ray.get(held, timeout=60).startswith("lost: driver rank 0: the node's report")
@@ -408,8 +419,9 @@ def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_grou
     ray_local, tmp_path
 ):
     """4 ranks in groups of 2, all on this node: the node's one batch leaves as 2 calls, one
-    to each group's aggregator, and each group's batch reaches the finalizer as one call; the
-    step commits every rank's file, and a second step goes the same way."""
+    to each group's aggregator, and each group's batch reaches the finalizer as one call,
+    for the begins as for the reports; the step commits every rank's file, and a second
+    step goes the same way."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
     node = _start_holding_aggregator(root, finalizer)
@@ -423,6 +435,11 @@ def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_grou
             _committed_and_verified_files(Path(root), step)
             assert ray.get(node.batches_sent.remote(), timeout=60) == step
             assert ray.get([g.batches_sent.remote() for g in groups], timeout=60) == [step] * 2
+            # Their begins went the same way: one batch per node and per group.
+            assert ray.get(node.begin_batches_sent.remote(), timeout=60) == step
+            assert (
+                ray.get([g.begin_batches_sent.remote() for g in groups], timeout=60) == [step] * 2
+            )
         record = read_commit_record(step_dir(Path(root), 2))
         assert sorted(f.path for f in record.files) == [f"part{r}.bin" for r in range(GROUP_WORLD)]
     finally:
@@ -433,24 +450,29 @@ def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_grou
 def test_I5_a_node_whose_group_aggregator_died_sends_its_batch_straight_and_the_step_commits(
     ray_local, tmp_path
 ):
-    """Group 0's aggregator holds rank 0's report (its rank 1 reports directly, never
-    through the group) and is killed: the node's aggregator sends rank 0's report to the
-    finalizer itself, rank 0's save succeeds, and once rank 1 reported the step commits."""
+    """Group 0's aggregator holds rank 0's report (its rank 1 began the step through the
+    group too, but reports directly, never through it) and is killed: the node's aggregator
+    sends rank 0's report to the finalizer itself, rank 0's save succeeds, and once rank 1
+    reported the step commits."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
-    node = _start_holding_aggregator(root, finalizer)
     group = _start_holding_aggregator(root, finalizer, _group_name(root, 0), (ROLE, 0, GROUP_SIZE))
-    batched = _group_ranks(root, (0, 2, 3))
-    direct = _Rank.remote(root, 1, GROUP_WORLD, GROUP_SIZE, batched=False)
+    # The node's aggregator with its default linger: its batch of reports leaves without
+    # rank 1, which reports directly.
+    ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
+    node = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
+    batched, direct = [ranks[0], *ranks[2:]], ranks[1]
     try:
+        began = direct.begin.remote(1, "r1")
         saves = [rank.save.remote(1, f"r{i}") for i, rank in enumerate(batched)]
+        ray.get(began, timeout=60)
         _until(lambda: ray.get(group.pending.remote(), timeout=60) == 1)
         ray.kill(group, no_restart=False)
         assert ray.get(saves, timeout=120) == [None] * 3
-        assert ray.get(direct.save.remote(1, "r1"), timeout=120) is None
+        ray.get(direct.report_directly.remote(1, "r1"), timeout=120)
         ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
     finally:
-        for actor in [*batched, direct, group, node, finalizer]:
+        for actor in [*ranks, group, node, finalizer]:
             ray.kill(actor, no_restart=True)
     _committed_and_verified_files(Path(root), 1)
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 from verl_ckpt.commit.committer import Committer
 from verl_ckpt.commit.ledger import Begun, StepLedger, StepStatus
@@ -19,6 +20,7 @@ from verl_ckpt.protocol import RPC_SLACK_S, describe_failures
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.event_loop import TaskSet
+from verl_ckpt.protocol.messages import BeginRequest
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.fsio import make_dir, read_regular, write_in_place
 from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
@@ -68,6 +70,51 @@ class Admission:
     ) -> str:
         """CheckpointFinalizer.begin_step: the participant's directory, or a refusal."""
         self.check_participant(role, rank, world_size)
+        status = await self._admit(step, timeout_s)
+        # No await between the admission and the join: see _admit.
+        made: set[Path] = set()
+        return self._join(
+            BeginRequest(step, role, rank, world_size, timeout_s, save_id), status, made
+        )
+
+    async def begin_steps(self, requests: list[BeginRequest]) -> list[str | CheckpointError]:
+        """CheckpointFinalizer.begin_batch: several participants' begin_step of one step,
+        admitted once (one wait for room, one removal of a leftover) and joined one by one;
+        each one's directory or refusal, in order. A refusal of the step itself (committed,
+        no room in time) answers every participant, as each one's begin_step would have."""
+        # None: not answered yet (an expected participant, to join).
+        answers: list[Any] = [self._stranger(r) for r in requests]
+        joining = [r for r, answer in zip(requests, answers, strict=True) if answer is None]
+        if not joining:
+            return answers
+        if len({r.step for r in joining}) != 1:
+            raise CheckpointError("a batch of begins holds several steps")
+        try:
+            # The longest wait asked for: each participant's own call waits that long or less.
+            status = await self._admit(joining[0].step, max(r.timeout_s for r in joining))
+        except CheckpointError as exc:
+            return [exc if answer is None else answer for answer in answers]
+        made: set[Path] = set()
+        for i, request in enumerate(requests):
+            if answers[i] is None:
+                try:
+                    answers[i] = self._join(request, status, made)
+                except CheckpointError as exc:
+                    answers[i] = exc
+        return answers
+
+    def _stranger(self, request: BeginRequest) -> CheckpointError | None:
+        """The refusal of a begin from anyone but an expected participant, or None."""
+        try:
+            self.check_participant(request.role, request.rank, request.world_size)
+        except CheckpointError as exc:
+            return exc
+        return None
+
+    async def _admit(self, step: int, timeout_s: float) -> StepStatus | None:
+        """Wait for room to start `step` and remove its uncommitted leftover; its status in
+        the ledger then. The caller joins its participants without awaiting after this: the
+        step begins in the same turn of the event loop as the last check."""
         # A failed step whose last writer died settles only at its deadline, which nothing
         # else may notice: a new step is when its space is wanted.
         self._committer.discard_settled_failures()
@@ -94,26 +141,36 @@ class Admission:
                 # step begins in the same turn of the event loop as the last check.
                 await self._remove_leftover(step, path, deadline, timeout_s)
                 continue
-            break
+            return status
+
+    def _join(self, request: BeginRequest, status: StepStatus | None, made: set[Path]) -> str:
+        """`request`'s participant joins its admitted step (`status`: the step's status at
+        the admission): its directory, made unless in `made` (the directories this call
+        made already), or a refusal."""
+        step, role, rank = request.step, request.role, request.rank
         # A participant reports at its own deadline (timeout_s after its save) plus the
         # report call's slack: after that, a missing report will not come.
-        expires_at = deadline_in(timeout_s + 2 * RPC_SLACK_S)
-        begun = self._ledger.begin(step, (role, rank), save_id, expires_at)
+        expires_at = deadline_in(request.timeout_s + 2 * RPC_SLACK_S)
+        begun = self._ledger.begin(step, (role, rank), request.save_id, expires_at)
         if begun is Begun.FAILED:
             # Its own type: another participant's failure decided the step, and a rank
             # refused so has no failure of its own to raise (rank/save_runner.py).
             raise StepNotCommittedError(self._refusal(step, role, rank, begun))
         if begun is not Begun.JOINED:
             raise CheckpointError(self._refusal(step, role, rank, begun))
-        if status is None and self._run_id is not None:
+        path = step_dir(self._root, step)
+        if status is None and self._run_id is not None and path not in made:
             make_dir(path, parents=True, exist_ok=True)
             _mark_run(path, self._run_id)
+            made.add(path)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
-        make_dir(target, parents=True, exist_ok=True)
-        if role != DRIVER_ROLE and role not in self._ledger.state_participants:
-            # The role's `.metadata` is made now, while its ranks write, if it can be
-            # foreseen; the commit checks it against what the ranks then report.
-            self._forecast.begin(step, role, target)
+        if target not in made:
+            make_dir(target, parents=True, exist_ok=True)
+            made.add(target)
+            if role != DRIVER_ROLE and role not in self._ledger.state_participants:
+                # The role's `.metadata` is made now, while its ranks write, if it can be
+                # foreseen; the commit checks it against what the ranks then report.
+                self._forecast.begin(step, role, target)
         return str(target)
 
     async def _remove_leftover(

@@ -1,46 +1,44 @@
-"""Reports batched per node, and per group of ranks (protocol page, step 4, from the ranks'
-side): a node's ranks hand their reports to the node's aggregator, which forwards each
-step's reports of the node as one call: to the finalizer's `report_batch`, or, in a role of
-more than `report_group_size` ranks, to the aggregator of the rank group, which forwards the
-reports of its `report_group_size` ranks to the finalizer as one call. When every rank of a
-job finishes a step at once, the finalizer then takes one call per group instead of one per
+"""Reports and begins batched per node, and per group of ranks (protocol page, steps 1 and 4,
+from the ranks' side): a node's ranks hand their begin_step calls and their reports to the
+node's aggregator, which forwards each step's begins, and each step's reports, of the node
+as one call: to the finalizer's `begin_batch` and `report_batch`, or, in a role of more than
+`report_group_size` ranks, to the aggregator of the rank group, which forwards those of its
+`report_group_size` ranks to the finalizer as one call. When every rank of a job begins or
+finishes a step at once, the finalizer then takes one call per group instead of one per
 rank: its intake is serial (one event loop, and a Ray call costs it about as much as the
 work of a hundred reports), so at 16,384 ranks on 2,048 nodes it takes 128 calls, not 2,048
 (one per node) nor 16,384. Each level takes its calls in parallel with the others of its
 level: a node aggregator its node's ranks', a group aggregator its nodes'.
 
 Why a small Ray actor per node, and not the first rank of each node: a rank's actor runs
-the trainer's calls one at a time, so the other ranks' reports would wait behind a
-training step; and a rank that dies or is restarted would take its node's batch with it.
-The aggregator is an async actor with no CPU slot, pinned to its node, named after the root
-and the node so that every rank of the node finds the same one; it holds nothing but the
-reports of the step being batched.
+the trainer's calls one at a time, so the other ranks' calls would wait behind a training
+step; and a rank that dies or is restarted would take its node's batch with it. The
+aggregator is an async actor with no CPU slot, pinned to its node, named after the root and
+the node so that every rank of the node finds the same one; it holds nothing but the begins
+and reports of the step being batched.
 
 A group is a range of ranks of one role (ranks g*size to (g+1)*size - 1, `group_of`): its
 members are known from the start, so a group's batch leaves as soon as its last rank's
-report arrives, whichever nodes they came through. A group aggregator is started by the
-first node aggregator that needs it (at a rank's join, off the report's path) and found by
-name by the others (`GroupRoutes`); a node aggregator sends a group's reports straight to
-the finalizer until that group's aggregator is up. A restarted node aggregator finds its
-groups again from the reports that reach it.
+call arrives, whichever nodes they came through. A group aggregator is started by the first
+node aggregator that needs it (at a rank's join, off the call's path) and found by name by
+the others (`GroupRoutes`); a node aggregator sends a group's calls straight to the
+finalizer until that group's aggregator is up. A restarted node aggregator finds its groups
+again from the calls that reach it.
 
-When a batch leaves (`NodeBatcher`, at either level):
-- at once when every rank of the node that joined has reported the step (the usual case:
-  the node's last report does not wait);
-- at once with a failure: a rank's failure fails the step now, not when its node's batch
-  fills (the successes batched so far go with it);
-- otherwise `linger_s` after the batch's first report (a rank of the node that never
-  reports, or one that joined another node's aggregator after a restart).
-Each rank's call returns once the finalizer recorded its report, with the finalizer's
-answer for that report: for a rank, reporting through the aggregator is reporting.
+When a batch leaves: see commit/batcher.py (at once when the node's last member's call
+arrives or with a failure; otherwise after a short linger). Each rank's call returns with
+the finalizer's answer for it: its directory, or its report recorded; for a rank, going
+through the aggregator is calling the finalizer. The finalizer admits a batch of begins
+once (one wait for room, one removal of a leftover) and answers each rank what its own
+begin_step would have (commit/admission.py).
 
-An aggregator that dies loses the reports it holds: the ranks waiting on a node aggregator
-get an error and report straight to the finalizer instead
-(commit.participant.ParticipantLink.report), and a node aggregator whose group aggregator
-died sends its batch straight to the finalizer (a report a lost batch had delivered is a
-duplicate there, and ignored). A report that never
-arrives fails its step at the step's deadline, naming the missing ranks, as without
-batching: nothing waits on an aggregator for longer.
+An aggregator that dies loses the calls it holds: the ranks waiting on a node aggregator get
+an error and call the finalizer directly instead (commit.participant.ParticipantLink), and a
+node aggregator whose group aggregator died sends its batch straight to the finalizer (a
+report a lost batch had delivered is a duplicate there, and ignored; a begin asked again
+with the same save id is answered the same). A report that never arrives fails its step at
+the step's deadline, naming the missing ranks, as without batching: nothing waits on an
+aggregator for longer.
 """
 
 from __future__ import annotations
@@ -49,23 +47,28 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from verl_ckpt.commit.batcher import LINGER_S, NodeBatcher
 from verl_ckpt.commit.client import FINALIZER_NAMESPACE
 from verl_ckpt.protocol.deadlines import RPC_SLACK_S, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
-from verl_ckpt.protocol.messages import Participant, RankReport, ReportBatch, batch_reports
+from verl_ckpt.protocol.messages import (
+    BeginRequest,
+    Participant,
+    RankReport,
+    ReportBatch,
+    batch_reports,
+)
 
 __all__ = [
     "AggregatorLost",
     "NodeAggregator",
-    "NodeBatcher",
     "ReportAggregator",
     "aggregator_name",
     "batches_reports",
@@ -77,12 +80,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# How long a batch waits for the node's missing ranks before it leaves without them.
-LINGER_S = 0.05
-# Steps whose forwarded ranks a batcher remembers (to know when a node's step is complete).
-_REMEMBERED_STEPS = 8
-
-# report_batching=auto batches the reports of a role of this many ranks or more.
+# report_batching=auto batches the begins and reports of a role of this many ranks or more.
 AUTO_MIN_RANKS = 64
 # The default of report_group_size: ranks per group aggregator in a role larger than this
 # (0: no group level). The finalizer takes world/size calls and a group aggregator size/8
@@ -93,103 +91,18 @@ GROUP_SIZE = 128
 # straight to the finalizer.
 GROUP_START_S = 60.0
 
-Forward = Callable[[list[RankReport]], Awaitable[list[BaseException | None]]]
-
 
 class AggregatorLost(CheckpointError):
-    """The node's aggregator died or cannot be reached: report straight to the finalizer."""
-
-
-@dataclass
-class _Batch:
-    reports: list[RankReport] = field(default_factory=list)
-    waiting: list[asyncio.Future] = field(default_factory=list)
-    participants: set[Participant] = field(default_factory=set)
-    timer: asyncio.TimerHandle | None = None
-
-
-class NodeBatcher:
-    """The batching of one node's reports, step by step (no Ray: the actor and the benchmark
-    wrap it). Used from one event loop only."""
-
-    def __init__(self, forward: Forward, linger_s: float = LINGER_S) -> None:
-        self._forward = forward
-        self._linger_s = linger_s
-        self._members: set[Participant] = set()
-        self._batches: dict[int, _Batch] = {}
-        # Per recent step, the participants whose reports were forwarded already.
-        self._sent: OrderedDict[int, set[Participant]] = OrderedDict()
-        self._sending: set[asyncio.Task] = set()
-        # Batches forwarded so far (status and tests: one per node or group when every
-        # rank reports at once).
-        self.batches_sent = 0
-
-    def join(self, participant: Participant) -> None:
-        """`participant` runs on this node: a step's batch waits for its report."""
-        self._members.add(participant)
-
-    async def report(self, report: RankReport) -> BaseException | None:
-        """Batch `report`; the finalizer's answer for it once its batch was delivered (an
-        error is returned, not raised: the caller raises it in the rank)."""
-        # A rank that reports is on this node (also after this batcher lost its joins).
-        self._members.add(report.participant)
-        batch = self._batches.setdefault(report.step, _Batch())
-        answer = asyncio.get_running_loop().create_future()
-        batch.reports.append(report)
-        batch.waiting.append(answer)
-        batch.participants.add(report.participant)
-        if report.failure is not None or self._complete(report.step, batch):
-            self._flush(report.step)
-        elif batch.timer is None:
-            batch.timer = asyncio.get_running_loop().call_later(
-                self._linger_s, self._flush, report.step
-            )
-        return await answer
-
-    def pending(self) -> int:
-        """Reports held, not yet forwarded (for tests)."""
-        return sum(len(b.reports) for b in self._batches.values())
-
-    def _complete(self, step: int, batch: _Batch) -> bool:
-        sent = self._sent.get(step, set())
-        return len(self._members - sent - batch.participants) == 0
-
-    def _flush(self, step: int) -> None:
-        batch = self._batches.pop(step, None)
-        if batch is None:
-            return  # the timer of a batch that left already
-        if batch.timer is not None:
-            batch.timer.cancel()
-        self._sent.setdefault(step, set()).update(batch.participants)
-        self._sent.move_to_end(step)
-        while len(self._sent) > _REMEMBERED_STEPS:
-            self._sent.popitem(last=False)
-        self.batches_sent += 1
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send(self, batch: _Batch) -> None:
-        try:
-            answers = list(await self._forward(batch.reports))
-            if len(answers) != len(batch.reports):
-                raise CheckpointError(
-                    f"the finalizer answered {len(answers)} of a batch of {len(batch.reports)}"
-                )
-        except Exception as exc:  # noqa: BLE001 - every rank of the batch hears it
-            answers = [exc] * len(batch.reports)
-        # Every waiting rank is answered, whatever happened: none waits to its deadline.
-        for waiting, answer in zip(batch.waiting, answers, strict=True):
-            if not waiting.done():
-                waiting.set_result(answer)
+    """The node's aggregator died or cannot be reached: call the finalizer directly."""
 
 
 class ReportAggregator:
-    """The Ray actor of one node's NodeBatcher, or of one rank group's (`members`: the role
-    and the range of ranks of the group; see the module docstring). A node's aggregator is
-    made with the root (`root_dir`), which it keeps across a restart; each join and report
-    carries its role's report_group_size, so that a restarted one finds its groups again
-    from the reports themselves."""
+    """The Ray actor of one node's batchers, or of one rank group's (`members`: the role and
+    the range of ranks of the group; see the module docstring): one NodeBatcher for the
+    members' reports, one for their begin_step calls. A node's aggregator is made with the
+    root (`root_dir`), which it keeps across a restart; each join, begin and report carries
+    its role's report_group_size, so that a restarted one finds its groups again from the
+    calls themselves."""
 
     def __init__(
         self,
@@ -201,26 +114,41 @@ class ReportAggregator:
     ) -> None:
         self._finalizer = finalizer
         self._timeout_s = timeout_s
-        self._batcher = NodeBatcher(self._forward, linger_s)
+        self._reports = NodeBatcher(self._forward_reports, linger_s)
+        self._begins = NodeBatcher(self._forward_begins, linger_s)
         if members is not None:
             role, first, end = members
             for rank in range(first, end):
-                self._batcher.join((role, rank))
+                self._join((role, rank))
         self._groups = GroupRoutes(root_dir, finalizer, timeout_s, linger_s)
+
+    def _join(self, participant: Participant) -> None:
+        self._reports.join(participant)
+        self._begins.join(participant)
 
     async def join(self, role: str, rank: int, world_size: int = 0, group_size: int = 0) -> None:
         """`role` `rank` (of `world_size`) runs on this node. In a role of more than
         `group_size` ranks, its group's aggregator is found or started now (waited for up
         to GROUP_START_S; until it is up, the node's batches go straight to the finalizer)."""
-        self._batcher.join((role, rank))
+        self._join((role, rank))
         started = self._groups.open(role, rank, world_size, group_size)
         if started is not None:
             await asyncio.wait({started}, timeout=GROUP_START_S)
 
+    async def begin(self, request: BeginRequest, group_size: int = 0) -> str | BaseException:
+        """A rank's begin_step through the node's batch: its directory, or the refusal."""
+        # After a restart nobody joins again: the calls name their groups.
+        self._groups.open(request.role, request.rank, request.world_size, group_size)
+        return await self._begins.submit(request)
+
+    async def begin_batch(self, requests: list[BeginRequest]) -> list[str | BaseException]:
+        """A node aggregator's batch of begins, into this group's batch: each one's answer
+        once the group's batch was answered."""
+        return list(await asyncio.gather(*(self._begins.submit(r) for r in requests)))
+
     async def report(self, report: RankReport, group_size: int = 0) -> BaseException | None:
-        # After a restart nobody joins again: the reports name their groups.
         self._groups.open(report.role, report.rank, report.world_size, group_size)
-        return await self._batcher.report(report)
+        return await self._reports.submit(report)
 
     async def report_batch(
         self, batch: ReportBatch | list[RankReport]
@@ -228,30 +156,44 @@ class ReportAggregator:
         """A node aggregator's batch, into this group's batch: each report's answer once the
         group's batch was delivered."""
         reports = batch_reports(batch)
-        return list(await asyncio.gather(*(self._batcher.report(r) for r in reports)))
+        return list(await asyncio.gather(*(self._reports.submit(r) for r in reports)))
 
     async def pending(self) -> int:
-        return self._batcher.pending()
+        """Reports and begins held, not yet forwarded (for tests)."""
+        return self._reports.pending() + self._begins.pending()
 
     async def batches_sent(self) -> int:
-        return self._batcher.batches_sent
+        """Batches of reports forwarded so far."""
+        return self._reports.batches_sent
 
-    async def _forward(self, reports: list[RankReport]) -> list[BaseException | None]:
-        """A batch that left: the reports of each group whose aggregator is up to it, the
+    async def begin_batches_sent(self) -> int:
+        """Batches of begins forwarded so far."""
+        return self._begins.batches_sent
+
+    async def _forward_reports(self, reports: list[RankReport]) -> list[BaseException | None]:
+        return await self._forward(_REPORTS, reports, self._timeout_s)
+
+    async def _forward_begins(self, requests: list[BeginRequest]) -> list[str | BaseException]:
+        # The finalizer waits up to each begin's own timeout for room to start the step.
+        wait_s = max(self._timeout_s, *(r.timeout_s for r in requests))
+        return await self._forward(_BEGINS, requests, wait_s)
+
+    async def _forward(self, kind: _Kind, items: list, timeout_s: float) -> list:
+        """A batch that left: the items of each group whose aggregator is up to it, the
         others straight to the finalizer; the answers in the batch's order. One part that
-        fails answers its own reports only."""
+        fails answers its own items only."""
         parts: dict[Route | None, list[int]] = {}
-        for i, report in enumerate(reports):
-            parts.setdefault(self._groups.route(report), []).append(i)
-        answers: list[BaseException | None] = [None] * len(reports)
+        for i, item in enumerate(items):
+            parts.setdefault(self._groups.route(item.role, item.rank), []).append(i)
+        answers: list = [None] * len(items)
 
         async def send(route: Route | None, indices: list[int]) -> None:
-            part = [reports[i] for i in indices]
+            part = [items[i] for i in indices]
             try:
                 got = await (
-                    _send_batch(self._finalizer, part, self._timeout_s, "the finalizer")
+                    _send_batch(self._finalizer, kind, part, timeout_s, "the finalizer")
                     if route is None
-                    else self._to_group(route, part)
+                    else self._to_group(route, kind, part, timeout_s)
                 )
                 if len(got) != len(part):
                     raise CheckpointError(f"{len(got)} answers to a batch of {len(part)}")
@@ -263,23 +205,24 @@ class ReportAggregator:
         await asyncio.gather(*(send(route, indices) for route, indices in parts.items()))
         return answers
 
-    async def _to_group(self, route: Route, reports: list[RankReport]) -> list:
+    async def _to_group(self, route: Route, kind: _Kind, items: list, timeout_s: float) -> list:
         try:
             # Its own wait on the finalizer is timeout_s + RPC_SLACK_S: this one is longer,
             # so that a group that hears nothing says so. Both only bound a batch that would
             # otherwise wait forever: a rank's own deadline (the step's) governs what it hears.
             return await _send_batch(
                 route.handle,
-                reports,
-                self._timeout_s + RPC_SLACK_S,
+                kind,
+                items,
+                timeout_s + RPC_SLACK_S,
                 "the group's report aggregator",
                 raise_ray_errors=True,
             )
         except ray.exceptions.RayError as exc:
             # Dead (its owner, the node aggregator that started it, died with it), restarting
-            # or broken: this batch goes straight, and the next report opens it again.
+            # or broken: this batch goes straight, and the next call opens it again.
             self._groups.lost(route, exc)
-            return await _send_batch(self._finalizer, reports, self._timeout_s, "the finalizer")
+            return await _send_batch(self._finalizer, kind, items, timeout_s, "the finalizer")
 
 
 @dataclass(frozen=True)
@@ -328,13 +271,13 @@ class GroupRoutes:
             self._opening[key] = task
         return task
 
-    def route(self, report: RankReport) -> Route | None:
-        """Where `report` goes: its group's aggregator if that is up, None (the finalizer)
-        otherwise or without groups."""
-        sizes = self._sizes.get(report.role)
+    def route(self, role: str, rank: int) -> Route | None:
+        """Where `role` `rank`'s calls go: its group's aggregator if that is up, None (the
+        finalizer) otherwise or without groups."""
+        sizes = self._sizes.get(role)
         if sizes is None:
             return None
-        key = (report.role, group_of(report.rank, sizes[0]), *sizes)
+        key = (role, group_of(rank, sizes[0]), *sizes)
         task = self._opening.get(key)
         if task is None or not task.done() or _failed(task):
             return None
@@ -342,7 +285,7 @@ class GroupRoutes:
 
     def lost(self, route: Route, exc: BaseException) -> None:
         """The aggregator of `route` failed a call: forget it (unless it was opened again
-        since), so that the next report opens it again."""
+        since), so that the next call through it opens it again."""
         task = self._opening.get(route.key)
         if task is None or not task.done() or _failed(task) or task.result() is not route.handle:
             return
@@ -409,31 +352,46 @@ def _failed(task: asyncio.Task) -> bool:
     return task.done() and (task.cancelled() or task.exception() is not None)
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """What a batch carries: the receiver's method for it (the finalizer's and a group
+    aggregator's alike), and how the call carries the items."""
+
+    method: str
+    pack: Callable[[list], object]
+
+
+# Reports travel packed (ReportBatch: one pickle for the batch); begins are a few fields.
+_REPORTS = _Kind("report_batch", ReportBatch.of)
+_BEGINS = _Kind("begin_batch", list)
+
+
 async def _send_batch(
     to: ray.actor.ActorHandle,
-    reports: list[RankReport],
+    kind: _Kind,
+    items: list,
     timeout_s: float,
     what: str,
     raise_ray_errors: bool = False,
-) -> list[BaseException | None]:
-    """`reports` packed, as one `report_batch` call to `to` (the finalizer or a group's
-    aggregator), waited for up to `timeout_s` + RPC_SLACK_S: each report's answer. A timeout
-    or a refused call answers every report; with `raise_ray_errors`, any other failure of
-    the call (Ray's) is raised instead."""
+) -> list:
+    """`items` as one call of `kind` to `to` (the finalizer or a group's aggregator), waited
+    for up to `timeout_s` + RPC_SLACK_S: each item's answer. A timeout or a refused call
+    answers every item; with `raise_ray_errors`, any other failure of the call (Ray's) is
+    raised instead."""
     wait_s = timeout_s + RPC_SLACK_S
-    ref = to.report_batch.remote(ReportBatch.of(reports))
+    ref = getattr(to, kind.method).remote(kind.pack(items))
     try:
         return await asyncio.wait_for(_awaited(ref), wait_s)
     except TimeoutError:
         return [
             CommitTimeoutError(f"the report aggregator: {what} did not answer within {wait_s:.0f}s")
-        ] * len(reports)
+        ] * len(items)
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, CheckpointError):
-            return [exc.cause] * len(reports)
+            return [exc.cause] * len(items)
         if raise_ray_errors:
             raise
-        return [exc] * len(reports)
+        return [exc] * len(items)
 
 
 async def _awaited(ref: ray.ObjectRef):
@@ -441,9 +399,9 @@ async def _awaited(ref: ray.ObjectRef):
 
 
 def batches_reports(mode: str, world_size: int) -> bool:
-    """Whether a rank of a role of `world_size` ranks reports through its node's aggregator
-    (config key report_batching: node, off, or auto: from AUTO_MIN_RANKS ranks, below which
-    the finalizer takes each report in well under a millisecond anyway)."""
+    """Whether a rank of a role of `world_size` ranks begins and reports through its node's
+    aggregator (config key report_batching: node, off, or auto: from AUTO_MIN_RANKS ranks,
+    below which the finalizer takes each call in well under a millisecond anyway)."""
     return mode == "node" or (mode == "auto" and world_size >= AUTO_MIN_RANKS)
 
 
@@ -473,17 +431,25 @@ def group_of(rank: int, group_size: int) -> int:
 
 
 class NodeAggregator:
-    """A rank's side of its node's aggregator: `report` as FinalizerClient.report does it."""
+    """A rank's side of its node's aggregator: `begin` and `report` as FinalizerClient's
+    begin_step and report do them."""
 
     def __init__(self, handle: ray.actor.ActorHandle, who: str, group_size: int = 0) -> None:
         self.handle = handle
         self.who = who
         self._group_size = group_size
 
+    def begin(self, request: BeginRequest, deadline: float) -> str:
+        """begin_step through the node's batch: the participant's directory; raise the
+        finalizer's refusal, CommitTimeoutError past `deadline`, AggregatorLost when the
+        aggregator is gone."""
+        return self._call(self.handle.begin.remote(request, self._group_size), deadline)
+
     def report(self, report: RankReport, deadline: float) -> None:
-        """Deliver `report` through the node's batch; raise the finalizer's refusal of it,
-        CommitTimeoutError past `deadline`, AggregatorLost when the aggregator is gone."""
-        ref = self.handle.report.remote(report, self._group_size)
+        """Deliver `report` through the node's batch; raise as `begin` does."""
+        self._call(self.handle.report.remote(report, self._group_size), deadline)
+
+    def _call(self, ref: ray.ObjectRef, deadline: float):
         try:
             answer = ray.get(ref, timeout=time_left(deadline, 0.1))
         except ray.exceptions.GetTimeoutError:
@@ -494,8 +460,9 @@ class NodeAggregator:
             raise AggregatorLost(
                 f"{self.who}: the node's report aggregator is gone ({type(exc).__name__})"
             ) from None
-        if answer is not None:
+        if isinstance(answer, BaseException):
             raise answer
+        return answer
 
 
 def open_node_aggregator(

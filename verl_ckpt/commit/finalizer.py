@@ -31,6 +31,7 @@ from verl_ckpt.hf.scheduler import ExportPlan, ExportQueue
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import (
+    BeginRequest,
     GlobalMetadataCache,
     RankReport,
     ReportBatch,
@@ -239,6 +240,14 @@ class CheckpointFinalizer:
         # _LEASE_RECHECK_S at most (a commit and a deletion always read it).
         self._check_lease(f"step {step} ({role} rank {rank})", _LEASE_RECHECK_S)
         return await self._admission.begin_step(step, role, rank, world_size, timeout_s, save_id)
+
+    async def begin_batch(self, requests: list[BeginRequest]) -> list[str | CheckpointError]:
+        """The begin_step calls of a node's or a rank group's participants, of one step, in
+        one call (commit/aggregator.py): the step admitted once for all of them; each one's
+        directory or refusal (what its begin_step would return or raise), in order."""
+        if requests:
+            self._check_lease(f"step {requests[0].step} ({len(requests)} ranks)", _LEASE_RECHECK_S)
+        return await self._admission.begin_steps(requests)
 
     # ---- protocol steps 4-7: report, commit, retention (committer.py) ---------------------
 

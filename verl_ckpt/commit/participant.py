@@ -15,9 +15,10 @@ not at its deadline. Who writes the files, and when, is the caller's; the order 
                               too (report_failure, withdraw): the finalizer learns
                               completion from reports only (I6).
 
-With a node aggregator (commit/aggregator.py), step 3 goes through the node's batch: the
-call returns once the finalizer recorded the report, as a direct report does, and falls
-back to a direct report when the aggregator is gone.
+With a node aggregator (commit/aggregator.py), steps 1 and 3 go through the node's batches:
+begin returns once the finalizer admitted the node's batch of begins, and a report once the
+finalizer recorded it, as direct calls do; each falls back to a direct call when the
+aggregator is gone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from verl_ckpt.commit.aggregator import AggregatorLost, NodeAggregator
 from verl_ckpt.commit.client import FinalizerClient
 from verl_ckpt.protocol import Failure, Phase, faults
 from verl_ckpt.protocol.deadlines import call_deadline
-from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.protocol.messages import BeginRequest, RankReport
 
 __all__ = ["ParticipantLink", "new_save_id"]
 
@@ -75,15 +76,18 @@ class ParticipantLink:
         """Step 1's begin_step: this participant's directory of `step`. `timeout_s`
         (default the link's) bounds the finalizer's wait for room to start the step."""
         timeout = self._timeout_s if timeout_s is None else timeout_s
+        deadline = call_deadline(timeout)
+        if self._aggregator is not None:
+            request = BeginRequest(step, self.role, self.rank, self.world_size, timeout, save_id)
+            try:
+                return Path(self._aggregator.begin(request, deadline))
+            except AggregatorLost as exc:
+                # Its batch may have been answered before it died: then this is the same
+                # save asking again, which the finalizer answers the same.
+                logger.warning("%s; beginning step %d directly", exc, step)
         return Path(
             self.client.begin_step(
-                step,
-                self.role,
-                self.rank,
-                self.world_size,
-                timeout,
-                save_id,
-                deadline=call_deadline(timeout),
+                step, self.role, self.rank, self.world_size, timeout, save_id, deadline=deadline
             )
         )
 

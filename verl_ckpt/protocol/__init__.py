@@ -38,14 +38,16 @@ The code that does each step:
       | startup.resume_check.settle_resume_step, commit.client.start_finalizer
  0'   | startup.remote.check_remote_start, startup.remote.fetch_newer_remote_step
  1    | rank.agreement.agree_on_save, format.megatron_compat.validate_sharding,
-      | commit.finalizer.CheckpointFinalizer.begin_step, format.megatron_compat.plan_save
+      | commit.finalizer.CheckpointFinalizer.begin_step, format.megatron_compat.plan_save,
+      | commit.participant.ParticipantLink.begin, commit.aggregator.ReportAggregator.begin,
+      | commit.finalizer.CheckpointFinalizer.begin_batch, commit.admission.Admission.begin_steps
  2    | rank.snapshot_plan.split_live, rank.staging.copy_into,
       | participants.state_copy.stage_state
  3    | format.file_writer.write_checksummed, format.file_writer.write_bucket,
       | participants.saver.StateParticipant.save
  4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
       | commit.committer.Committer.take, commit.ledger.StepLedger.record,
-      | commit.aggregator.NodeBatcher.report, commit.aggregator.ReportAggregator.report_batch,
+      | commit.batcher.NodeBatcher.submit, commit.aggregator.ReportAggregator.report_batch,
       | commit.finalizer.CheckpointFinalizer.report_batch, commit.committer.Committer.take_batch
  5    | commit.steps.commit_step
  6    | store.tracker.advance_tracker

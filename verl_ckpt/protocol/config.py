@@ -319,12 +319,13 @@ class CheckpointConfig:
     # Spread the writing of replicated shards over the role's data-parallel ranks instead of
     # having the first replica write them all.
     fully_parallel_save: bool = False
-    # How ranks report a step to the finalizer: node (the reports of a node's ranks go as one
-    # call, through a small aggregator actor per node: commit/aggregator.py), off (one call
-    # per rank), auto (node for a role of 64 ranks or more).
+    # How ranks begin and report a step with the finalizer: node (the begins, and the
+    # reports, of a node's ranks go as one call each, through a small aggregator actor per
+    # node: commit/aggregator.py), off (one call per rank), auto (node for a role of 64 ranks
+    # or more).
     report_batching: str = "auto"
     # With report batching, a role of more than this many ranks also batches its nodes'
-    # reports per group of this many ranks (a small aggregator actor per group), so that
+    # begins and reports per group of this many ranks (a small aggregator actor per group), so that
     # the finalizer takes one call per group; 0: one call per node.
     report_group_size: int = 128
     writer: WriterConfig = field(default_factory=WriterConfig)

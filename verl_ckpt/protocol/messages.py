@@ -10,6 +10,7 @@ from typing import Any
 from verl_ckpt.protocol import Failure
 
 __all__ = [
+    "BeginRequest",
     "FileEntry",
     "GlobalMetadataCache",
     "Participant",
@@ -40,6 +41,28 @@ class FileEntry:
     path: str
     size: int
     checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class BeginRequest:
+    """One participant's begin_step of one step (protocol step 1), as an aggregator batches
+    it with its node's others: begin_step's arguments."""
+
+    step: int
+    role: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    save_id: str | None
+
+    @property
+    def participant(self) -> Participant:
+        return (self.role, self.rank)
+
+    @property
+    def urgent(self) -> bool:
+        """Nothing makes a begin leave before its node's others (see RankReport.urgent)."""
+        return False
 
 
 @dataclass
@@ -109,6 +132,11 @@ class RankReport:
     @property
     def participant(self) -> Participant:
         return (self.role, self.rank)
+
+    @property
+    def urgent(self) -> bool:
+        """A failure fails its step now: its batch leaves without waiting for the node."""
+        return self.failure is not None
 
 
 @dataclass(frozen=True)
