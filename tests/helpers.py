@@ -1,8 +1,22 @@
-"""Small helpers shared by the Ray test modules: drive every rank of the `ranks` fixture."""
+"""Small helpers shared by the Ray test modules: drive every rank of the `ranks` fixture,
+wait for a condition with a deadline, start an aggregator that holds its batches."""
 
 from __future__ import annotations
 
+import time
+
 import ray
+
+from verl_ckpt.commit.aggregator import ReportAggregator, aggregator_name
+from verl_ckpt.commit.client import FINALIZER_NAMESPACE
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s}s"
+        time.sleep(0.01)
 
 
 def ckpt_config(tmp_path, **overrides) -> dict:
@@ -73,3 +87,30 @@ def save_changed_before_the_fence(ranks: dict, coordinator, slowed, role: str) -
             coordinator.wait_for_commit(2)
     finally:
         ray.get(slowed.set_env.remote(ENV_VAR, None))
+
+
+def start_holding_aggregator(
+    root: str,
+    finalizer: ray.actor.ActorHandle,
+    name: str | None = None,
+    members: tuple[str, int, int] | None = None,
+) -> ray.actor.ActorHandle:
+    """The node's aggregator of `root` (or, by `name` with `members`, a group's), started
+    before the ranks find it, with a linger of an hour (its group aggregators too): a batch
+    waiting for a rank is held until it is killed. With the default linger (50 ms) the batch
+    could leave before the kill on a loaded machine, and the call would reach the finalizer
+    after all."""
+    node = ray.get_runtime_context().get_node_id()
+    handle = (
+        ray.remote(ReportAggregator)
+        .options(
+            name=name or aggregator_name(root, node),
+            namespace=FINALIZER_NAMESPACE,
+            max_restarts=-1,
+            max_task_retries=0,
+            num_cpus=0,
+        )
+        .remote(finalizer, 30.0, 3600.0, members, root)
+    )
+    ray.get(handle.pending.remote(), timeout=60)
+    return handle

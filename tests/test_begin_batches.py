@@ -11,12 +11,14 @@ whose aggregator is gone begins directly, and nothing waits past its deadline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
 import ray
 
-from verl_ckpt.commit.aggregator import ReportAggregator, aggregator_name, open_node_aggregator
+from tests.helpers import start_holding_aggregator, wait_until
+from verl_ckpt.commit.aggregator import group_aggregator_name, open_node_aggregator
 from verl_ckpt.commit.batcher import NodeBatcher
 from verl_ckpt.commit.client import (
     FINALIZER_NAMESPACE,
@@ -125,9 +127,10 @@ def test_a_role_s_batch_leaves_without_waiting_for_another_role_on_its_node():
     assert sent == [[("actor", 0), ("actor", 1)], [("critic", 1), ("critic", 0)]]
 
 
-def test_I1_a_batch_removes_an_uncommitted_leftover_once_before_any_rank_writes(tmp_path):
+def test_I1_a_batch_removes_an_uncommitted_leftover_once_before_any_rank_writes(tmp_path, caplog):
     """A leftover of step 3 (an earlier run's, never committed) is gone before the batch's
-    ranks hear their directory: none of its files mixes with the new save's."""
+    ranks hear their directory, removed once for the batch: none of its files mixes with
+    the new save's."""
     leftover = step_dir(tmp_path, 3)
     leftover.mkdir(parents=True)
     (leftover / "stale.bin").write_bytes(b"old")
@@ -136,9 +139,12 @@ def test_I1_a_batch_removes_an_uncommitted_leftover_once_before_any_rank_writes(
         finalizer = _finalizer(tmp_path)
         return await finalizer.begin_batch([_request(3, r) for r in range(WORLD)])
 
-    answers = asyncio.run(run())
+    with caplog.at_level(logging.WARNING, logger="verl_ckpt.commit.admission"):
+        answers = asyncio.run(run())
     assert answers == [str(step_dir(tmp_path.resolve(), 3))] * WORLD
     assert list(Path(answers[0]).iterdir()) == []
+    removals = [r for r in caplog.records if "removing uncommitted leftover" in r.getMessage()]
+    assert len(removals) == 1, [r.getMessage() for r in removals]
 
 
 def test_I1_each_participant_of_a_batch_hears_its_own_refusal(tmp_path):
@@ -179,8 +185,8 @@ def test_I1_each_participant_of_a_batch_hears_its_own_refusal(tmp_path):
 
 def test_a_batch_that_finds_no_room_answers_every_rank_at_its_timeout(tmp_path):
     """Step 1 in flight with max_in_flight=1: a batch of step 2's begins waits for room once,
-    up to the longest timeout it carries, and every rank hears why, naming who step 1
-    misses; it never waits longer."""
+    up to the longest timeout it carries (0.5 s), and every rank hears why, naming who step
+    1 misses; it never waits longer."""
 
     async def run() -> list:
         finalizer = _finalizer(tmp_path)
@@ -188,10 +194,42 @@ def test_a_batch_that_finds_no_room_answers_every_rank_at_its_timeout(tmp_path):
         requests = [_request(2, r, timeout_s=0.2 + 0.1 * r) for r in range(WORLD)]
         return await asyncio.wait_for(finalizer.begin_batch(requests), 5.0)
 
+    started = time.monotonic()
     answers = asyncio.run(run())
+    assert time.monotonic() - started >= 0.5
     assert all(isinstance(a, CommitTimeoutError) for a in answers), answers
     assert all("step 2 cannot start" in str(a) for a in answers)
     assert "missing reports: step 1:" in str(answers[0]), answers[0]
+
+
+def test_a_rank_whose_own_timeout_passed_while_its_batch_waited_for_room_is_refused(tmp_path):
+    """A batch of step 2's begins with timeouts of 0.3 s and 10 s waits for room behind step
+    1, which commits after about 1 s: the rank with 10 s begins; the one with 0.3 s, whose
+    own call stopped waiting, is refused (as its own begin_step would have been), and is
+    never joined to a step it does not know it began."""
+
+    async def run() -> tuple[list, set]:
+        finalizer = _finalizer(tmp_path)
+        directories = [
+            await finalizer.begin_step(1, ROLE, r, WORLD, 10.0, f"s1r{r}") for r in range(WORLD)
+        ]
+
+        async def commit_step_1_later() -> None:
+            await asyncio.sleep(1.0)
+            for rank, directory in enumerate(directories):
+                await _report(finalizer, 1, rank, directory)
+
+        later = asyncio.ensure_future(commit_step_1_later())
+        answers = await finalizer.begin_batch([_request(2, 0, timeout_s=0.3), _request(2, 1)])
+        await later
+        # The ledger's own record of who began step 2 (no status call lists it).
+        return answers, set(finalizer._ledger.entry(2).attempts)
+
+    answers, began = asyncio.run(run())
+    assert isinstance(answers[0], CommitTimeoutError), answers
+    assert "past the 0.3s of driver rank 0" in str(answers[0]), answers[0]
+    assert answers[1] == str(step_dir(tmp_path.resolve(), 2))
+    assert began == {(ROLE, 1)}
 
 
 # ---- with Ray: the aggregator actor ------------------------------------------------------
@@ -199,14 +237,15 @@ def test_a_batch_that_finds_no_room_answers_every_rank_at_its_timeout(tmp_path):
 
 @ray.remote(num_cpus=0)
 class _Rank:
-    """A rank's process whose link begins through the node's aggregator."""
+    """A rank's process whose link begins through the node's aggregator (and, in a role of
+    more than `group_size` ranks, its group's)."""
 
-    def __init__(self, root: str, rank: int) -> None:
+    def __init__(self, root: str, rank: int, world: int = 2, group_size: int = 0) -> None:
         handle = ray.get_actor(finalizer_name(root), namespace=FINALIZER_NAMESPACE)
         who = f"{ROLE} rank {rank}"
-        aggregator = open_node_aggregator(root, handle, ROLE, rank, 30.0, who, 2)
+        aggregator = open_node_aggregator(root, handle, ROLE, rank, 30.0, who, world, group_size)
         self.link = ParticipantLink(
-            FinalizerClient(handle, who, 30.0), ROLE, rank, 2, 30.0, aggregator=aggregator
+            FinalizerClient(handle, who, 30.0), ROLE, rank, world, 30.0, aggregator=aggregator
         )
         self.aggregator = aggregator.handle
 
@@ -224,6 +263,18 @@ class _Rank:
         failure = self.link.deliver(report)
         return None if failure is None else failure.describe()
 
+    def refusal(self, step: int, save_id: str) -> tuple[str, str]:
+        """A begin through the link that is refused: the error's type and message."""
+        try:
+            self.link.begin(step, save_id)
+        except CheckpointError as exc:
+            return type(exc).__name__, str(exc)
+        return "", "not refused"
+
+    def fail(self, step: int) -> None:
+        """This rank's save of `step` failed writing (reported through the link)."""
+        self.link.report_failure(step, "failed", Phase.WRITE, OSError("disk on fire"))
+
 
 def test_I5_a_rank_whose_aggregator_died_holding_its_begin_begins_directly(ray_local, tmp_path):
     """The node's aggregator (started first, with a linger of an hour) holds rank 0's
@@ -231,25 +282,16 @@ def test_I5_a_rank_whose_aggregator_died_holding_its_begin_begins_directly(ray_l
     it is gone and begins directly; rank 1 then does the same, and the step commits."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0)
-    node = ray.get_runtime_context().get_node_id()
-    aggregator = (
-        ray.remote(ReportAggregator)
-        .options(
-            name=aggregator_name(root, node),
-            namespace=FINALIZER_NAMESPACE,
-            max_restarts=-1,
-            max_task_retries=0,
-            num_cpus=0,
-        )
-        .remote(finalizer, 30.0, NEVER_S, None, root)
-    )
+    aggregator = start_holding_aggregator(root, finalizer)
     ranks = [_Rank.remote(root, r) for r in (0, 1)]
     try:
         # Both joined it: a batch waits for every member's begin.
         handles = ray.get([rank.aggregator_handle.remote() for rank in ranks], timeout=60)
         assert handles == [aggregator] * 2
         held = ranks[0].save.remote(1)
-        _until(lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1)
+        wait_until(
+            lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1, 60, "the begin held"
+        )
         ray.kill(aggregator, no_restart=True)
         assert ray.get(held, timeout=60) is None
         assert ray.get(ranks[1].save.remote(1), timeout=60) is None
@@ -262,8 +304,51 @@ def test_I5_a_rank_whose_aggregator_died_holding_its_begin_begins_directly(ray_l
     assert verify_files(path, read_commit_record(path)) == []
 
 
-def _until(ready, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+def test_I5_a_group_aggregator_that_died_holding_begins_leaves_them_to_the_finalizer(
+    ray_local, tmp_path
+):
+    """A role of 4 ranks in groups of 2. Group 0's aggregator (started first, with a linger
+    of an hour) holds rank 0's begin, waiting for rank 1's, and is killed for good: the
+    node's aggregator sends rank 0's begin straight to the finalizer and rank 0's save goes
+    on; once rank 1 saved too, the step commits."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: 4}, max_ckpt_to_keep=None, timeout_s=60.0)
+    group_0 = group_aggregator_name(root, ROLE, 0, 2, 4)
+    group = start_holding_aggregator(root, finalizer, group_0, (ROLE, 0, 2))
+    ranks = [_Rank.remote(root, r, 4, 2) for r in range(4)]
+    try:
+        ray.get([rank.aggregator_handle.remote() for rank in ranks], timeout=120)
+        saves = [ranks[r].save.remote(1) for r in (0, 2, 3)]
+        held = "rank 0's begin held by its group"
+        wait_until(lambda: ray.get(group.pending.remote(), timeout=60) == 1, 60, held)
+        ray.kill(group, no_restart=True)
+        assert ray.get(saves, timeout=120) == [None] * 3
+        assert ray.get(ranks[1].save.remote(1), timeout=120) is None
+        ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
+    finally:
+        for actor in [*ranks, finalizer]:
+            ray.kill(actor, no_restart=True)
+    path = step_dir(Path(root), 1)
+    assert read_tracker(Path(root)) == 1
+    assert verify_files(path, read_commit_record(path)) == []
+
+
+def test_I5_a_refusal_through_the_aggregator_reaches_the_rank_as_its_own_type(ray_local, tmp_path):
+    """Through the node's aggregator, a begin of a committed step is refused with the
+    finalizer's one-line CheckpointError, and a begin of a step another rank failed with
+    StepNotCommittedError naming that failure (the save runner tells the two apart)."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0)
+    ranks = [_Rank.remote(root, r) for r in (0, 1)]
+    try:
+        ray.get([rank.aggregator_handle.remote() for rank in ranks], timeout=120)
+        assert ray.get([rank.save.remote(1) for rank in ranks], timeout=120) == [None, None]
+        ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
+        kind, message = ray.get(ranks[0].refusal.remote(1, "again"), timeout=120)
+        assert kind == "CheckpointError" and "step 1 is already committed" in message, message
+        ray.get(ranks[0].fail.remote(2), timeout=120)
+        kind, message = ray.get(ranks[1].refusal.remote(2, "late"), timeout=120)
+        assert kind == "StepNotCommittedError" and "disk on fire" in message, message
+    finally:
+        for actor in [*ranks, finalizer]:
+            ray.kill(actor, no_restart=True)

@@ -15,6 +15,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from tests.helpers import wait_until
 from tests.test_recipe import REPO_ROOT, recipe_env
 from verl_ckpt import (
     PREEMPTED_EXIT_STATUS,
@@ -31,13 +32,6 @@ from verl_ckpt.protocol.config import check_deadline_env
 from verl_ckpt.store.commit_record import CommitRecord, write_commit_record
 
 DEADLINE_VAR = "VERL_CKPT_TEST_DEADLINE"
-
-
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s}s"
-        time.sleep(0.01)
 
 
 # ---- configuration -------------------------------------------------------------------------

@@ -10,16 +10,14 @@ lost batch fails the step at its deadline naming the ranks whose reports never c
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 import ray
 
+from tests.helpers import start_holding_aggregator, wait_until
 from verl_ckpt.commit.aggregator import (
     AggregatorLost,
-    ReportAggregator,
-    aggregator_name,
     batches_reports,
     group_aggregator_name,
     group_of,
@@ -328,14 +326,16 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
     finalizer = start_finalizer(
         root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0, max_in_flight=2
     )
-    _start_holding_aggregator(root, finalizer)
+    start_holding_aggregator(root, finalizer)
     ranks = [_Rank.remote(root, r) for r in (0, 1)]
     try:
         aggregator = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
         began = ranks[1].begin.remote(1, "a1")
         held = ranks[0].report_through_aggregator_only.remote(1, "a0")
         ray.get(began, timeout=60)
-        _until(lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1)
+        wait_until(
+            lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1, 60, "the report held"
+        )
         ray.kill(aggregator, no_restart=False)
         assert ray.get(held, timeout=60).startswith("lost: driver rank 0: the node's report")
         ray.kill(aggregator, no_restart=True)
@@ -349,33 +349,6 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
             ray.kill(rank, no_restart=True)
         ray.kill(finalizer, no_restart=True)
     _committed_and_verified_files(Path(root), 2)
-
-
-def _start_holding_aggregator(
-    root: str,
-    finalizer: ray.actor.ActorHandle,
-    name: str | None = None,
-    members: tuple[str, int, int] | None = None,
-) -> ray.actor.ActorHandle:
-    """The node's aggregator (or, by `name` with `members`, a group's), started before the
-    ranks find it, with a linger of NEVER_S (its group aggregators too): a batch waiting for
-    a rank is held until it is killed. With the default linger (50 ms) the batch could leave
-    before the kill on a loaded machine, and the report would reach the finalizer after
-    all."""
-    node = ray.get_runtime_context().get_node_id()
-    handle = (
-        ray.remote(ReportAggregator)
-        .options(
-            name=name or aggregator_name(root, node),
-            namespace=FINALIZER_NAMESPACE,
-            max_restarts=-1,
-            max_task_retries=0,
-            num_cpus=0,
-        )
-        .remote(finalizer, 30.0, NEVER_S, members, root)
-    )
-    ray.get(handle.pending.remote(), timeout=60)
-    return handle
 
 
 # ---- the group level: a role larger than report_group_size --------------------------------
@@ -411,7 +384,7 @@ def _group_aggregators(root: str) -> list[ray.actor.ActorHandle]:
                 return False
         return True
 
-    _until(all_found, 120)
+    wait_until(all_found, 120, "both group aggregators up")
     return [found[name] for name in names]
 
 
@@ -424,7 +397,7 @@ def test_I1_a_large_role_reports_through_its_group_aggregators_one_call_per_grou
     step goes the same way."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
-    node = _start_holding_aggregator(root, finalizer)
+    node = start_holding_aggregator(root, finalizer)
     ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
     groups = _group_aggregators(root)
     try:
@@ -456,7 +429,7 @@ def test_I5_a_node_whose_group_aggregator_died_sends_its_batch_straight_and_the_
     reported the step commits."""
     root = str(tmp_path)
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
-    group = _start_holding_aggregator(root, finalizer, _group_name(root, 0), (ROLE, 0, GROUP_SIZE))
+    group = start_holding_aggregator(root, finalizer, _group_name(root, 0), (ROLE, 0, GROUP_SIZE))
     # The node's aggregator with its default linger: its batch of reports leaves without
     # rank 1, which reports directly.
     ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
@@ -466,7 +439,7 @@ def test_I5_a_node_whose_group_aggregator_died_sends_its_batch_straight_and_the_
         began = direct.begin.remote(1, "r1")
         saves = [rank.save.remote(1, f"r{i}") for i, rank in enumerate(batched)]
         ray.get(began, timeout=60)
-        _until(lambda: ray.get(group.pending.remote(), timeout=60) == 1)
+        wait_until(lambda: ray.get(group.pending.remote(), timeout=60) == 1, 60, "the report held")
         ray.kill(group, no_restart=False)
         assert ray.get(saves, timeout=120) == [None] * 3
         ray.get(direct.report_directly.remote(1, "r1"), timeout=120)
@@ -496,7 +469,7 @@ def test_I5_a_group_aggregator_that_cannot_start_leaves_the_batches_going_straig
     finalizer = start_finalizer(root, {ROLE: GROUP_WORLD}, max_ckpt_to_keep=None, timeout_s=60.0)
     squatter = _Squatter.options(name=_group_name(root, 0), namespace=FINALIZER_NAMESPACE).remote()
     ray.get(squatter.ping.remote(), timeout=60)
-    node = _start_holding_aggregator(root, finalizer)
+    node = start_holding_aggregator(root, finalizer)
     ranks = _group_ranks(root, tuple(range(GROUP_WORLD)))
     group_1 = ray.get_actor(_group_name(root, 1), namespace=FINALIZER_NAMESPACE)
     try:
@@ -525,7 +498,7 @@ def test_I5_a_restarted_node_aggregator_finds_its_groups_again_from_the_reports(
     try:
         _save_all(ranks, finalizer, 1)
         ray.kill(node, no_restart=False)
-        _until(lambda: _answers(node))  # restarted
+        wait_until(lambda: _answers(node), 60, "the node aggregator restarted")
         # Each rank's first call after the restart hears that its aggregator restarted
         # (Ray tells each caller once), and reports directly.
         _save_all(ranks, finalizer, 2)
@@ -565,10 +538,3 @@ def _committed_and_verified_files(root: Path, step: int) -> None:
     path = step_dir(root, step)
     assert read_tracker(root) == step
     assert verify_files(path, read_commit_record(path)) == []
-
-
-def _until(ready, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)

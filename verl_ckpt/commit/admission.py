@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,11 @@ class Admission:
 
     async def begin_steps(self, requests: list[BeginRequest]) -> list[str | CheckpointError]:
         """CheckpointFinalizer.begin_batch: several participants' begin_step of one step,
-        admitted once (one wait for room, one removal of a leftover) and joined one by one;
-        each one's directory or refusal, in order. A refusal of the step itself (committed,
-        no room in time) answers every participant, as each one's begin_step would have."""
+        admitted once (one wait for room, one removal of a leftover, up to the longest
+        timeout asked) and joined one by one; each one's directory or refusal, in order. A
+        refusal of the step itself (committed, no room in time) answers every participant,
+        as each one's begin_step would have; so does an admission that took longer than a
+        participant's own timeout, whose caller stopped waiting."""
         # None: not answered yet (an expected participant, to join).
         answers: list[Any] = [self._stranger(r) for r in requests]
         joining = [r for r, answer in zip(requests, answers, strict=True) if answer is None]
@@ -89,18 +92,33 @@ class Admission:
             return answers
         if len({r.step for r in joining}) != 1:
             raise CheckpointError("a batch of begins holds several steps")
+        step, started = joining[0].step, time.monotonic()
         try:
-            # The longest wait asked for: each participant's own call waits that long or less.
-            status = await self._admit(joining[0].step, max(r.timeout_s for r in joining))
+            status = await self._admit(step, max(r.timeout_s for r in joining))
         except CheckpointError as exc:
             return [exc if answer is None else answer for answer in answers]
+        waited_s = time.monotonic() - started
         made: set[Path] = set()
         for i, request in enumerate(requests):
-            if answers[i] is None:
-                try:
-                    answers[i] = self._join(request, status, made)
-                except CheckpointError as exc:
-                    answers[i] = exc
+            if answers[i] is not None:
+                continue
+            if waited_s > request.timeout_s:
+                answers[i] = CommitTimeoutError(
+                    f"step {step} could start under {self._root} only after {waited_s:.1f}s "
+                    f"(room under max_in_flight, or a leftover removed), past the "
+                    f"{request.timeout_s:g}s of {self._ledger.label(request.participant)}; "
+                    "refused"
+                )
+                continue
+            try:
+                answers[i] = self._join(request, status, made)
+            except CheckpointError as exc:
+                answers[i] = exc
+            except Exception as exc:  # noqa: BLE001 - one participant's directory, not the batch's
+                answers[i] = CheckpointError(
+                    f"step {step} could not begin for {self._ledger.label(request.participant)} "
+                    f"under {self._root}: {type(exc).__name__}: {exc}"
+                )
         return answers
 
     def _stranger(self, request: BeginRequest) -> CheckpointError | None:

@@ -48,7 +48,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -206,6 +206,7 @@ class ReportAggregator:
         return answers
 
     async def _to_group(self, route: Route, kind: _Kind, items: list, timeout_s: float) -> list:
+        started = time.monotonic()
         try:
             # Its own wait on the finalizer is timeout_s + RPC_SLACK_S: this one is longer,
             # so that a group that hears nothing says so. Both only bound a batch that would
@@ -222,7 +223,14 @@ class ReportAggregator:
             # Dead (its owner, the node aggregator that started it, died with it), restarting
             # or broken: this batch goes straight, and the next call opens it again.
             self._groups.lost(route, exc)
-            return await _send_batch(self._finalizer, kind, items, timeout_s, "the finalizer")
+            spent_s = time.monotonic() - started
+            return await _send_batch(
+                self._finalizer,
+                kind,
+                kind.again(items, spent_s),
+                max(0.0, timeout_s - spent_s),
+                "the finalizer",
+            )
 
 
 @dataclass(frozen=True)
@@ -355,15 +363,23 @@ def _failed(task: asyncio.Task) -> bool:
 @dataclass(frozen=True)
 class _Kind:
     """What a batch carries: the receiver's method for it (the finalizer's and a group
-    aggregator's alike), and how the call carries the items."""
+    aggregator's alike), how the call carries the items, and the items sent again after
+    `spent_s` seconds (a group aggregator lost: straight to the finalizer)."""
 
     method: str
     pack: Callable[[list], object]
+    again: Callable[[list, float], list]
+
+
+def _begins_again(requests: list[BeginRequest], spent_s: float) -> list[BeginRequest]:
+    # What is left of each begin's own wait: the finalizer's refusal (naming who holds the
+    # step back) must still arrive before the rank's deadline.
+    return [replace(r, timeout_s=max(0.0, r.timeout_s - spent_s)) for r in requests]
 
 
 # Reports travel packed (ReportBatch: one pickle for the batch); begins are a few fields.
-_REPORTS = _Kind("report_batch", ReportBatch.of)
-_BEGINS = _Kind("begin_batch", list)
+_REPORTS = _Kind("report_batch", ReportBatch.of, lambda reports, spent_s: reports)
+_BEGINS = _Kind("begin_batch", list, _begins_again)
 
 
 async def _send_batch(

@@ -30,7 +30,7 @@ from pathlib import Path
 from verl_ckpt.commit.aggregator import AggregatorLost, NodeAggregator
 from verl_ckpt.commit.client import FinalizerClient
 from verl_ckpt.protocol import Failure, Phase, faults
-from verl_ckpt.protocol.deadlines import call_deadline
+from verl_ckpt.protocol.deadlines import RPC_SLACK_S, call_deadline, time_left
 from verl_ckpt.protocol.messages import BeginRequest, RankReport
 
 __all__ = ["ParticipantLink", "new_save_id"]
@@ -83,8 +83,11 @@ class ParticipantLink:
                 return Path(self._aggregator.begin(request, deadline))
             except AggregatorLost as exc:
                 # Its batch may have been answered before it died: then this is the same
-                # save asking again, which the finalizer answers the same.
+                # save asking again, which the finalizer answers the same. The finalizer
+                # gets what is left of this begin's wait, so that its refusal (naming who
+                # holds the step back) still arrives before this caller's deadline.
                 logger.warning("%s; beginning step %d directly", exc, step)
+                timeout = max(0.0, time_left(deadline) - RPC_SLACK_S)
         return Path(
             self.client.begin_step(
                 step, self.role, self.rank, self.world_size, timeout, save_id, deadline=deadline
