@@ -208,14 +208,16 @@ def _begins_batch() -> bool:
 
 
 def _begin_batches(step: int, ranks: list[int], world: int, size: int) -> list[list]:
-    """The begins of `ranks` as aggregators forward them: one batch per `size` ranks."""
-    from verl_ckpt.protocol.messages import BeginRequest
+    """The begins of `ranks` as aggregators forward them: one batch per `size` ranks, packed
+    as they pack it (rows of values, where the commit has `begin_rows`)."""
+    from verl_ckpt.protocol import messages
 
     batches: dict[int, list] = {}
     for rank in ranks:
-        request = BeginRequest(step, ROLE, rank, world, 120.0, None)
+        request = messages.BeginRequest(step, ROLE, rank, world, 120.0, None)
         batches.setdefault(rank // size, []).append(request)
-    return list(batches.values())
+    pack = getattr(messages, "begin_rows", list)
+    return [pack(batch) for batch in batches.values()]
 
 
 NODE_SIZE = 8
@@ -325,8 +327,12 @@ class _Sink:
         """What begin_step answers, a directory, and nothing done (begin_step's floor)."""
         return f"/nonexistent/global_step_{step}/{role}"
 
-    async def begin_batch(self, requests: list) -> list[str]:
-        """What begin_batch answers, a directory each, and nothing done (its floor)."""
+    async def begin_batch(self, batch: list) -> list[str]:
+        """What begin_batch answers, a directory each, and nothing done but unpacking the
+        batch as any receiver does (its floor)."""
+        from verl_ckpt.protocol import messages
+
+        requests = getattr(messages, "batch_begins", list)(batch)
         return [f"/nonexistent/global_step_{r.step}/{r.role}" for r in requests]
 
     async def last_arrival(self) -> float:

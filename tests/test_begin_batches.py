@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from verl_ckpt.commit.participant import ParticipantLink
 from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
-from verl_ckpt.protocol.messages import BeginRequest, RankReport
+from verl_ckpt.protocol.messages import BeginRequest, RankReport, batch_begins, begin_rows
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.layout import step_dir
 from verl_ckpt.store.tracker import read_tracker
@@ -97,6 +98,15 @@ def test_I1_a_node_s_begins_leave_as_one_call_and_each_rank_gets_its_directory(t
     assert read_tracker(tmp_path) == 1
     record = read_commit_record(step_dir(tmp_path, 1))
     assert len(record.files) == WORLD and verify_files(step_dir(tmp_path, 1), record) == []
+
+
+def test_begins_travel_as_rows_and_arrive_as_they_were_sent():
+    """An aggregator's batch of begins crosses Ray as rows of plain values (begin_rows) and
+    each receiver turns them back into the same requests; objects are taken too."""
+    sent = [BeginRequest(3, "actor", 5, 8, 12.5, "a"), BeginRequest(3, "critic", 0, 2, 1.0, None)]
+    rows = pickle.loads(pickle.dumps(begin_rows(sent)))
+    assert all(type(row) is tuple for row in rows)
+    assert batch_begins(rows) == sent and batch_begins(sent) == sent
 
 
 def test_a_role_s_batch_leaves_without_waiting_for_another_role_on_its_node():

@@ -73,7 +73,7 @@ class Admission:
         self.check_participant(role, rank, world_size)
         status = await self._admit(step, timeout_s)
         # No await between the admission and the join: see _admit.
-        made: set[Path] = set()
+        made: dict[str, str] = {}
         return self._join(
             BeginRequest(step, role, rank, world_size, timeout_s, save_id), status, made
         )
@@ -98,7 +98,7 @@ class Admission:
         except CheckpointError as exc:
             return [exc if answer is None else answer for answer in answers]
         waited_s = time.monotonic() - started
-        made: set[Path] = set()
+        made: dict[str, str] = {}
         for i, request in enumerate(requests):
             if answers[i] is not None:
                 continue
@@ -161,10 +161,10 @@ class Admission:
                 continue
             return status
 
-    def _join(self, request: BeginRequest, status: StepStatus | None, made: set[Path]) -> str:
+    def _join(self, request: BeginRequest, status: StepStatus | None, made: dict[str, str]) -> str:
         """`request`'s participant joins its admitted step (`status`: the step's status at
-        the admission): its directory, made unless in `made` (the directories this call
-        made already), or a refusal."""
+        the admission): its directory, or a refusal. `made`: the directories this admission
+        made already, by role (a batch's ranks of a role share one)."""
         step, role, rank = request.step, request.role, request.rank
         # A participant reports at its own deadline (timeout_s after its save) plus the
         # report call's slack: after that, a missing report will not come.
@@ -176,19 +176,25 @@ class Admission:
             raise StepNotCommittedError(self._refusal(step, role, rank, begun))
         if begun is not Begun.JOINED:
             raise CheckpointError(self._refusal(step, role, rank, begun))
+        directory = made.get(role)
+        if directory is None:
+            directory = self._make_directory(step, role, status, first=not made)
+            made[role] = directory
+        return directory
+
+    def _make_directory(self, step: int, role: str, status: StepStatus | None, first: bool) -> str:
+        """`role`'s directory of `step`, made; with the step's run marker if the step is new
+        and this is the admission's `first` directory."""
         path = step_dir(self._root, step)
-        if status is None and self._run_id is not None and path not in made:
+        if first and status is None and self._run_id is not None:
             make_dir(path, parents=True, exist_ok=True)
             _mark_run(path, self._run_id)
-            made.add(path)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
-        if target not in made:
-            make_dir(target, parents=True, exist_ok=True)
-            made.add(target)
-            if role != DRIVER_ROLE and role not in self._ledger.state_participants:
-                # The role's `.metadata` is made now, while its ranks write, if it can be
-                # foreseen; the commit checks it against what the ranks then report.
-                self._forecast.begin(step, role, target)
+        make_dir(target, parents=True, exist_ok=True)
+        if role != DRIVER_ROLE and role not in self._ledger.state_participants:
+            # The role's `.metadata` is made now, while its ranks write, if it can be
+            # foreseen; the commit checks it against what the ranks then report.
+            self._forecast.begin(step, role, target)
         return str(target)
 
     async def _remove_leftover(

@@ -63,7 +63,9 @@ from verl_ckpt.protocol.messages import (
     Participant,
     RankReport,
     ReportBatch,
+    batch_begins,
     batch_reports,
+    begin_rows,
 )
 
 __all__ = [
@@ -141,9 +143,12 @@ class ReportAggregator:
         self._groups.open(request.role, request.rank, request.world_size, group_size)
         return await self._begins.submit(request)
 
-    async def begin_batch(self, requests: list[BeginRequest]) -> list[str | BaseException]:
+    async def begin_batch(
+        self, batch: list[BeginRequest] | list[tuple]
+    ) -> list[str | BaseException]:
         """A node aggregator's batch of begins, into this group's batch: each one's answer
         once the group's batch was answered."""
+        requests = batch_begins(batch)
         return list(await asyncio.gather(*(self._begins.submit(r) for r in requests)))
 
     async def report(self, report: RankReport, group_size: int = 0) -> BaseException | None:
@@ -377,9 +382,9 @@ def _begins_again(requests: list[BeginRequest], spent_s: float) -> list[BeginReq
     return [replace(r, timeout_s=max(0.0, r.timeout_s - spent_s)) for r in requests]
 
 
-# Reports travel packed (ReportBatch: one pickle for the batch); begins are a few fields.
+# Reports travel packed (ReportBatch: one pickle for the batch), begins as rows of values.
 _REPORTS = _Kind("report_batch", ReportBatch.of, lambda reports, spent_s: reports)
-_BEGINS = _Kind("begin_batch", list, _begins_again)
+_BEGINS = _Kind("begin_batch", begin_rows, _begins_again)
 
 
 async def _send_batch(

@@ -35,6 +35,7 @@ from verl_ckpt.protocol.messages import (
     GlobalMetadataCache,
     RankReport,
     ReportBatch,
+    batch_begins,
     batch_reports,
 )
 from verl_ckpt.protocol.redaction import redacted, settings_digest
@@ -241,10 +242,14 @@ class CheckpointFinalizer:
         self._check_lease(f"step {step} ({role} rank {rank})", _LEASE_RECHECK_S)
         return await self._admission.begin_step(step, role, rank, world_size, timeout_s, save_id)
 
-    async def begin_batch(self, requests: list[BeginRequest]) -> list[str | CheckpointError]:
+    async def begin_batch(
+        self, batch: list[BeginRequest] | list[tuple]
+    ) -> list[str | CheckpointError]:
         """The begin_step calls of a node's or a rank group's participants, of one step, in
-        one call (commit/aggregator.py): the step admitted once for all of them; each one's
-        directory or refusal (what its begin_step would return or raise), in order."""
+        one call (commit/aggregator.py; rows as protocol.messages.begin_rows makes them):
+        the step admitted once for all of them; each one's directory or refusal (what its
+        begin_step would return or raise), in order."""
+        requests = batch_begins(batch)
         if requests:
             self._check_lease(f"step {requests[0].step} ({len(requests)} ranks)", _LEASE_RECHECK_S)
         return await self._admission.begin_steps(requests)

@@ -1,4 +1,6 @@
-"""What a participant tells the finalizer once its write for a step ended (protocol step 4)."""
+"""What a participant tells the finalizer: that it begins a step (protocol step 1,
+BeginRequest, as aggregators batch it), and how its write for a step ended (step 4,
+RankReport)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ __all__ = [
     "RankReport",
     "ReportBatch",
     "StepStatus",
+    "batch_begins",
     "batch_reports",
+    "begin_rows",
 ]
 
 # (role, rank): who takes part in a step. The driver is role "driver", rank 0.
@@ -63,6 +67,20 @@ class BeginRequest:
     def urgent(self) -> bool:
         """Nothing makes a begin leave before its node's others (see RankReport.urgent)."""
         return False
+
+
+def begin_rows(requests: list[BeginRequest]) -> list[tuple]:
+    """Begins as one Ray call carries them: rows of plain values, which Ray pickles as one
+    C-level structure; a list of BeginRequest objects it pickles object by object, which
+    the receivers' one event loop pays for once per rank. Same trust as ReportBatch: they
+    come over Ray from the job's own aggregators, never from a root or a bucket."""
+    return [(r.step, r.role, r.rank, r.world_size, r.timeout_s, r.save_id) for r in requests]
+
+
+def batch_begins(batch: list[BeginRequest] | list[tuple]) -> list[BeginRequest]:
+    """The begins of a batch a finalizer or an aggregator was sent: rows (begin_rows) or
+    BeginRequest objects."""
+    return [r if isinstance(r, BeginRequest) else BeginRequest(*r) for r in batch]
 
 
 @dataclass
