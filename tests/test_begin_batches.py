@@ -309,9 +309,7 @@ def test_I5_a_rank_whose_aggregator_died_holding_its_begin_begins_directly(ray_l
     finally:
         for actor in [*ranks, finalizer]:
             ray.kill(actor, no_restart=True)
-    path = step_dir(Path(root), 1)
-    assert read_tracker(Path(root)) == 1
-    assert verify_files(path, read_commit_record(path)) == []
+    _committed_and_verified(Path(root), 1)
 
 
 def test_I5_a_group_aggregator_that_died_holding_begins_leaves_them_to_the_finalizer(
@@ -338,9 +336,7 @@ def test_I5_a_group_aggregator_that_died_holding_begins_leaves_them_to_the_final
     finally:
         for actor in [*ranks, finalizer]:
             ray.kill(actor, no_restart=True)
-    path = step_dir(Path(root), 1)
-    assert read_tracker(Path(root)) == 1
-    assert verify_files(path, read_commit_record(path)) == []
+    _committed_and_verified(Path(root), 1)
 
 
 def test_I5_a_refusal_through_the_aggregator_reaches_the_rank_as_its_own_type(ray_local, tmp_path):
@@ -362,3 +358,9 @@ def test_I5_a_refusal_through_the_aggregator_reaches_the_rank_as_its_own_type(ra
     finally:
         for actor in [*ranks, finalizer]:
             ray.kill(actor, no_restart=True)
+
+
+def _committed_and_verified(root: Path, step: int) -> None:
+    path = step_dir(root, step)
+    assert read_tracker(root) == step
+    assert verify_files(path, read_commit_record(path)) == []
