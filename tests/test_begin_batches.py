@@ -193,7 +193,7 @@ def test_I1_each_participant_of_a_batch_hears_its_own_refusal(tmp_path):
     assert all("disk on fire" in str(a) for a in failed), failed
 
 
-def test_a_batch_that_finds_no_room_answers_every_rank_at_its_timeout(tmp_path):
+def test_I5_a_batch_that_finds_no_room_answers_every_rank_at_its_timeout(tmp_path):
     """Step 1 in flight with max_in_flight=1: a batch of step 2's begins waits for room once,
     up to the longest timeout it carries (0.5 s), and every rank hears why, naming who step
     1 misses; it never waits longer."""
@@ -212,7 +212,7 @@ def test_a_batch_that_finds_no_room_answers_every_rank_at_its_timeout(tmp_path):
     assert "missing reports: step 1:" in str(answers[0]), answers[0]
 
 
-def test_a_rank_whose_own_timeout_passed_while_its_batch_waited_for_room_is_refused(tmp_path):
+def test_I5_a_rank_whose_own_timeout_passed_while_its_batch_waited_for_room_is_refused(tmp_path):
     """A batch of step 2's begins with timeouts of 0.3 s and 10 s waits for room behind step
     1, which commits after about 1 s: the rank with 10 s begins; the one with 0.3 s, whose
     own call stopped waiting, is refused (as its own begin_step would have been), and is
