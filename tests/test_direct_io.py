@@ -353,3 +353,66 @@ def _cached_pages(path: Path) -> int:
             libc.munmap(ctypes.c_void_p(address), size)
     finally:
         os.close(fd)
+
+
+def test_a_slice_is_hashed_while_the_device_writes_it(tmp_path):
+    """The checksumming stream hashes each slice written from the caller's memory while the
+    device writes it (DirectFile.write's `beside`), not after: the device is never idle
+    while a writer hashes. `beside` runs once per write, before the write is counted as
+    done, and the file's checksum is still exactly that of its bytes."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    memory, view = _aligned_bytes(3 * MiB, 0)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    seen = []
+    with open_direct(fd) as direct:
+        direct.write(view, beside=lambda: seen.append(direct.zero_copy_bytes))
+        direct.write(b"tail", beside=lambda: seen.append("small"))
+        direct.finish()
+        assert seen == [0, "small"] and direct.zero_copy_bytes == 3 * MiB
+    del view
+    memory.close()
+    _, view = _aligned_bytes(20 * MiB + 7, 0)
+    path = tmp_path / "rank.distcp"
+    written = write_checksummed(path, lambda s: s.write(view), options=DIRECT)
+    assert (written.size, written.checksum) == file_checksum(path)
+
+
+def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_path, monkeypatch):
+    """A large slice written around the page cache goes to the device as back-to-back
+    requests of 8 MiB on the file's helper thread: a pause (CheckpointManager.quiet) that
+    starts during the first must hold the rest back there, and the file is whole once it
+    ends. The pause is started from inside the first request (os.pwrite wrapped): the one
+    moment a real quiet() could not be placed at on purpose."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    import threading
+
+    gate = threading.Event()
+    gate.set()
+    real_pwrite = os.pwrite
+    requests = []
+
+    def pausing(fd, data, offset):
+        if not requests:
+            gate.clear()  # the trainer enters quiet() while the first request is written
+        requests.append(offset)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pausing)
+    memory, view = _aligned_bytes(24 * MiB, 0)
+    path = tmp_path / "rank.distcp"
+    result = []
+    writer = threading.Thread(
+        target=lambda: result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
+    )
+    writer.start()
+    writer.join(0.5)
+    assert requests == [0], "the rest of the slice was written during the pause"
+    gate.set()  # quiet() ends: the write goes on where it stopped
+    writer.join(10)
+    assert not writer.is_alive() and requests == [0, 8 * MiB, 16 * MiB]
+    assert path.read_bytes() == bytes(view)
+    assert (result[0].size, result[0].checksum) == file_checksum(path)
+    del view
+    memory.close()

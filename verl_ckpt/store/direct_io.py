@@ -31,6 +31,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 
@@ -139,6 +140,10 @@ class DirectFile:
     as with any stream): `zero_copy_bytes` counts those bytes.
     """
 
+    # write() takes `beside` and `between` (fsio.ChecksummingWriter hashes a slice while the
+    # device writes it, and holds the rest back during a pause).
+    writes_beside = True
+
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._buffers = [_buffers.take()]
@@ -158,46 +163,82 @@ class DirectFile:
         self._zero_copy = True  # until a write from the caller's memory is refused
         self.zero_copy_bytes = 0
 
-    def write(self, data: bytes | memoryview) -> int:
+    def write(
+        self,
+        data: bytes | memoryview,
+        beside: Callable[[], None] | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> int:
+        """Write `data`. `beside`, if given, is called once on this thread while the device
+        writes the bytes (it may read `data`, never change it): a checksum of them then
+        costs the write no time of its own. `between`, if given, is called before each
+        further request of _BUFFER_BYTES (on the helper, or on this thread): a pause there
+        holds the rest of a large write back."""
         source = np.frombuffer(data, dtype=np.uint8)
         if self._zero_copy and self._direct and source.size >= ZERO_COPY_MIN:
-            return self._write_in_place(source)
-        return self._copy_in(source)
+            return self._write_in_place(source, beside, between)
+        return self._copy_in(source, between, beside)
 
-    def _write_in_place(self, source: np.ndarray) -> int:
+    def _write_in_place(
+        self,
+        source: np.ndarray,
+        beside: Callable[[], None] | None,
+        between: Callable[[], None] | None,
+    ) -> int:
         """Write `source` with its whole aligned blocks taken from where it lies, if its
         address and the file position agree modulo the block; else copy it in."""
         lead = -source.ctypes.data % BLOCK_BYTES  # bytes before its first aligned address
         if (self.tell() + lead) % BLOCK_BYTES or source.size - lead < BLOCK_BYTES:
-            return self._copy_in(source)
+            return self._copy_in(source, between, beside)
         self._copy_in(source[:lead])
         # The position is aligned now, so the buffer holds whole blocks: it goes first (to
         # the helper), then the aligned middle goes from the caller's memory to the offsets
         # after it (the two writes touch different offsets, so they may overlap).
         self._hand_over(self._filled)
         middle = (source.size - lead) - (source.size - lead) % BLOCK_BYTES
-        done = self._in_place(source[lead : lead + middle], self._written)
+        done = self._in_place(source[lead : lead + middle], self._written, beside, between)
         self._written += done
         self.zero_copy_bytes += done
-        self._copy_in(source[lead + done :])
+        self._copy_in(source[lead + done :], between)
         return source.size
 
-    def _in_place(self, view: np.ndarray, offset: int) -> int:
+    def _in_place(
+        self,
+        view: np.ndarray,
+        offset: int,
+        beside: Callable[[], None] | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> int:
         """_pwrite_in_place on the helper (after the buffer handed over before it), waited
-        for as long as a buffer's write: a hung device is named, not waited on for good."""
-        writing = self._helper_pool().submit(self._pwrite_in_place, view, offset)
-        if not self._ended_in_time(writing):
+        for as long as its requests' writes: a hung device is named, not waited on for
+        good. `beside` runs on this thread meanwhile."""
+        writing = self._helper_pool().submit(self._pwrite_in_place, view, offset, between)
+        requests = -(-view.size // _BUFFER_BYTES)
+        if beside is not None:
+            try:
+                beside()
+            except BaseException:
+                # The device may still read the caller's memory: never return before it ends.
+                self._ended_in_time(writing, requests)
+                raise
+        if not self._ended_in_time(writing, requests):
             raise _hung_error()
         return writing.result()
 
-    def _pwrite_in_place(self, view: np.ndarray, offset: int) -> int:
-        """Write `view` (aligned) at `offset` from its own memory; return the bytes written,
-        fewer only where the device refused such a write (_IN_PLACE_REFUSED): the rest is
-        then copied in, for this file's remaining writes too."""
+    def _pwrite_in_place(
+        self, view: np.ndarray, offset: int, between: Callable[[], None] | None = None
+    ) -> int:
+        """Write `view` (aligned) at `offset` from its own memory, in requests of
+        _BUFFER_BYTES back to back (the helper issues the next as soon as one ends: no
+        hand-off between threads leaves the device idle); return the bytes written, fewer
+        only where the device refused such a write (_IN_PLACE_REFUSED): the rest is then
+        copied in, for this file's remaining writes too."""
         done = 0
         while done < view.size:
+            if done and between is not None:
+                between()
             try:
-                wrote = os.pwrite(self._fd, view[done:], offset + done)
+                wrote = os.pwrite(self._fd, view[done : done + _BUFFER_BYTES], offset + done)
             except OSError as exc:
                 if exc.errno not in _IN_PLACE_REFUSED:
                     raise
@@ -210,7 +251,14 @@ class DirectFile:
             done += wrote
         return done
 
-    def _copy_in(self, source: np.ndarray) -> int:
+    def _copy_in(
+        self,
+        source: np.ndarray,
+        between: Callable[[], None] | None = None,
+        beside: Callable[[], None] | None = None,
+    ) -> int:
+        """Copy `source` into the buffers, each full one handed to the helper (`between`
+        before each further one); then `beside`, while the helper writes the last."""
         done = 0
         while done < source.size:
             take = min(source.size - done, _BUFFER_BYTES - self._filled)
@@ -222,6 +270,10 @@ class DirectFile:
             done += take
             if self._filled == _BUFFER_BYTES:
                 self._hand_over()
+                if done < source.size and between is not None:
+                    between()
+        if beside is not None:
+            beside()
         return done
 
     def tell(self) -> int:
@@ -307,10 +359,11 @@ class DirectFile:
             self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
         return self._helper
 
-    def _ended_in_time(self, writing: Future) -> bool:
-        """Whether the helper's `writing` ended within _HELPER_WAIT_S; if not, the file is
-        hung, and close() does not wait for its helper again."""
-        done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
+    def _ended_in_time(self, writing: Future, requests: int = 1) -> bool:
+        """Whether the helper's `writing` (of `requests` buffers' worth) ended within
+        _HELPER_WAIT_S a request; if not, the file is hung, and close() does not wait for
+        its helper again."""
+        done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S * requests)
         if not done:
             self._hung = True
         return bool(done)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import queue
 import secrets
@@ -321,6 +322,10 @@ MAX_PAUSE_S = 30.0
 # benchmarks/README.md). Inside a large tensor the bytes are handed over per write slice.
 WRITEBACK_EVERY = DEFAULT_EARLY_WRITEBACK_MB << 20
 _WRITE_SLICE = 8 << 20
+# A slice of a write around the page cache (ChecksummingWriter._write_direct): its requests go
+# to the device back to back, not one hand-off between threads per _WRITE_SLICE, which left
+# the device idle between them.
+_DIRECT_SLICE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -478,6 +483,8 @@ class ChecksummingWriter:
         except (AttributeError, OSError, ValueError):  # not a file (a BytesIO)
             fd = None
         self._writeback = EarlyWriteback(fd, writeback_every)
+        # A stream whose write takes `beside` and `between` (a DirectFile): _write_direct.
+        self._write_beside = stream.write if getattr(stream, "writes_beside", False) else None
         self.size = 0
         # torch.save's C++ writer turns an OSError of `write` into a RuntimeError that no
         # longer says why ("unexpected pos ..."); the first one is kept here so that the
@@ -486,15 +493,15 @@ class ChecksummingWriter:
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
+        if self._write_beside is not None:
+            return self._write_direct(view)
         for start in range(0, view.nbytes, _WRITE_SLICE):
             # Held back while the trainer changes its state (CheckpointManager.quiet): one
             # check per slice, so that a pause takes hold within one slice even in the middle
             # of a large tensor (a tensor's bytes come in one call). The bytes are the
             # writer's own (staged, or drained by quiet() before it pauses), so a pause
-            # anywhere leaves the file whole. A pause whose resume never came (an optimizer
-            # step that raised) ends here, for good.
-            if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
-                self._gate.set()
+            # anywhere leaves the file whole.
+            self._hold_while_paused()
             piece = view[start : start + _WRITE_SLICE]
             try:
                 self._stream.write(piece)
@@ -508,6 +515,33 @@ class ChecksummingWriter:
             # A writer thread in the idle class that waited too long for a core leaves it.
             made_progress()
         return view.nbytes
+
+    def _write_direct(self, view: memoryview) -> int:
+        """Write `view` to a stream around the page cache (store/direct_io.py) in slices of
+        _DIRECT_SLICE: the file's helper writes a slice in requests of _WRITE_SLICE back to
+        back, checking for a pause before each (so a pause still takes hold within one
+        request), while this thread hashes the slice."""
+        assert self._write_beside is not None
+        for start in range(0, view.nbytes, _DIRECT_SLICE):
+            self._hold_while_paused()
+            piece = view[start : start + _DIRECT_SLICE]
+            try:
+                self._write_beside(
+                    piece, functools.partial(self._hasher.update, piece), self._hold_while_paused
+                )
+            except OSError as exc:
+                if self.error is None:
+                    self.error = exc
+                raise
+            self.size += piece.nbytes
+            made_progress()
+        return view.nbytes
+
+    def _hold_while_paused(self) -> None:
+        """Wait while the gate is closed (CheckpointManager.quiet). A pause whose resume
+        never came (an optimizer step that raised) ends here, for good."""
+        if self._gate is not None and not self._gate.wait(MAX_PAUSE_S):
+            self._gate.set()
 
     def done_writing(self) -> None:
         """No more bytes come: the early writeback's helper ends once its hints are made."""
