@@ -86,6 +86,23 @@ def test_I1_a_reported_absolute_path_is_checked_under_the_step_not_where_it_poin
     assert problem.startswith(f"{step_dir(tmp_path / 'root', 1)}/") and "found no file" in problem
 
 
+def test_I1_a_reported_file_replaced_by_a_link_fails_before_the_record(tmp_path):
+    """A reported file that is now a symbolic link (planted by whoever else can write the
+    root, to a file of the reported size) is not the rank's file: the commit names it and
+    writes no record, as verification would later refuse the link (store/verification.py),
+    instead of committing a step that no resume can use."""
+    report = driver_report(tmp_path / "root", 1)
+    reported = step_dir(tmp_path / "root", 1) / DRIVER_STATE_FILENAME
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(b"state")  # the reported size
+    reported.unlink()
+    reported.symlink_to(elsewhere)
+    with pytest.raises(CommitPhaseError, match=f"{reported}: .* found not a regular file"):
+        commit_step(tmp_path / "root", 1, DRIVER_ONLY, [report])
+    assert not is_committed(step_dir(tmp_path / "root", 1))
+    assert read_tracker(tmp_path / "root") is None
+
+
 def test_I2_the_tracker_never_moves_backwards(tmp_path):
     commit_step(tmp_path, 5, DRIVER_ONLY, [driver_report(tmp_path, 5)])
     summary = commit_step(tmp_path, 4, DRIVER_ONLY, [driver_report(tmp_path, 4)])

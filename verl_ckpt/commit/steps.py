@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -173,7 +174,12 @@ def reported_files_problem(path: Path | str, report: RankReport) -> str:
     for entry in report.files:
         actual = base + entry.path
         try:
-            size: int | None = os.stat(actual).st_size
+            # lstat, as verification checks a step: a link is not the rank's file (it could
+            # name anything, of any size), and a step committed with one could not be resumed.
+            info = os.lstat(actual)
+            size: int | str | None = (
+                info.st_size if stat.S_ISREG(info.st_mode) else "not a regular file"
+            )
         except (FileNotFoundError, NotADirectoryError):
             size = None
         if size != entry.size:
