@@ -402,17 +402,20 @@ def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_pat
     monkeypatch.setattr(os, "pwrite", pausing)
     memory, view = _aligned_bytes(24 * MiB, 0)
     path = tmp_path / "rank.distcp"
+    expected = bytes(view)
     result = []
-    writer = threading.Thread(
-        target=lambda: result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
-    )
+
+    def write() -> None:
+        result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
+
+    writer = threading.Thread(target=write)
     writer.start()
     writer.join(0.5)
     assert requests == [0], "the rest of the slice was written during the pause"
     gate.set()  # quiet() ends: the write goes on where it stopped
     writer.join(10)
     assert not writer.is_alive() and requests == [0, 8 * MiB, 16 * MiB]
-    assert path.read_bytes() == bytes(view)
+    assert path.read_bytes() == expected
     assert (result[0].size, result[0].checksum) == file_checksum(path)
-    del view
+    view.release()
     memory.close()
