@@ -129,9 +129,10 @@ def test_a_large_write_congruent_to_the_position_goes_from_the_callers_memory(
 
 
 def test_a_rank_file_written_with_zero_copy_has_the_checksum_of_its_bytes(tmp_path, monkeypatch):
-    """Through the writers' own path (write_checksummed: 8 MiB slices, each hashed after it
-    is written): a page-aligned tensor of 20 MiB after an odd head goes mostly from its own
-    memory, and the file's bytes and checksum are exactly what was written."""
+    """Through the writers' own path (write_checksummed: the helper writes 8 MiB requests
+    while the writer hashes them): a page-aligned tensor of 20 MiB after an odd head goes
+    mostly from its own memory, and the file's bytes and checksum are exactly what was
+    written."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
     real_pwrite = os.pwrite
@@ -419,3 +420,94 @@ def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_pat
     assert (result[0].size, result[0].checksum) == file_checksum(path)
     view.release()
     memory.close()
+
+
+def test_a_pause_stops_the_hash_beside_a_direct_write_within_one_slice(tmp_path, monkeypatch):
+    """The writer thread's hash of a large slice (beside the device's write) is work the
+    pause exists for too: a pause that starts during the first 8 MiB hashed holds the rest
+    of the hash back until it ends. The pause is started from inside the first update (the
+    hasher wrapped to count): the one moment a real quiet() could not be placed at on
+    purpose."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    import threading
+
+    from verl_ckpt.store import fsio
+
+    gate = threading.Event()
+    gate.set()
+    hashed = []
+
+    class Counting:
+        def __init__(self) -> None:
+            self._real = fsio.xxhash.xxh3_64()
+
+        def update(self, data) -> None:
+            if not hashed:
+                gate.clear()  # the trainer enters quiet() while the first slice is hashed
+            hashed.append(len(data))
+            self._real.update(data)
+
+        def hexdigest(self) -> str:
+            return self._real.hexdigest()
+
+    monkeypatch.setitem(fsio._HASHERS, fsio.CHECKSUM_ALGORITHM, Counting)
+    memory, view = _aligned_bytes(24 * MiB, 0)
+    path = tmp_path / "rank.distcp"
+    result = []
+
+    def write() -> None:
+        result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(0.5)
+    assert sum(hashed) == 8 * MiB, "the rest of the slice was hashed during the pause"
+    gate.set()
+    writer.join(10)
+    assert not writer.is_alive() and sum(hashed) == 24 * MiB
+    assert (result[0].size, result[0].checksum) == file_checksum(path)
+    view.release()
+    memory.close()
+
+
+def test_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_is_not(
+    tmp_path, monkeypatch
+):
+    """A large write from the caller's memory is one call to the file's helper (8 MiB
+    requests back to back): it is hung only once a whole wait passes in which none of its
+    requests ended. A device slower than that per write but ending a request within each
+    wait finishes; one that stops taking requests is named within about one wait, not one
+    wait per request of the slice. The hang is faked (os.pwrite held on an event): a real
+    device cannot be made to stop on cue."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    import threading
+    import time
+
+    monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
+    real_pwrite = os.pwrite
+    stopped = threading.Event()
+    released = threading.Event()
+
+    def device(fd, data, offset):
+        if stopped.is_set() and offset > 0:
+            released.wait(30)  # stops taking requests after the first
+        else:
+            time.sleep(0.3)  # slow, but ends a request within each wait
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", device)
+    memory, view = _aligned_bytes(32 * MiB, 0)
+    path = tmp_path / "slow.distcp"
+    written = write_checksummed(path, lambda s: s.write(view), options=DIRECT)
+    assert (written.size, written.checksum) == file_checksum(path)
+
+    stopped.set()
+    started = time.monotonic()
+    with pytest.raises(OSError, match="hung"):
+        write_checksummed(tmp_path / "hung.distcp", lambda s: s.write(view), options=DIRECT)
+    # Four requests: one wait per request of the slice would be 2 s.
+    assert time.monotonic() - started < 1.8
+    # The helper of the file found hung may still hold the memory: left to the collector.
+    released.set()

@@ -160,6 +160,9 @@ class DirectFile:
         self._writing: Future | None = None  # the other buffer's write, if one runs
         self._hung = False  # that write outlasted _HELPER_WAIT_S
         self._helper: DaemonPool | None = None
+        # Requests the helper saw end (only it counts): a long in-place write is hung only
+        # once none ended for _HELPER_WAIT_S.
+        self._requests_ended = 0
         self._zero_copy = True  # until a write from the caller's memory is refused
         self.zero_copy_bytes = 0
 
@@ -210,18 +213,19 @@ class DirectFile:
         between: Callable[[], None] | None = None,
     ) -> int:
         """_pwrite_in_place on the helper (after the buffer handed over before it), waited
-        for as long as its requests' writes: a hung device is named, not waited on for
-        good. `beside` runs on this thread meanwhile."""
+        for while its requests go on ending: a device on which none ended for
+        _HELPER_WAIT_S is named as hung, not waited on for good. `beside` runs on this
+        thread meanwhile."""
+        ended = self._requests_ended
         writing = self._helper_pool().submit(self._pwrite_in_place, view, offset, between)
-        requests = -(-view.size // _BUFFER_BYTES)
         if beside is not None:
             try:
                 beside()
             except BaseException:
                 # The device may still read the caller's memory: never return before it ends.
-                self._ended_in_time(writing, requests)
+                self._ended_in_time(writing, ended)
                 raise
-        if not self._ended_in_time(writing, requests):
+        if not self._ended_in_time(writing, ended):
             raise _hung_error()
         return writing.result()
 
@@ -249,6 +253,7 @@ class DirectFile:
             # A short write off the block makes the next one EINVAL, which ends this above;
             # the buffers' own writes then fall back to the page cache (_write_buffer).
             done += wrote
+            self._requests_ended += 1
         return done
 
     def _copy_in(
@@ -359,14 +364,19 @@ class DirectFile:
             self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
         return self._helper
 
-    def _ended_in_time(self, writing: Future, requests: int = 1) -> bool:
-        """Whether the helper's `writing` (of `requests` buffers' worth) ended within
-        _HELPER_WAIT_S a request; if not, the file is hung, and close() does not wait for
-        its helper again."""
-        done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S * requests)
-        if not done:
-            self._hung = True
-        return bool(done)
+    def _ended_in_time(self, writing: Future, ended: int | None = None) -> bool:
+        """Whether the helper's `writing` ended before the device looked hung: _HELPER_WAIT_S
+        without it ending or, for an in-place write (`ended`: the helper's count of ended
+        requests when it was submitted), _HELPER_WAIT_S in which none of its requests
+        ended. If not, the file is hung, and close() does not wait for its helper again."""
+        while True:
+            done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
+            if done:
+                return True
+            if ended is None or self._requests_ended == ended:
+                self._hung = True
+                return False
+            ended = self._requests_ended
 
     def _write_buffer(self, index: int, start: int, nbytes: int, offset: int) -> None:
         """Write `nbytes` of buffer `index` from `start` at file offset `offset`."""

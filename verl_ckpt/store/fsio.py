@@ -527,15 +527,31 @@ class ChecksummingWriter:
             piece = view[start : start + _DIRECT_SLICE]
             try:
                 self._write_beside(
-                    piece, functools.partial(self._hasher.update, piece), self._hold_while_paused
+                    piece, functools.partial(self._hash_slices, piece), self._between_slices
                 )
             except OSError as exc:
                 if self.error is None:
                     self.error = exc
                 raise
             self.size += piece.nbytes
-            made_progress()
         return view.nbytes
+
+    def _hash_slices(self, piece: memoryview) -> None:
+        """Hash `piece` a _WRITE_SLICE at a time, each after the checks a slice gets: this
+        work too stops within one slice for a pause, and an idle-class writer that waits for
+        a core is seen to."""
+        for start in range(0, piece.nbytes, _WRITE_SLICE):
+            if start:
+                self._between_slices()
+            self._hasher.update(piece[start : start + _WRITE_SLICE])
+        made_progress()
+
+    def _between_slices(self) -> None:
+        """Between two slices of a write, on whichever thread writes or hashes them."""
+        self._hold_while_paused()
+        # A writer thread in the idle class that waited too long for a core leaves it (on
+        # the file's helper, which is not in that class, it does nothing).
+        made_progress()
 
     def _hold_while_paused(self) -> None:
         """Wait while the gate is closed (CheckpointManager.quiet). A pause whose resume
