@@ -379,6 +379,23 @@ def test_a_slice_is_hashed_while_the_device_writes_it(tmp_path):
     assert (written.size, written.checksum) == file_checksum(path)
 
 
+def _write_paused_in_thread(path: Path, view: memoryview, gate) -> tuple:
+    """write_checksummed(path, view) on a thread of its own, given half a second to go as
+    far as the pause (started from inside the write) lets it; returns the thread and the
+    list its WrittenFile will be appended to."""
+    import threading
+
+    result: list = []
+
+    def write() -> None:
+        result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(0.5)
+    return writer, result
+
+
 def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_path, monkeypatch):
     """A large slice written around the page cache goes to the device as back-to-back
     requests of 8 MiB on the file's helper thread: a pause (CheckpointManager.quiet) that
@@ -404,14 +421,7 @@ def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_pat
     memory, view = _aligned_bytes(24 * MiB, 0)
     path = tmp_path / "rank.distcp"
     expected = bytes(view)
-    result = []
-
-    def write() -> None:
-        result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    writer.join(0.5)
+    writer, result = _write_paused_in_thread(path, view, gate)
     assert requests == [0], "the rest of the slice was written during the pause"
     gate.set()  # quiet() ends: the write goes on where it stopped
     writer.join(10)
@@ -454,14 +464,7 @@ def test_a_pause_stops_the_hash_beside_a_direct_write_within_one_slice(tmp_path,
     monkeypatch.setitem(fsio._HASHERS, fsio.CHECKSUM_ALGORITHM, Counting)
     memory, view = _aligned_bytes(24 * MiB, 0)
     path = tmp_path / "rank.distcp"
-    result = []
-
-    def write() -> None:
-        result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    writer.join(0.5)
+    writer, result = _write_paused_in_thread(path, view, gate)
     assert sum(hashed) == 8 * MiB, "the rest of the slice was hashed during the pause"
     gate.set()
     writer.join(10)
