@@ -12,6 +12,8 @@ import fcntl
 import mmap
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -383,8 +385,6 @@ def _write_paused_in_thread(path: Path, view: memoryview, gate) -> tuple:
     """write_checksummed(path, view) on a thread of its own, given half a second to go as
     far as the pause (started from inside the write) lets it; returns the thread and the
     list its WrittenFile will be appended to."""
-    import threading
-
     result: list = []
 
     def write() -> None:
@@ -404,8 +404,6 @@ def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_pat
     moment a real quiet() could not be placed at on purpose."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    import threading
-
     gate = threading.Event()
     gate.set()
     real_pwrite = os.pwrite
@@ -440,8 +438,6 @@ def test_a_pause_stops_the_hash_beside_a_direct_write_within_one_slice(tmp_path,
     purpose."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    import threading
-
     from verl_ckpt.store import fsio
 
     gate = threading.Event()
@@ -485,9 +481,6 @@ def test_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_is_
     device cannot be made to stop on cue."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    import threading
-    import time
-
     monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
     real_pwrite = os.pwrite
     stopped = threading.Event()
