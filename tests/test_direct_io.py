@@ -470,7 +470,7 @@ def test_a_pause_stops_the_hash_beside_a_direct_write_within_one_slice(tmp_path,
     memory.close()
 
 
-def test_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_is_not(
+def test_I5_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_is_not(
     tmp_path, monkeypatch
 ):
     """A large write from the caller's memory is one call to the file's helper (8 MiB
