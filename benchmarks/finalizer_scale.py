@@ -14,7 +14,8 @@ at 16,384), in rank groups of GROUP_SIZE (report_group_size's default). A few Ra
 its nodes, one real (tiny) DCP data file holding that rank's row of one global [N, 16]
 tensor (DCP's own `_write_item`, so the write results, the global metadata and the file
 sizes are real, and the committed directory loads with `torch.distributed.checkpoint.load`),
-and makes the rank's `RankReport` packed as a rank does. Then every rank finishes at once:
+and makes the rank's `RankReport` packed as a rank does, with what its node aggregator adds
+on the node (its check of the rank's file, the node's name). Then every rank finishes at once:
 at one agreed instant (`time.monotonic()`, one clock for every process of the machine) the
 batches that reach the finalizer in a real job leave for it over Ray: one `report_batch`
 per rank group (mode "group", the default configuration), per node (mode "node",
@@ -24,7 +25,8 @@ node's aggregator, and each node's batch one more to its group's aggregator, eve
 every group in parallel on their own cores. A 2-core machine cannot run 2,048 nodes' worth
 of those in parallel, so the benchmark forms the batches before the instant and measures the
 two hops apart, each on a real aggregator actor taking all its callers' real calls at once
-(`_hop_latencies`); the verdict adds them to what the finalizer hop measured. Each hop's
+(`_hop_latencies`; the node's aggregator checks its ranks' real files); the verdict adds
+them to what the finalizer hop measured. Each hop's
 floor is measured the same way: the same callers' same calls straight to an actor that only
 unpacks them and answers (for the finalizer hop, the last step's batches again): what Ray's
 calls alone cost on this machine, below which no intake can go.
@@ -161,6 +163,19 @@ def _reports(
     return reports
 
 
+def _checked_on_nodes(reports: list[RankReport], step_path: Path) -> None:
+    """What each rank's node aggregator adds to its report on the node (where the commit
+    has it): its check of the rank's files, and the node's name. Its cost is in the node
+    hop, measured apart."""
+    if "files_checked_on" not in RankReport.__dataclass_fields__:
+        return
+    from verl_ckpt.commit.steps import reported_files_problem
+
+    for report in reports:
+        report.files_on_arrival = reported_files_problem(str(step_path), report)
+        report.files_checked_on = f"node-{report.rank // NODE_SIZE}"
+
+
 class _TrackerWatch:
     """Polls the tracker every millisecond until it names `step`; `.moved_at` is when."""
 
@@ -278,6 +293,7 @@ class _NodeGroup:
 
     async def write(self, step: int) -> None:
         self._reports = _reports(step, self._world, self._directory, self._ranks)
+        _checked_on_nodes(self._reports, self._directory.parent)
 
     async def finish(self, at: float, mode: str, floor: bool = False) -> float:
         """At the instant `at`, every rank of these nodes has reported to its aggregators and
@@ -310,8 +326,9 @@ class _Sink:
     """An async actor that takes report batches, unpacks them and does nothing more: what
     Ray's calls and the batches' decoding alone cost the receiver."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: str = "/nonexistent") -> None:
         self._arrived = 0.0
+        self._root = root
 
     async def report_batch(self, batch: ReportBatch | list[RankReport]) -> list:
         # Unpacked, as any receiver of a batch unpacks it.
@@ -325,7 +342,7 @@ class _Sink:
 
     async def begin_step(self, step: int, role: str, rank: int, *args: Any) -> str:
         """What begin_step answers, a directory, and nothing done (begin_step's floor)."""
-        return f"/nonexistent/global_step_{step}/{role}"
+        return f"{self._root}/global_step_{step}/{role}"
 
     async def begin_batch(self, batch: list) -> list[str]:
         """What begin_batch answers, a directory each, and nothing done but unpacking the
@@ -333,7 +350,7 @@ class _Sink:
         from verl_ckpt.protocol import messages
 
         requests = getattr(messages, "batch_begins", list)(batch)
-        return [f"/nonexistent/global_step_{r.step}/{r.role}" for r in requests]
+        return [f"{self._root}/global_step_{r.step}/{r.role}" for r in requests]
 
     async def last_arrival(self) -> float:
         """When the last batch arrived (time.monotonic(): one clock for the machine)."""
@@ -428,29 +445,38 @@ HOP_SAMPLES = 5
 @ray.remote(num_cpus=0)
 class _HopSender:
     """Some of the callers of one aggregator (ranks of its node, or node aggregators of its
-    group), in one process."""
+    group), in one process. Their files of each sample's step are real, under `root`."""
 
-    def __init__(self, world: int, ranks: list[int]) -> None:
-        import tempfile
+    def __init__(self, world: int, ranks: list[int], root: str) -> None:
+        self._world = world
+        self._ranks = ranks
+        self._reports = {}
+        for step in range(HOP_SAMPLES + 1):
+            directory = Path(root) / f"global_step_{step}" / ROLE
+            directory.mkdir(parents=True, exist_ok=True)
+            self._reports[step] = _reports(step, world, directory, ranks)
+            _checked_on_nodes(self._reports[step], directory.parent)
 
-        directory = Path(tempfile.mkdtemp(prefix="verl_ckpt_hop"))
-        self._reports = _reports(1, world, directory, ranks)
-        shutil.rmtree(directory, ignore_errors=True)
-
-    async def send(self, aggregator: Any, step: int, at: float, per_node: bool) -> float:
+    async def send(
+        self, aggregator: Any, step: int, at: float, per_node: bool, begin: bool = False
+    ) -> float:
         """At `at`: each rank's report of `step` (`per_node` False), or each node's batch of
-        its reports, to `aggregator`; when the last answer came."""
-        for report in self._reports:
-            report.step = step  # a new step each time: an aggregator batches a step once
+        its reports, to `aggregator`; when the last answer came. `begin`: the ranks' begins
+        of the step through it first, before the instant (a node aggregator checks the
+        files of the steps it saw begin)."""
+        reports = self._reports[step]
+        if begin:
+            from verl_ckpt.protocol.messages import BeginRequest
+
+            requests = [BeginRequest(step, ROLE, r, self._world, 60.0, None) for r in self._ranks]
+            await asyncio.gather(*(aggregator.begin.remote(r) for r in requests))
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         if per_node:
-            batches = [
-                self._reports[i : i + NODE_SIZE] for i in range(0, len(self._reports), NODE_SIZE)
-            ]
+            batches = [reports[i : i + NODE_SIZE] for i in range(0, len(reports), NODE_SIZE)]
             # Packed, as a node aggregator sends its batch.
             calls = [aggregator.report_batch.remote(ReportBatch.of(b)) for b in batches]
         else:
-            calls = [aggregator.report.remote(r) for r in self._reports]
+            calls = [aggregator.report.remote(r) for r in reports]
         await asyncio.gather(*calls)
         return time.monotonic()
 
@@ -469,36 +495,49 @@ def _hop_latencies(world: int) -> dict[str, float]:
 
     Each hop's floor (`<hop>_floor_s`): the same callers' same calls, at the same instant,
     straight to the actor that only unpacks and answers (no aggregator, no forward): what
-    Ray's calls alone cost on this machine's cores."""
+    Ray's calls alone cost on this machine's cores.
+
+    The node aggregator is made with a root, as in a job, and sees each step begin (before
+    the instant, through the sink's answers naming the ranks' real directories): it checks
+    its ranks' files as their reports arrive, which the node hop then includes."""
+    import tempfile
+
     from verl_ckpt.commit.aggregator import ReportAggregator
 
     out = {}
-    sink = _Sink.remote()
+    root = tempfile.mkdtemp(prefix="verl_ckpt_hop")
+    sink = _Sink.remote(root)
     for hop, ranks, per_node in (
         ("node_hop_s", list(range(NODE_SIZE)), False),
         ("group_hop_s", list(range(GROUP_SIZE)), True),
     ):
         members = (ROLE, 0, len(ranks))
+        # A node's aggregator has the root; a group's has none (aggregator.GroupRoutes).
         aggregator = (
-            ray.remote(ReportAggregator).options(num_cpus=0).remote(sink, 60.0, members=members)
+            ray.remote(ReportAggregator)
+            .options(num_cpus=0)
+            .remote(sink, 60.0, members=members, root_dir=None if per_node else root)
         )
         share = len(ranks) // 4  # 4 senders: 2 ranks, or 4 nodes of 8, each
         senders = [
-            _HopSender.remote(world, ranks[i : i + share]) for i in range(0, len(ranks), share)
+            _HopSender.remote(world, ranks[i : i + share], root)
+            for i in range(0, len(ranks), share)
         ]
         try:
             ray.get(aggregator.pending.remote())
             for target, key in ((aggregator, hop), (sink, hop.removesuffix("_s") + "_floor_s")):
+                begin = target is aggregator and not per_node
                 samples = []
                 for step in range(HOP_SAMPLES + 1):  # the first warms the actors up
                     at = time.monotonic() + _START_IN_S
-                    ray.get([s.send.remote(target, step, at, per_node) for s in senders])
+                    ray.get([s.send.remote(target, step, at, per_node, begin) for s in senders])
                     samples.append(ray.get(sink.last_arrival.remote()) - at)
                 out[key] = _median(samples[1:])
         finally:
             for actor in [*senders, aggregator]:
                 ray.kill(actor, no_restart=True)
     ray.kill(sink, no_restart=True)
+    shutil.rmtree(root, ignore_errors=True)
     return out
 
 

@@ -227,7 +227,8 @@ def test_I1_a_report_whose_file_has_another_size_when_it_arrives_fails_the_step(
         written = write_checksummed(directory / "part0.bin", lambda s: s.write(b"t" * 100))
         report = RankReport(4, "driver", 0, 2, "torn")
         report.files.append(FileEntry("part0.bin", written.size + 20, written.checksum))
-        report.files_on_arrival = ""  # what a sender puts here is not trusted
+        # What a rank's own report says of its files is not taken (a node aggregator's is).
+        report.files_on_arrival, report.files_checked_on = "", "node-a"
         await finalizer.report(report)
         await write_and_report(finalizer, 4, 1, "other")
         with pytest.raises(StepNotCommittedError, match=r"part0.bin: reported by driver rank 0 "):

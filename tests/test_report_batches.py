@@ -232,6 +232,28 @@ def test_a_batch_refuses_only_the_reports_of_non_participants(tmp_path):
     _committed_and_verified(tmp_path, 6)
 
 
+def test_I1_a_problem_a_node_found_with_a_reported_file_fails_the_step(tmp_path):
+    """A node aggregator checks its ranks' files on the node that wrote them, and the
+    finalizer takes its word for all but one report per node and batch: a problem the node
+    found fails the step, naming the file, even where the finalizer would not see it (the
+    file is whole here by the time the batch arrives)."""
+
+    async def run() -> StepNotCommittedError:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        reports = [await _written(finalizer, 8, r, f"s{r}") for r in range(WORLD)]
+        for report in reports:
+            report.files_on_arrival, report.files_checked_on = "", "node-a"
+        reports[1].files_on_arrival = "part1.bin: reported by driver rank 1 with 64 bytes, found 3"
+        assert await finalizer.report_batch(ReportBatch.of(reports)) == [None] * WORLD
+        with pytest.raises(StepNotCommittedError) as caught:
+            await finalizer.wait_for_commit(8, 10.0)
+        return caught.value
+
+    error = asyncio.run(run())
+    assert "part1.bin: reported by driver rank 1 with 64 bytes, found 3" in str(error), error
+    assert read_tracker(tmp_path) is None
+
+
 def test_a_packed_batch_carries_every_field_a_report_sends():
     """ReportBatch (what aggregators send) gives back each report as its rank sent it:
     files, packed write results and global metadata, a failure; nothing the finalizer sets."""
@@ -239,7 +261,9 @@ def test_a_packed_batch_carries_every_field_a_report_sends():
     plain.write_results = [{"written": 1}]
     plain.packed_global_metadata = b"metadata"
     failed = RankReport(3, "actor", 6, 8, "b", failure=Failure("actor", 6, Phase.WRITE, "boom"))
-    failed.files_on_arrival = "set by a finalizer, never sent"
+    # A node aggregator's check of a report's files travels with it (committer._check_files).
+    failed.files_on_arrival = "actor/y: reported by actor rank 6 with 3 bytes, found no file"
+    failed.files_checked_on = "node-a"
     back = ReportBatch.of([plain, failed]).reports()
     assert [(r.step, r.role, r.rank, r.world_size, r.save_id) for r in back] == [
         (3, "actor", 5, 8, "a"),
@@ -249,7 +273,9 @@ def test_a_packed_batch_carries_every_field_a_report_sends():
     assert back[0].unpacked_write_results() == [{"written": 1}]
     assert back[0].packed_global_metadata == b"metadata" and back[0].failure is None
     assert back[1].failure == Failure("actor", 6, Phase.WRITE, "boom")
-    assert back[1].files == [] and back[1].files_on_arrival is None
+    assert back[1].files == [] and back[1].files_checked_on == "node-a"
+    assert back[1].files_on_arrival == failed.files_on_arrival
+    assert back[0].files_on_arrival is None and back[0].files_checked_on is None
     # A global metadata object set unpickled travels too (ranks send it pickled already).
     unpickled = RankReport(3, "actor", 0, 8, "c")
     unpickled.global_metadata = {"plan": 1}
@@ -308,6 +334,10 @@ class _Rank:
         """Its files of the step it began (`begin`), reported straight to the finalizer."""
         self.link.client.report(self.write(step, save_id, self.began).pack())
 
+    def report_began_through_aggregator(self, step: int, save_id: str) -> None:
+        """Its files of the step it began (`begin`), reported through the node's aggregator."""
+        self.aggregator.report(self.write(step, save_id, self.began).pack(), call_deadline(30.0))
+
     def report_through_aggregator_only(self, step: int, save_id: str) -> str:
         """A report handed to the aggregator alone (no fallback): what the rank hears."""
         try:
@@ -349,6 +379,38 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
             ray.kill(rank, no_restart=True)
         ray.kill(finalizer, no_restart=True)
     _committed_and_verified_files(Path(root), 2)
+
+
+def test_I1_the_finalizer_checks_one_file_per_node_again_and_names_a_root_it_sees_otherwise(
+    ray_local, tmp_path
+):
+    """The node's aggregator checks its ranks' files when their reports reach it, on the
+    node that wrote them; the finalizer checks one report of each node again when the batch
+    arrives. Rank 0's file is deleted after the node found it whole and before the batch
+    left (the aggregator holds it for rank 1): the finalizer does not find it, and the step
+    fails naming the file and the likely cause, a root that is not the same directory on the
+    node and on the finalizer's."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0)
+    aggregator = start_holding_aggregator(root, finalizer)
+    ranks = [_Rank.remote(root, r) for r in (0, 1)]
+    try:
+        ray.get([rank.begin.remote(1, f"s{i}") for i, rank in enumerate(ranks)], timeout=60)
+        held = ranks[0].report_began_through_aggregator.remote(1, "s0")
+        wait_until(
+            lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1, 60, "the report held"
+        )
+        (step_dir(tmp_path, 1) / "part0.bin").unlink()
+        ray.get([held, ranks[1].report_began_through_aggregator.remote(1, "s1")], timeout=60)
+        with pytest.raises(StepNotCommittedError) as caught:
+            ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
+    finally:
+        for actor in [*ranks, aggregator, finalizer]:
+            ray.kill(actor, no_restart=True)
+    message = str(caught.value)
+    assert "part0.bin: reported by driver rank 0 with 32 bytes, found no file" in message
+    assert "found it as reported: is the root shared by every node?" in message
+    assert read_tracker(tmp_path) is None
 
 
 # ---- the group level: a role larger than report_group_size --------------------------------

@@ -46,7 +46,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +58,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from verl_ckpt.commit.batcher import LINGER_S, NodeBatcher
 from verl_ckpt.commit.client import FINALIZER_NAMESPACE
+from verl_ckpt.commit.steps import reported_files_problem
 from verl_ckpt.protocol.deadlines import RPC_SLACK_S, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.messages import (
@@ -67,6 +70,7 @@ from verl_ckpt.protocol.messages import (
     batch_reports,
     begin_rows,
 )
+from verl_ckpt.store.layout import DRIVER_ROLE
 
 __all__ = [
     "AggregatorLost",
@@ -92,6 +96,9 @@ GROUP_SIZE = 128
 # aggregator tries again to open one that failed: until it is up, the node's batches go
 # straight to the finalizer.
 GROUP_START_S = 60.0
+# Steps whose directory a node aggregator remembers (from their begins' answers), to check
+# its ranks' reported files: a node's ranks save one step at a time, and a few roles.
+_KNOWN_STEP_DIRS = 8
 
 
 class AggregatorLost(CheckpointError):
@@ -123,6 +130,13 @@ class ReportAggregator:
             for rank in range(first, end):
                 self._join((role, rank))
         self._groups = GroupRoutes(root_dir, finalizer, timeout_s, linger_s)
+        # A node's aggregator (made with the root) checks its ranks' reported files, on the
+        # node that wrote them: the finalizer then stats one file per node, not per rank
+        # (commit.committer._check_files). Each step's directory is the one the finalizer
+        # answered its begins with; a report of a step it did not see begin is left to the
+        # finalizer.
+        self._node_id = ray.get_runtime_context().get_node_id() if root_dir is not None else None
+        self._step_dirs: OrderedDict[int, str] = OrderedDict()
 
     def _join(self, participant: Participant) -> None:
         self._reports.join(participant)
@@ -153,6 +167,7 @@ class ReportAggregator:
 
     async def report(self, report: RankReport, group_size: int = 0) -> BaseException | None:
         self._groups.open(report.role, report.rank, report.world_size, group_size)
+        self._check_files(report)
         return await self._reports.submit(report)
 
     async def report_batch(
@@ -175,13 +190,36 @@ class ReportAggregator:
         """Batches of begins forwarded so far."""
         return self._begins.batches_sent
 
+    def _check_files(self, report: RankReport) -> None:
+        """On a node's aggregator: what is wrong on disk with the files `report` names, as
+        the finalizer would find it, and that this node found it."""
+        step_path = self._step_dirs.get(report.step) if self._node_id is not None else None
+        if step_path is None:
+            report.files_on_arrival = report.files_checked_on = None
+            return
+        report.files_on_arrival = reported_files_problem(step_path, report)
+        report.files_checked_on = self._node_id
+
     async def _forward_reports(self, reports: list[RankReport]) -> list[BaseException | None]:
         return await self._forward(_REPORTS, reports, self._timeout_s)
 
     async def _forward_begins(self, requests: list[BeginRequest]) -> list[str | BaseException]:
         # The finalizer waits up to each begin's own timeout for room to start the step.
         wait_s = max(self._timeout_s, *(r.timeout_s for r in requests))
-        return await self._forward(_BEGINS, requests, wait_s)
+        answers = await self._forward(_BEGINS, requests, wait_s)
+        if self._node_id is not None:
+            self._remember_step_dirs(requests, answers)
+        return answers
+
+    def _remember_step_dirs(self, requests: list[BeginRequest], answers: list) -> None:
+        # A role's directory is its step's directory's child; the driver role's is the
+        # step's own.
+        for request, answer in zip(requests, answers, strict=True):
+            if isinstance(answer, str) and request.step not in self._step_dirs:
+                own = request.role == DRIVER_ROLE
+                self._step_dirs[request.step] = answer if own else os.path.dirname(answer)
+                while len(self._step_dirs) > _KNOWN_STEP_DIRS:
+                    self._step_dirs.popitem(last=False)
 
     async def _forward(self, kind: _Kind, items: list, timeout_s: float) -> list:
         """A batch that left: the items of each group whose aggregator is up to it, the

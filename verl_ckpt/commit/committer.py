@@ -47,6 +47,32 @@ _RECENT_SUMMARIES = 16
 T = TypeVar("T")
 
 
+def _check_files(report: RankReport, step_path: str, confirmed: set[str]) -> None:
+    """Set `report.files_on_arrival`: what is wrong on disk with the files it names.
+
+    Each report's files are checked on their way, not all of them at the commit: with
+    thousands of ranks their stats were most of the commit's time after the last report.
+    A reported file is final (the rank wrote and closed it before reporting, and a second
+    save of a reported step is refused at begin_step); a problem found here fails the
+    commit, as one found at the commit does. A node aggregator checks its ranks' files on
+    the node that wrote them, in parallel with the other nodes: the finalizer then checks
+    one report of each such node per batch again (`confirmed`), which finds a root that
+    is not the same directory on that node and here, and trusts the node for the others.
+    """
+    node = report.files_checked_on
+    if node is not None and report.files_on_arrival is not None and node in confirmed:
+        return
+    problem = reported_files_problem(step_path, report)
+    if node is None or report.files_on_arrival is None:
+        report.files_on_arrival = problem
+        return
+    if report.files:
+        confirmed.add(node)
+    if problem and not report.files_on_arrival:
+        problem += f" (its node {node} found it as reported: is the root shared by every node?)"
+    report.files_on_arrival = report.files_on_arrival or problem
+
+
 class Committer:
     """Steps 4-7 of one checkpoint root. `uploading()` names the steps the remote tier reads
     now; `after_commit(step)` starts step 8 for a step just committed (both no-ops without a
@@ -111,11 +137,14 @@ class Committer:
         commit/aggregator.py; already checked to be participants) in one pass; start a step's
         commit when its last report arrives. Each report's refusal, or None, in order.
 
-        Per report only O(1) work (a ledger update, the stat of its own files); what is per
-        change (waking waiters, settling failed steps) runs once per batch: with 16,384 ranks
-        the finalizer's intake grows with the number of batches, not of ranks."""
+        Per report only O(1) work (a ledger update, and the stat of its own files unless its
+        node aggregator made them); what is per change (waking waiters, settling failed
+        steps) runs once per batch: with 16,384 ranks the finalizer's intake grows with the
+        number of batches, not of ranks."""
         errors: list[CheckpointError | None] = []
         settle = False
+        # The nodes whose check of their ranks' files this batch confirmed (_check_files).
+        confirmed: set[str] = set()
         # The step's directory and state, looked up once per step of the batch (a node's
         # reports are of one step), not per report: pathlib alone was most of a report's cost.
         steps: dict[int, tuple[str, bool]] = {}
@@ -127,7 +156,7 @@ class Committer:
                 late = self._ledger.status(step) is None and is_committed(path)
                 steps[step] = (str(path), late)
             base, late = steps[step]
-            outcome = None if late else self._record(report, base)
+            outcome = None if late else self._record(report, base, confirmed)
             if outcome is Recorded.REFUSED_LOST:
                 errors.append(
                     StepNotCommittedError(
@@ -146,16 +175,11 @@ class Committer:
         self._changes.notify()
         return errors
 
-    def _record(self, report: RankReport, step_path: str) -> Recorded:
+    def _record(self, report: RankReport, step_path: str, confirmed: set[str]) -> Recorded:
         """One report of take_batch: check its files, count it, start the commit if it was
         the last."""
         step = report.step
-        # Each report's files are checked as it arrives, not all of them at the commit: with
-        # thousands of ranks their stats were most of the commit's time after the last
-        # report. A reported file is final (the rank wrote and closed it before reporting,
-        # and a second save of a reported step is refused at begin_step); a problem found
-        # here fails the commit, as one found at the commit does.
-        report.files_on_arrival = reported_files_problem(step_path, report)
+        _check_files(report, step_path, confirmed)
         outcome = self._ledger.record(report)
         if outcome is Recorded.STALE:
             logger.warning(

@@ -259,6 +259,9 @@ class CheckpointFinalizer:
     async def report(self, report: RankReport) -> None:
         """Record one participant's outcome; start the commit when the last one arrives."""
         report.unpack(self._metadata_cache)
+        # A rank's own call, not a node aggregator's batch: its files are checked here,
+        # whatever the report says of them.
+        report.files_on_arrival = report.files_checked_on = None
         self._admission.check_participant(report.role, report.rank, report.world_size)
         self._committer.take(report)
 

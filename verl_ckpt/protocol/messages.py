@@ -110,10 +110,14 @@ class RankReport:
     # read from those goes through format/safe_load.py).
     packed_write_results: bytes | None = None
     packed_global_metadata: bytes | None = None
-    # Set by the finalizer when the report arrives, whatever a sender put here: what was
-    # wrong with its files on disk then ("" when nothing; commit.reported_files_problem).
-    # None: not checked, and the commit checks them.
+    # What was wrong with its files on disk when they were checked on their way ("" when
+    # nothing; commit.reported_files_problem). None: not checked, and the commit checks them.
+    # Checked by the rank's node aggregator, on the node that wrote them, which sets
+    # `files_checked_on` to that node's id; otherwise by the finalizer as the report
+    # arrives, which also checks one report per checking node again (commit.committer).
+    # A rank's own report() has both reset by the finalizer, whatever it put there.
     files_on_arrival: str | None = None
+    files_checked_on: str | None = None
 
     def pack(self) -> RankReport:
         """Before sending: write_results as one pickled blob, and the global metadata
@@ -185,13 +189,15 @@ class ReportBatch:
             [r.packed_write_results for r in reports],
             [r.packed_global_metadata for r in reports],
             [r.failure for r in reports],
+            [r.files_on_arrival for r in reports],
+            [r.files_checked_on for r in reports],
         )
         return cls(pickle.dumps(columns, pickle.HIGHEST_PROTOCOL), len(reports))
 
     def reports(self) -> list[RankReport]:
         """The reports, as their participants sent them (write results still packed)."""
         columns = pickle.loads(self.packed)
-        if len(columns) != 9 or any(len(column) != self.count for column in columns):
+        if len(columns) != 11 or any(len(column) != self.count for column in columns):
             raise ValueError(f"a report batch of {self.count} holds columns of other lengths")
         # Every field positionally, in one call: keywords, default factories and setting the
         # packed fields afterwards cost more than the fields themselves, once per report on
@@ -210,10 +216,22 @@ class ReportBatch:
                 failure,
                 results,
                 metadata,
+                checked,
+                checked_on,
             )
-            for step, role, rank, world, save_id, files, results, metadata, failure in zip(
-                *columns, strict=True
-            )
+            for (
+                step,
+                role,
+                rank,
+                world,
+                save_id,
+                files,
+                results,
+                metadata,
+                failure,
+                checked,
+                checked_on,
+            ) in zip(*columns, strict=True)
         ]
 
 
