@@ -141,13 +141,12 @@ class Committer:
         node aggregator made them); what is per change (waking waiters, settling failed
         steps) runs once per batch: with 16,384 ranks the finalizer's intake grows with the
         number of batches, not of ranks."""
-        errors: list[CheckpointError | None] = []
-        settle = False
-        # The nodes whose check of their ranks' files this batch confirmed (_check_files).
-        confirmed: set[str] = set()
         # The step's directory and state, looked up once per step of the batch (a node's
         # reports are of one step), not per report: pathlib alone was most of a report's cost.
         steps: dict[int, tuple[str, bool]] = {}
+        # The nodes whose check of their ranks' files this batch confirmed (_check_files).
+        confirmed: set[str] = set()
+        recorded = []
         for report in reports:
             step = report.step
             if step not in steps:
@@ -156,13 +155,24 @@ class Committer:
                 late = self._ledger.status(step) is None and is_committed(path)
                 steps[step] = (str(path), late)
             base, late = steps[step]
-            outcome = None if late else self._record(report, base, confirmed)
+            if not late:
+                _check_files(report, base, confirmed)
+                recorded.append(report)
+        # Every report's files are checked before any is counted: the last one counted
+        # starts the commit, which reads what the others' checks found.
+        outcomes = iter(self._ledger.record_batch(recorded))
+        errors: list[CheckpointError | None] = []
+        settle = False
+        for report in reports:
+            outcome = None if steps[report.step][1] else next(outcomes)
+            if outcome in (Recorded.STALE, Recorded.FAILED, Recorded.READY):
+                self._act_on(report, outcome)
             if outcome is Recorded.REFUSED_LOST:
                 errors.append(
                     StepNotCommittedError(
-                        f"step {step}: report of {report.role} rank {report.rank} refused, "
-                        "the finalizer restarted while the step was in flight and lost the "
-                        "other reports"
+                        f"step {report.step}: report of {report.role} rank {report.rank} "
+                        "refused, the finalizer restarted while the step was in flight and "
+                        "lost the other reports"
                     )
                 )
                 continue
@@ -175,12 +185,9 @@ class Committer:
         self._changes.notify()
         return errors
 
-    def _record(self, report: RankReport, step_path: str, confirmed: set[str]) -> Recorded:
-        """One report of take_batch: check its files, count it, start the commit if it was
-        the last."""
+    def _act_on(self, report: RankReport, outcome: Recorded) -> None:
+        """What a report's outcome calls for: a log line, or the commit of its step."""
         step = report.step
-        _check_files(report, step_path, confirmed)
-        outcome = self._ledger.record(report)
         if outcome is Recorded.STALE:
             logger.warning(
                 "step %d: ignored a report of %s rank %d from a save it replaced (%s)",
@@ -197,7 +204,6 @@ class Committer:
             # The commit runs on its own: the last reporter (often the driver, in its training
             # loop) is not kept waiting for fsyncs it does not need to see.
             self._tasks.spawn(self._commit(step, list(entry.reports.values()), time.time()))
-        return outcome
 
     # ---- failed steps --------------------------------------------------------------------
 

@@ -213,10 +213,27 @@ class StepLedger:
 
     def record(self, report: RankReport) -> Recorded:
         """Take one participant's report; the caller checked that it is an expected one."""
-        participant = report.participant
+        return self.record_batch([report])[0]
+
+    def record_batch(self, reports: list[RankReport]) -> list[Recorded]:
+        """record() of each report, in order: a batch of reports is a node's or a rank
+        group's, of one step, and its step is looked up once, not per report."""
+        outcomes = []
+        step, entry = None, None
+        for report in reports:
+            if report.step != step:
+                step = report.step
+                entry = self.entry(step)
+            outcome = self._record(report, entry)
+            if entry is None and outcome is not Recorded.REFUSED_LOST:
+                entry = self.entry(step)  # opened by this report
+            outcomes.append(outcome)
+        return outcomes
+
+    def _record(self, report: RankReport, entry: StepEntry | None) -> Recorded:
+        participant = (report.role, report.rank)
         if participant not in self._expected_set:
             raise ValueError(f"unexpected participant {participant}")
-        entry = self.entry(report.step)
         if entry is not None and entry.status is StepStatus.LOST:
             return Recorded.REFUSED_LOST
         if entry is not None and entry.status is StepStatus.FAILED:
