@@ -236,6 +236,8 @@ def test_I1_a_report_whose_file_has_another_size_when_it_arrives_fails_the_step(
 
     asyncio.run(run())
     assert "with 120 bytes, found 100" in report.files_on_arrival
+    # Checked here as a rank's own report, not confirmed as a node's check.
+    assert "is the root shared" not in report.files_on_arrival
     assert not is_committed(step_dir(tmp_path, 4))
     assert read_tracker(tmp_path) is None
 

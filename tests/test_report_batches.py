@@ -254,9 +254,37 @@ def test_I1_a_problem_a_node_found_with_a_reported_file_fails_the_step(tmp_path)
     assert read_tracker(tmp_path) is None
 
 
+def test_I1_only_a_report_the_step_counts_confirms_its_nodes_checks(tmp_path):
+    """The finalizer checks one report of each node again per batch and takes the node's
+    word for the others: that report must be one the step counts. Here the node's first
+    report in the batch is from a save its rank replaced (ignored, and its file is not
+    there), then the rank's own report, whose file the finalizer does not find although the
+    node did: the step fails, naming that file."""
+
+    async def run() -> StepNotCommittedError:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        await finalizer.begin_step(9, ROLE, 0, WORLD, 10.0, "replaced")
+        reports = [await _written(finalizer, 9, r, f"s{r}") for r in range(WORLD)]
+        stale = RankReport(9, ROLE, 0, WORLD, "replaced", files=[FileEntry("x", 9, "0")])
+        batch = [stale, *reports]
+        for report in batch:
+            report.files_on_arrival, report.files_checked_on = "", "node-a"
+        (step_dir(tmp_path, 9) / "part0.bin").unlink()
+        assert await finalizer.report_batch(ReportBatch.of(batch)) == [None] * (WORLD + 1)
+        with pytest.raises(StepNotCommittedError) as caught:
+            await finalizer.wait_for_commit(9, 10.0)
+        return caught.value
+
+    error = asyncio.run(run())
+    assert "part0.bin: reported by driver rank 0 with 64 bytes, found no file" in str(error)
+    assert "is the root shared by every node?" in str(error), error
+    assert read_tracker(tmp_path) is None
+
+
 def test_a_packed_batch_carries_every_field_a_report_sends():
     """ReportBatch (what aggregators send) gives back each report as its rank sent it:
-    files, packed write results and global metadata, a failure; nothing the finalizer sets."""
+    files, packed write results and global metadata, a failure; and what its node's
+    aggregator found of its files."""
     plain = RankReport(3, "actor", 5, 8, "a", files=[FileEntry("actor/x", 7, "c1")])
     plain.write_results = [{"written": 1}]
     plain.packed_global_metadata = b"metadata"
@@ -296,18 +324,26 @@ class _Rank:
     """A rank's process: its link reports through its node's aggregator."""
 
     def __init__(
-        self, root: str, rank: int, world: int = 2, group_size: int = 0, batched: bool = True
+        self,
+        root: str,
+        rank: int,
+        world: int = 2,
+        group_size: int = 0,
+        batched: bool = True,
+        role: str = ROLE,
     ) -> None:
         handle = ray.get_actor(finalizer_name(root), namespace=FINALIZER_NAMESPACE)
-        who = f"{ROLE} rank {rank}"
+        who = f"{role} rank {rank}"
         self.aggregator = (
-            open_node_aggregator(root, handle, ROLE, rank, 30.0, who, world, group_size)
+            open_node_aggregator(root, handle, role, rank, 30.0, who, world, group_size)
             if batched
             else None
         )
         client = FinalizerClient(handle, who, 30.0)
-        self.link = ParticipantLink(client, ROLE, rank, world, 30.0, aggregator=self.aggregator)
+        self.link = ParticipantLink(client, role, rank, world, 30.0, aggregator=self.aggregator)
         self.rank = rank
+        # Files are reported relative to the step's directory: a role's are in its own.
+        self.prefix = "" if role == ROLE else f"{role}/"
 
     def aggregator_handle(self) -> ray.actor.ActorHandle:
         return self.aggregator.handle
@@ -322,7 +358,7 @@ class _Rank:
         name = f"part{self.rank}.bin"
         written = write_checksummed(directory / name, lambda s: s.write(b"z" * 32))
         report = self.link.new_report(step, save_id)
-        report.files = [FileEntry(name, written.size, written.checksum)]
+        report.files = [FileEntry(self.prefix + name, written.size, written.checksum)]
         return report
 
     def save(self, step: int, save_id: str) -> str | None:
@@ -381,26 +417,29 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
     _committed_and_verified_files(Path(root), 2)
 
 
+@pytest.mark.parametrize("role", [ROLE, "actor"])
 def test_I1_the_finalizer_checks_one_file_per_node_again_and_names_a_root_it_sees_otherwise(
-    ray_local, tmp_path
+    ray_local, tmp_path, role
 ):
     """The node's aggregator checks its ranks' files when their reports reach it, on the
-    node that wrote them; the finalizer checks one report of each node again when the batch
-    arrives. Rank 0's file is deleted after the node found it whole and before the batch
-    left (the aggregator holds it for rank 1): the finalizer does not find it, and the step
-    fails naming the file and the likely cause, a root that is not the same directory on the
-    node and on the finalizer's."""
+    node that wrote them (in the step's directory, which its begins' answers name: a role's
+    own directory's parent, the driver role's itself); the finalizer checks one report of
+    each node again when the batch arrives. Rank 0's file is deleted after the node found it
+    whole and before the batch left (the aggregator holds it for rank 1): the finalizer does
+    not find it, and the step fails naming the file and the likely cause, a root that is not
+    the same directory on the node and on the finalizer's."""
     root = str(tmp_path)
-    finalizer = start_finalizer(root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=60.0)
+    finalizer = start_finalizer(root, {role: 2}, max_ckpt_to_keep=None, timeout_s=60.0)
     aggregator = start_holding_aggregator(root, finalizer)
-    ranks = [_Rank.remote(root, r) for r in (0, 1)]
+    ranks = [_Rank.remote(root, r, role=role) for r in (0, 1)]
+    prefix = "" if role == ROLE else f"{role}/"
     try:
         ray.get([rank.begin.remote(1, f"s{i}") for i, rank in enumerate(ranks)], timeout=60)
         held = ranks[0].report_began_through_aggregator.remote(1, "s0")
         wait_until(
             lambda: ray.get(aggregator.pending.remote(), timeout=60) == 1, 60, "the report held"
         )
-        (step_dir(tmp_path, 1) / "part0.bin").unlink()
+        (step_dir(tmp_path, 1) / f"{prefix}part0.bin").unlink()
         ray.get([held, ranks[1].report_began_through_aggregator.remote(1, "s1")], timeout=60)
         with pytest.raises(StepNotCommittedError) as caught:
             ray.get(finalizer.wait_for_commit.remote(1, 60.0), timeout=90)
@@ -408,7 +447,7 @@ def test_I1_the_finalizer_checks_one_file_per_node_again_and_names_a_root_it_see
         for actor in [*ranks, aggregator, finalizer]:
             ray.kill(actor, no_restart=True)
     message = str(caught.value)
-    assert "part0.bin: reported by driver rank 0 with 32 bytes, found no file" in message
+    assert f"{prefix}part0.bin: reported by {role} rank 0 with 32 bytes, found no file" in message
     assert "found it as reported: is the root shared by every node?" in message
     assert read_tracker(tmp_path) is None
 

@@ -194,10 +194,13 @@ class ReportAggregator:
         """On a node's aggregator: what is wrong on disk with the files `report` names, as
         the finalizer would find it, and that this node found it."""
         step_path = self._step_dirs.get(report.step) if self._node_id is not None else None
+        report.files_on_arrival = report.files_checked_on = None
         if step_path is None:
-            report.files_on_arrival = report.files_checked_on = None
             return
-        report.files_on_arrival = reported_files_problem(step_path, report)
+        try:
+            report.files_on_arrival = reported_files_problem(step_path, report)
+        except OSError:  # a file that cannot be looked at here: the finalizer says what
+            return
         report.files_checked_on = self._node_id
 
     async def _forward_reports(self, reports: list[RankReport]) -> list[BaseException | None]:

@@ -56,13 +56,20 @@ def _check_files(report: RankReport, step_path: str, confirmed: set[str]) -> Non
     save of a reported step is refused at begin_step); a problem found here fails the
     commit, as one found at the commit does. A node aggregator checks its ranks' files on
     the node that wrote them, in parallel with the other nodes: the finalizer then checks
-    one report of each such node per batch again (`confirmed`), which finds a root that
-    is not the same directory on that node and here, and trusts the node for the others.
+    one counted report of each such node per batch again (`confirmed`), which finds a root
+    that is not the same directory on that node and here, and trusts the node for the
+    others. A file that cannot be looked at (not a missing one) fails the commit too.
     """
     node = report.files_checked_on
     if node is not None and report.files_on_arrival is not None and node in confirmed:
         return
-    problem = reported_files_problem(step_path, report)
+    try:
+        problem = reported_files_problem(step_path, report)
+    except OSError as exc:  # not a missing file: one that cannot be looked at (EACCES, EIO)
+        problem = (
+            f"{exc.filename or step_path}: the files of {report.role} rank {report.rank} could "
+            f"not be checked ({exc.strerror or exc})"
+        )
     if node is None or report.files_on_arrival is None:
         report.files_on_arrival = problem
         return
@@ -144,8 +151,6 @@ class Committer:
         # The step's directory and state, looked up once per step of the batch (a node's
         # reports are of one step), not per report: pathlib alone was most of a report's cost.
         steps: dict[int, tuple[str, bool]] = {}
-        # The nodes whose check of their ranks' files this batch confirmed (_check_files).
-        confirmed: set[str] = set()
         recorded = []
         for report in reports:
             step = report.step
@@ -154,17 +159,22 @@ class Committer:
                 # A step the ledger no longer knows may be committed and forgotten already.
                 late = self._ledger.status(step) is None and is_committed(path)
                 steps[step] = (str(path), late)
-            base, late = steps[step]
-            if not late:
-                _check_files(report, base, confirmed)
+            if not steps[step][1]:
                 recorded.append(report)
-        # Every report's files are checked before any is counted: the last one counted
-        # starts the commit, which reads what the others' checks found.
-        outcomes = iter(self._ledger.record_batch(recorded))
+        outcomes = self._ledger.record_batch(recorded)
+        # The files of the reports that count, checked after they were counted and before
+        # anything acts on the counts: a commit (started below, by the last report counted)
+        # reads what every check found. Only a counted report confirms its node's checks
+        # (_check_files): one the ledger ignored or found stale is in no commit.
+        confirmed: set[str] = set()
+        for report, outcome in zip(recorded, outcomes, strict=True):
+            if outcome in (Recorded.COUNTED, Recorded.READY):
+                _check_files(report, steps[report.step][0], confirmed)
+        counted = iter(outcomes)
         errors: list[CheckpointError | None] = []
         settle = False
         for report in reports:
-            outcome = None if steps[report.step][1] else next(outcomes)
+            outcome = None if steps[report.step][1] else next(counted)
             if outcome in (Recorded.STALE, Recorded.FAILED, Recorded.READY):
                 self._act_on(report, outcome)
             if outcome is Recorded.REFUSED_LOST:
