@@ -242,6 +242,31 @@ def test_I1_a_report_whose_file_has_another_size_when_it_arrives_fails_the_step(
     assert read_tracker(tmp_path) is None
 
 
+def test_I5_a_reported_file_that_cannot_be_looked_at_fails_the_step_naming_it(tmp_path):
+    """A reported file whose lookup fails with something other than "no such file" (here a
+    real ELOOP: a directory of the step that is a link to itself) used to raise out of the
+    finalizer's intake, the report uncounted, and the step then waited for its deadline.
+    Now it is the report's problem: the report is taken, and the step fails at once naming
+    the file."""
+    answer = None
+
+    async def run() -> None:
+        nonlocal answer
+        finalizer = CheckpointFinalizer(str(tmp_path), TWO_RANKS, max_ckpt_to_keep=None)
+        directory = Path(await finalizer.begin_step(4, "driver", 0, 2, 10.0, "loop"))
+        (directory / "loop").symlink_to("loop")
+        report = RankReport(4, "driver", 0, 2, "loop")
+        report.files.append(FileEntry("loop/part0.bin", 10, "0"))
+        answer = await finalizer.report(report)
+        await write_and_report(finalizer, 4, 1, "other")
+        with pytest.raises(StepNotCommittedError, match=r"loop/part0.bin: the files of driver "):
+            await finalizer.wait_for_commit(4, 10.0)
+
+    asyncio.run(run())
+    assert answer is None
+    assert not is_committed(step_dir(tmp_path, 4))
+
+
 def test_I5_saving_a_failed_step_again_is_refused_naming_the_failure(tmp_path):
     """Re-saving a step number that failed used to be accepted and then silently dropped
     (every report ignored, the old failure raised to the waiter)."""
