@@ -409,8 +409,15 @@ def test_I1_I3_disk_full_during_shard_write_keeps_previous_step_and_frees_the_fa
         coordinator.save_driver_state(2, {"step": 2})
     except CheckpointError as exc:
         # The driver's small write races the ranks' background writes for the last bytes:
-        # if it loses, it fails naming the cause; either way the step does not commit.
-        assert "driver state of step 2 not saved" in str(exc) and "No space left" in str(exc)
+        # if it loses, it fails naming the cause. A rank's failure may also reach the
+        # finalizer before the driver begins the step, which is then refused, naming that
+        # rank's failure. Either way the step does not commit.
+        message = str(exc)
+        assert "No space left" in message, message
+        assert (
+            "driver state of step 2 not saved" in message
+            or "failed and a step number is saved once" in message
+        ), message
     with pytest.raises(StepNotCommittedError, match="No space left on device"):
         coordinator.wait_for_commit(2)
     for w in every_rank(ranks):
