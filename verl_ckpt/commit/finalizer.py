@@ -86,8 +86,6 @@ class CheckpointFinalizer:
         # itself, as the driver's.
         self._participants = dict(participants)
         self._state_participants = dict(state_participants or {})
-        # Everyone whose calls are taken: ranks by role, the driver, the declared ones.
-        self._callers = {**self._participants, **self._state_participants}
         self._keep = max_ckpt_to_keep
         # Reports carry DCP metadata and write results, whose classes live in torch's DCP:
         # import it now, not while unpickling the first report (seconds of no answers). Not
@@ -161,7 +159,7 @@ class CheckpointFinalizer:
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
             self._root,
-            self._callers,
+            {**self._participants, **self._state_participants},
             run_id,
             self._ledger,
             self._waiters,
@@ -276,18 +274,13 @@ class CheckpointFinalizer:
         order: one bad report refuses itself only."""
         accepted: list[RankReport] = []
         errors: list[CheckpointError | None] = []
-        callers = self._callers
         for report in batch_reports(batch):
-            # Only the save group's first rank sends the global metadata: unpacked only there.
-            if report.packed_global_metadata is not None:
+            try:
                 report.unpack(self._metadata_cache)
-            expected = callers.get(report.role)
-            if expected is None or report.world_size != expected or not 0 <= report.rank < expected:
-                try:
-                    self._admission.check_participant(report.role, report.rank, report.world_size)
-                except CheckpointError as exc:
-                    errors.append(exc)
-                    continue
+                self._admission.check_participant(report.role, report.rank, report.world_size)
+            except CheckpointError as exc:
+                errors.append(exc)
+                continue
             errors.append(None)
             accepted.append(report)
         taken = iter(self._committer.take_batch(accepted))

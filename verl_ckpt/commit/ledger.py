@@ -224,10 +224,9 @@ class StepLedger:
             if report.step != step:
                 step = report.step
                 entry = self.entry(step)
-            outcome = self._record(report, entry)
-            if entry is None and outcome is not Recorded.REFUSED_LOST:
+            outcomes.append(self._record(report, entry))
+            if entry is None:
                 entry = self.entry(step)  # opened by this report
-            outcomes.append(outcome)
         return outcomes
 
     def _record(self, report: RankReport, entry: StepEntry | None) -> Recorded:
