@@ -14,8 +14,9 @@ at 16,384), in rank groups of GROUP_SIZE (report_group_size's default). A few Ra
 its nodes, one real (tiny) DCP data file holding that rank's row of one global [N, 16]
 tensor (DCP's own `_write_item`, so the write results, the global metadata and the file
 sizes are real, and the committed directory loads with `torch.distributed.checkpoint.load`),
-and makes the rank's `RankReport` packed as a rank does, with what its node aggregator adds
-on the node (its check of the rank's file, the node's name). Then every rank finishes at once:
+and makes the rank's `RankReport` packed as a rank does (with the save id its begin
+registered, as a rank's CheckpointManager does), with what its node aggregator adds on the
+node (its check of the rank's file, the node's name). Then every rank finishes at once:
 at one agreed instant (`time.monotonic()`, one clock for every process of the machine) the
 batches that reach the finalizer in a real job leave for it over Ray: one `report_batch`
 per rank group (mode "group", the default configuration), per node (mode "node",
@@ -154,7 +155,7 @@ def _reports(
     reports = []
     for rank in ranks if ranks is not None else range(world):
         results, entry = _rank_file(directory, rank, world)
-        report = RankReport(step, ROLE, rank, world, uuid.uuid4().hex)
+        report = RankReport(step, ROLE, rank, world, _save_id(step, rank))
         report.write_results = results
         report.files = [entry]
         if rank == 0:
@@ -208,10 +209,25 @@ def _begin_takes_timeout() -> bool:
     return "timeout_s" in inspect.signature(CheckpointFinalizer.begin_step).parameters
 
 
+def _begin_takes_save_id() -> bool:
+    from verl_ckpt.commit.finalizer import CheckpointFinalizer
+
+    return "save_id" in inspect.signature(CheckpointFinalizer.begin_step).parameters
+
+
+def _save_id(step: int, rank: int) -> str:
+    """Rank `rank`'s save id of `step`: registered by its begin and sent in its report, as a
+    rank's CheckpointManager does (32 hex digits, as `uuid4().hex`)."""
+    return f"{step:016x}{rank:016x}"
+
+
 def _begin_args(step: int, rank: int, world: int) -> tuple:
-    """`begin_step`'s arguments (its signature gained a deadline over time)."""
+    """`begin_step`'s arguments (its signature gained a deadline, then a save id over time)."""
     args: tuple = (step, ROLE, rank, world)
-    return args + (120.0,) if _begin_takes_timeout() else args
+    if not _begin_takes_timeout():
+        return args
+    args += (120.0,)
+    return args + (_save_id(step, rank),) if _begin_takes_save_id() else args
 
 
 def _begins_batch() -> bool:
@@ -229,7 +245,7 @@ def _begin_batches(step: int, ranks: list[int], world: int, size: int) -> list[l
 
     batches: dict[int, list] = {}
     for rank in ranks:
-        request = messages.BeginRequest(step, ROLE, rank, world, 120.0, None)
+        request = messages.BeginRequest(step, ROLE, rank, world, 120.0, _save_id(step, rank))
         batches.setdefault(rank // size, []).append(request)
     pack = getattr(messages, "begin_rows", list)
     return [pack(batch) for batch in batches.values()]
@@ -468,7 +484,10 @@ class _HopSender:
         if begin:
             from verl_ckpt.protocol.messages import BeginRequest
 
-            requests = [BeginRequest(step, ROLE, r, self._world, 60.0, None) for r in self._ranks]
+            requests = [
+                BeginRequest(step, ROLE, r, self._world, 60.0, _save_id(step, r))
+                for r in self._ranks
+            ]
             await asyncio.gather(*(aggregator.begin.remote(r) for r in requests))
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         if per_node:

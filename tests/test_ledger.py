@@ -218,3 +218,96 @@ def test_I3_a_failed_step_whose_writer_never_reports_is_discardable_after_its_de
     lost.begin_commit(5)
     lost.finish_commit(5)
     assert lost.discardable(now=1e9) == []
+
+
+# ---- a batch recorded in one pass (record_successes) -------------------------------------
+
+
+def _ledger_with_saves_begun() -> StepLedger:
+    """Step 5 begun by every participant, each with its own save id ("<role><rank>")."""
+    ledger = StepLedger(PARTICIPANTS, max_in_flight=2)
+    for role, rank in ledger.expected:
+        ledger.begin(5, (role, rank), f"{role}{rank}", 100.0)
+    return ledger
+
+
+def _actors(step: int = 5, **save_ids: str) -> list[RankReport]:
+    return [report(step, "actor", r, save_id=save_ids.get(f"r{r}", f"actor{r}")) for r in (0, 1)]
+
+
+def _failed_step(ledger: StepLedger) -> None:
+    ledger.record(report(5, "driver", 0, Failure("driver", 0, Phase.WRITE, "x"), "driver0"))
+
+
+def _committing(ledger: StepLedger) -> None:
+    ledger.record_batch([*_actors(), report(5, "driver", 0, save_id="driver0")])
+    ledger.begin_commit(5)
+
+
+# name: (what happens to the ledger first, the batch, record_batch's outcomes)
+_DECIDED_REPORT_BY_REPORT = {
+    "a failure": (
+        None,
+        [_actors()[0], report(5, "actor", 1, Failure("actor", 1, Phase.WRITE, "x"), "actor1")],
+        [Recorded.COUNTED, Recorded.FAILED],
+    ),
+    "a replaced save": (None, _actors(r1="earlier"), [Recorded.COUNTED, Recorded.STALE]),
+    "no save begun": (
+        lambda ledger: ledger.entry(5).attempts.pop(("actor", 1)),
+        _actors(),
+        [Recorded.COUNTED, Recorded.COUNTED],
+    ),
+    "a duplicate in the batch": (
+        None,
+        [_actors()[0], _actors()[0]],
+        [Recorded.COUNTED, Recorded.IGNORED],
+    ),
+    "one reported already": (
+        lambda ledger: ledger.record(_actors()[0]),
+        _actors(),
+        [Recorded.IGNORED, Recorded.COUNTED],
+    ),
+    "two steps": (
+        lambda ledger: ledger.begin(6, ("actor", 1), "actor1", 100.0),
+        [_actors()[0], _actors(step=6)[1]],
+        [Recorded.COUNTED, Recorded.COUNTED],
+    ),
+    "a failed step": (_failed_step, _actors(), [Recorded.IGNORED, Recorded.IGNORED]),
+    "a committing step": (_committing, _actors(), [Recorded.IGNORED, Recorded.IGNORED]),
+    "a step never begun": (
+        None,
+        _actors(step=9),
+        [Recorded.COUNTED, Recorded.COUNTED],
+    ),
+}
+
+
+def _state(ledger: StepLedger) -> list:
+    return [(s, ledger.status(s), ledger.missing(s), ledger.failures(s)) for s in (5, 6, 9)]
+
+
+def test_I1_a_batch_of_registered_successes_is_recorded_in_one_pass():
+    """The finalizer's intake of a node's or a rank group's batch: every report a success of
+    the registered save, recorded at once; the batch that completes the step ends READY."""
+    ledger = _ledger_with_saves_begun()
+    assert ledger.record_successes(_actors()) == [Recorded.COUNTED, Recorded.COUNTED]
+    assert ledger.missing(5) == [("driver", 0)]
+    assert ledger.record_successes([report(5, "driver", 0, save_id="driver0")]) == [Recorded.READY]
+    assert ledger.status(5) is StepStatus.COLLECTING and ledger.missing(5) == []
+
+
+@pytest.mark.parametrize("case", sorted(_DECIDED_REPORT_BY_REPORT))
+def test_I1_a_batch_with_any_other_report_is_left_to_record_batch_with_nothing_recorded(case):
+    """A batch the one-pass intake does not take changes nothing, and record_batch then
+    decides it report by report: the finalizer's two ways of taking a batch never differ."""
+    before, batch, outcomes = _DECIDED_REPORT_BY_REPORT[case]
+    ledgers = [_ledger_with_saves_begun(), _ledger_with_saves_begun()]
+    for ledger in ledgers:
+        if before is not None:
+            before(ledger)
+    untouched = _state(ledgers[0])
+    assert ledgers[0].record_successes(batch) is None
+    assert _state(ledgers[0]) == untouched
+    assert ledgers[0].record_batch(batch) == outcomes
+    assert ledgers[1].record_batch(batch) == outcomes
+    assert _state(ledgers[0]) == _state(ledgers[1])

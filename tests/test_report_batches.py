@@ -214,21 +214,33 @@ def test_I1_duplicate_and_replayed_reports_in_batches_are_ignored(tmp_path):
     _committed_and_verified(tmp_path, 5)
 
 
-def test_a_batch_refuses_only_the_reports_of_non_participants(tmp_path):
+@pytest.mark.parametrize(
+    ("intruder", "named"),
+    [
+        ((ROLE, 9, 16), "rank 9 of world size 16"),
+        ((ROLE, 1, WORLD + 1), f"rank 1 of world size {WORLD + 1}"),
+        ((ROLE, WORLD, WORLD), f"rank {WORLD} of world size {WORLD}"),
+        ((ROLE, -1, WORLD), f"rank -1 of world size {WORLD}"),
+        (("critic", 0, WORLD), "role 'critic' is not a participant"),
+    ],
+)
+def test_a_batch_refuses_only_the_reports_of_non_participants(tmp_path, intruder, named):
     """A report from outside the root's participants is refused in the answer for it; the
-    other reports of its batch count."""
+    other reports of its batch count (whichever way the finalizer takes the batch: the one
+    pass over its columns must see the intruder too)."""
 
     async def run() -> list:
         finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
         reports = [await _written(finalizer, 6, r, f"s{r}") for r in range(WORLD)]
-        intruder = RankReport(6, ROLE, 9, 16, "x")
-        answers = await finalizer.report_batch([reports[0], intruder, *reports[1:]])
+        role, rank, world = intruder
+        stranger = RankReport(6, role, rank, world, "x")
+        answers = await finalizer.report_batch([reports[0], stranger, *reports[1:]])
         await finalizer.wait_for_commit(6, 10.0)
         return answers
 
     answers = asyncio.run(run())
     assert answers[0] is None and answers[2:] == [None] * (WORLD - 1)
-    assert isinstance(answers[1], CheckpointError) and "rank 9 of world size 16" in str(answers[1])
+    assert isinstance(answers[1], CheckpointError) and named in str(answers[1])
     _committed_and_verified(tmp_path, 6)
 
 

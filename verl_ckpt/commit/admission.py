@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import warnings
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from verl_ckpt.protocol import RPC_SLACK_S, describe_failures
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.event_loop import TaskSet
-from verl_ckpt.protocol.messages import BeginRequest
+from verl_ckpt.protocol.messages import BeginRequest, RankReport
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.fsio import make_dir, read_regular, write_in_place
 from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
@@ -33,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 # A run id is 32 hex characters: a longer marker is not ours (and is not read further).
 _MARKER_MAX_BYTES = 256
+
+_ROLE = attrgetter("role")
+_RANK = attrgetter("rank")
+_WORLD_SIZE = attrgetter("world_size")
 
 
 class Admission:
@@ -244,6 +249,22 @@ class Admission:
     def check_participant(self, role: str, rank: int, world_size: int) -> None:
         """Refuse a call from anyone but an expected participant of the root."""
         check_participant(self._root, self._participants, role, rank, world_size)
+
+    def all_participants(self, reports: list[RankReport]) -> bool:
+        """Whether check_participant passes every report of a batch of one role (an
+        aggregator's): checked over the batch's columns at once. False says only that some
+        report needs check_participant's own verdict."""
+        roles = set(map(_ROLE, reports))
+        if len(roles) != 1:
+            return False
+        expected = self._participants.get(roles.pop())
+        ranks = list(map(_RANK, reports))
+        return (
+            expected is not None
+            and set(map(_WORLD_SIZE, reports)) == {expected}
+            and 0 <= min(ranks)
+            and max(ranks) < expected
+        )
 
     def _no_room_message(self, step: int, timeout_s: float) -> str:
         pending = "; ".join(

@@ -272,9 +272,16 @@ class CheckpointFinalizer:
         (commit/aggregator.py), in one pass; start a commit when a step's last report
         arrives. Each report's refusal (what `report` would raise for it), or None, in
         order: one bad report refuses itself only."""
+        reports = batch_reports(batch)
+        if self._admission.all_participants(reports):
+            # The common batch: only its save group's coordinator carries plan metadata.
+            for report in reports:
+                if report.packed_global_metadata is not None:
+                    report.unpack(self._metadata_cache)
+            return list(self._committer.take_batch(reports))
         accepted: list[RankReport] = []
         errors: list[CheckpointError | None] = []
-        for report in batch_reports(batch):
+        for report in reports:
             try:
                 report.unpack(self._metadata_cache)
                 self._admission.check_participant(report.role, report.rank, report.world_size)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from operator import attrgetter
 from typing import Any
 
 from verl_ckpt.protocol import Failure, Phase
@@ -43,6 +44,11 @@ from verl_ckpt.protocol.step_table import StepTable, unreported
 
 __all__ = ["Begun", "Recorded", "StepEntry", "StepLedger", "StepStatus"]
 
+
+_PARTICIPANT = attrgetter("role", "rank")
+_SAVE_ID = attrgetter("save_id")
+_STEP = attrgetter("step")
+_FAILURE = attrgetter("failure")
 
 IN_FLIGHT = (StepStatus.COLLECTING, StepStatus.COMMITTING)
 # Held in full (never forgotten): in flight, or committed and not yet retired.
@@ -227,6 +233,38 @@ class StepLedger:
             outcomes.append(self._record(report, entry))
             if entry is None:
                 entry = self.entry(step)  # opened by this report
+        return outcomes
+
+    def record_successes(self, reports: list[RankReport]) -> list[Recorded] | None:
+        """record_batch's outcomes for the common batch, recorded in one pass over its
+        columns (C-level maps and set operations, not a Python loop per report): every
+        report a success of one collecting step, from an expected participant whose
+        registered save it is, that had not reported. None, with nothing recorded, for any
+        other batch (one of its reports calls for a decision of its own): record_batch then
+        takes the batch report by report. Either way the outcomes are the same: COUNTED
+        for each, READY for the last when it completes the step."""
+        if not reports:
+            return None
+        step = reports[0].step
+        entry = self.entry(step)
+        if entry is None or entry.status is not StepStatus.COLLECTING:
+            return None
+        participants = list(map(_PARTICIPANT, reports))
+        if (
+            list(map(_FAILURE, reports)).count(None) != len(reports)
+            or set(map(_STEP, reports)) != {step}
+            or not self._expected_set.issuperset(participants)
+            or not entry.reports.keys().isdisjoint(participants)
+            or len(set(participants)) != len(participants)
+            # A participant with no registered save, or another one (STALE), is decided
+            # report by report.
+            or list(map(entry.attempts.get, participants)) != list(map(_SAVE_ID, reports))
+        ):
+            return None
+        entry.reports.update(zip(participants, reports))
+        outcomes = [Recorded.COUNTED] * len(reports)
+        if len(entry.reports) == len(self.expected):
+            outcomes[-1] = Recorded.READY
         return outcomes
 
     def _record(self, report: RankReport, entry: StepEntry | None) -> Recorded:
