@@ -3,9 +3,10 @@
 What is real: the `CheckpointFinalizer` actor (started by
 `verl_ckpt.commit.client.start_finalizer` with participants {"actor": N}, no driver
 participant, keep 2 committed steps), its `begin_batch`, `begin_step`, `report_batch` and
-`report` calls
-over Ray, and everything a commit does: it checks the size of every reported file (a stat
-each, made as each batch arrives), writes the role's `.metadata` (DCP) and `metadata.json`,
+`report` calls over Ray, and everything a commit does: it checks the size of the reported
+files (one of each node per batch as the batch arrives, trusting the node's check of the
+others; every file of a rank's own `report`), writes the role's `.metadata` (DCP) and
+`metadata.json`,
 the commit record, the tracker, and deletes the step that retention drops. The batches are
 packed as aggregators pack them (`verl_ckpt.protocol.messages.ReportBatch`).
 What is simulated: the ranks and their nodes, 8 ranks a node (512 nodes at 4096 ranks, 2,048
