@@ -67,7 +67,6 @@ import shutil
 import statistics
 import threading
 import time
-import uuid
 from array import array
 from pathlib import Path
 from typing import Any
@@ -673,7 +672,7 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, f
                 # Leave the step failed (a report with an error), so that the next begin_step
                 # is not held back by an uncommitted step.
                 failure = Failure(ROLE, 0, Phase.WRITE, "benchmark")
-                failed = RankReport(step, ROLE, 0, world, uuid.uuid4().hex, failure=failure)
+                failed = RankReport(step, ROLE, 0, world, _save_id(step, 0), failure=failure)
                 ray.get(finalizer.report.remote(failed))
                 shutil.rmtree(root / f"global_step_{step}", ignore_errors=True)
             out.append((target, _median(samples)))

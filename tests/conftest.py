@@ -115,18 +115,65 @@ def four_step_run(tmp_path_factory) -> Path:
 ROLES = {"actor": 2, "critic": 1}
 
 
-@pytest.fixture(scope="session")
-def ranks(ray_local):
-    """Real Megatron ranks in Ray actors, shared by the test modules (each test opens its own
-    CheckpointManager on its own root). Each role is its own gloo world."""
+# How long a shared rank may take to answer between tests before it counts as broken.
+RANK_ANSWERS_WITHIN_S = 30.0
+
+
+def _start_shared_ranks() -> dict[str, list]:
     from tests.rank_worker import start_world
 
     workers = {role: start_world(role, size, tp=size) for role, size in ROLES.items()}
-    everyone = [w for group in workers.values() for w in group]
-    ray.get([w.train.remote(1) for w in everyone])
+    ray.get([w.train.remote(1) for group in workers.values() for w in group])
+    return workers
+
+
+def _kill_shared_ranks(workers: dict[str, list]) -> None:
+    for group in workers.values():
+        for w in group:
+            ray.kill(w)
+
+
+@pytest.fixture(scope="session")
+def ranks(ray_local):
+    """Real Megatron ranks in Ray actors, shared by the test modules (each test opens its own
+    CheckpointManager on its own root). Each role is its own gloo world. The same dict for
+    the whole session: `_shared_ranks_repaired` replaces its workers in place after a test
+    that left them broken, so that one failure does not fail every later test."""
+    workers = _start_shared_ranks()
     yield workers
-    for w in everyone:
-        ray.kill(w)
+    _kill_shared_ranks(workers)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Each phase's report on the item (`rep_setup`, `rep_call`), for fixtures' teardown.
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _shared_ranks_repaired(request):
+    """After a test that used the shared ranks: when it failed (it may have left a manager
+    mid-save, a fault injected, a gloo world waiting in a collective) or a rank does not
+    answer, every shared rank is replaced by a fresh one before the next test."""
+    yield
+    if "ranks" not in request.fixturenames:
+        return
+    workers = request.getfixturevalue("ranks")
+    phases = [getattr(request.node, f"rep_{when}", None) for when in ("setup", "call")]
+    failed = any(report is not None and report.failed for report in phases)
+    if not failed:
+        try:
+            ray.get(
+                [w.pid.remote() for group in workers.values() for w in group],
+                timeout=RANK_ANSWERS_WITHIN_S,
+            )
+            return
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+    _kill_shared_ranks(workers)
+    workers.update(_start_shared_ranks())
 
 
 @pytest.fixture(scope="session")
@@ -167,6 +214,11 @@ RECIPE_RUN_MODULES = {
 RECIPE_RUNS_GROUP = "recipe runs"
 
 
+# First: xdist's own hook turns the markers into the groups it schedules by (a suffix of each
+# test's id), and runs before a conftest's hook unless this one asks to go first. Without it
+# no group held: a module's tests went to both workers, and each built the module's (and the
+# recipe runs') fixtures.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rpartition(".")[2]

@@ -132,7 +132,12 @@ def test_a_save_that_raises_an_earlier_failure_on_one_rank_leaves_the_next_steps
         coordinator.wait_for_commit(step)
     assert read_tracker(cfg["root_dir"]) == 5
     # Rank 0's step 3 was not its failure: no save() of rank 0 raised it.
-    assert [s["step"] for s in ray.get(first.wait.remote()) if s.get("error")] == [3]
+    errors = {s["step"]: s["error"] for s in ray.get(first.wait.remote()) if s.get("error")}
+    # Its step 2 too may have ended in error, never its own failure either: its begin is
+    # refused when rank 1's failure of the step reached the finalizer first (a race the
+    # fresh-clone suite hit).
+    assert set(errors) - {2} == {3}
+    assert 2 not in errors or "failed and a step number is saved once" in errors[2]
     close_all(ranks, coordinator)
 
 

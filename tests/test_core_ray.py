@@ -3,12 +3,14 @@ actor, TP=1 critic) over gloo, real files, real finalizer actor."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
 
 from tests.conftest import ROLES
-from tests.helpers import ckpt_config, every_rank, open_all, save_everyone
+from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
 from tests.probes import imported
 from verl_ckpt import (
     CheckpointCoordinator,
@@ -252,3 +254,36 @@ def test_structure_change_replans_and_same_structure_reuses_plan(ranks, tmp_path
     ray.get(critic.rebuild.remote(hidden_size=32))
     ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
+
+
+# ---- the suite's shared ranks (tests/conftest.py) ------------------------------------------
+
+_KILLED: list = []
+
+
+def test_a_test_that_kills_a_shared_rank_breaks_it_for_itself_only(ranks):
+    """(1 of 2, in this order) A test that leaves a shared rank broken (here: dead) passes;
+    the ranks that the next test gets are whole again (the next test checks)."""
+    victim = ranks["critic"][0]
+    _KILLED.append(victim)
+    ray.kill(victim, no_restart=True)
+    # ray.kill returns before the actor is gone: a call may still be answered meanwhile.
+    deadline = time.monotonic() + 30
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.monotonic() < deadline:
+            ray.get(victim.pid.remote(), timeout=30)
+            time.sleep(0.1)
+
+
+def test_the_next_test_gets_every_shared_rank_answering_and_saving(ranks, tmp_path):
+    """(2 of 2) After a test killed a shared rank, every rank answers and saves a step: the
+    dead one was replaced (before, every later test of the worker failed with it)."""
+    if not _KILLED:
+        pytest.skip("runs after the test that kills a shared rank (run the module)")
+    assert ranks["critic"][0] is not _KILLED[0]
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    close_all(ranks, coordinator)

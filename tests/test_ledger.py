@@ -176,6 +176,28 @@ def test_I5_a_step_missing_reports_fails_at_its_deadline_naming_who_is_missing()
     assert ledger.has_room_for(6) and ledger.next_expiry() == float("inf")
 
 
+def test_I5_a_step_missing_thousands_of_ranks_names_them_in_one_short_line():
+    """Issue 44's benchmark hit it: a begin held back by a step missing 4095 reports raised
+    one error naming each rank ("actor rank 0, actor rank 1, ...", 60 KB). Runs of ranks are
+    ranges now, and a scattered set is cut short with its count."""
+    ledger = StepLedger(
+        {"actor": 4096, "driver": 1}, max_in_flight=1, state_participants={"rollout": 8}
+    )
+    ledger.begin(5, ("actor", 0), "a", 10.0)
+    ledger.record(RankReport(5, "actor", 7, 4096, "s"))
+    ledger.expire(11.0)
+    message = describe_failures(ledger.failures(5))
+    assert message.endswith(
+        "no report by the step's deadline from actor ranks 0-6, actor ranks 8-4095, "
+        "driver rank 0, rollout[0-7]"
+    )
+    scattered = ledger.describe([("actor", r) for r in range(0, 4096, 2)])
+    assert len(scattered) < 1000 and scattered.endswith(", ... (2048 in all)")
+    assert ledger.describe([("actor", 1), ("actor", 2), ("rollout", 3)]) == (
+        "actor rank 1, actor rank 2, rollout[3]"
+    )
+
+
 def test_I3_a_failed_step_is_discardable_once_every_save_that_began_has_reported():
     """A failed step's directory held its files for ever (space a full disk needs back).
     It may go once nobody writes into it: every save that began reported, once."""

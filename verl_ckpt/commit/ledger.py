@@ -39,7 +39,7 @@ from typing import Any
 
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.messages import Participant, RankReport, StepStatus
-from verl_ckpt.protocol.phases import participant_label
+from verl_ckpt.protocol.phases import participant_label, participants_text
 from verl_ckpt.protocol.step_table import StepTable, unreported
 
 __all__ = ["Begun", "Recorded", "StepEntry", "StepLedger", "StepStatus"]
@@ -156,7 +156,9 @@ class StepLedger:
         return participant_label(role, rank, role in self.state_participants)
 
     def describe(self, participants: Iterable[Participant]) -> str:
-        return ", ".join(self.label(p) for p in sorted(participants))
+        """`participants` as messages name them, runs of ranks as ranges (phases.
+        participants_text): a step missing 4096 ranks is named in one short line."""
+        return participants_text(participants, self.state_participants)
 
     def failures(self, step: int) -> list[Failure]:
         entry = self.entry(step)

@@ -8,10 +8,12 @@ checks that they agree.
 from __future__ import annotations
 
 import errno as errno_codes
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import groupby
 
-__all__ = ["Failure", "Phase", "describe_failures", "participant_label"]
+__all__ = ["Failure", "Phase", "describe_failures", "participant_label", "participants_text"]
 
 
 class Phase(StrEnum):
@@ -81,6 +83,36 @@ def participant_label(role: str, rank: int, declared: bool) -> str:
     """How messages name a participant: "actor rank 3" for a rank (and the driver), and
     "rollout[1]" for index 1 of a participant declared to the coordinator."""
     return f"{role}[{rank}]" if declared else f"{role} rank {rank}"
+
+
+# participants_text: runs of at least this many consecutive ranks are shown as one range,
+# and at most this many pieces in all (a step missing every rank of 16,384 is one line).
+_RANGE_MIN = 3
+_PIECES_MAX = 24
+
+
+def participants_text(participants: Iterable[tuple[str, int]], declared: Container[str]) -> str:
+    """Participants in role and rank order, as messages name them (participant_label), with
+    runs of consecutive ranks shown as ranges: "actor ranks 0-4095, critic rank 2",
+    "rollout[0-7]"; beyond _PIECES_MAX pieces, the count of all of them."""
+    by_role: dict[str, list[int]] = {}
+    for role, rank in sorted(set(participants)):
+        by_role.setdefault(role, []).append(rank)
+    pieces = []
+    for role, ranks in by_role.items():
+        # Consecutive ranks share rank - position: one group per run.
+        for _, pairs in groupby(enumerate(ranks), key=lambda pair: pair[1] - pair[0]):
+            run = [rank for _, rank in pairs]
+            if len(run) < _RANGE_MIN:
+                pieces.extend(participant_label(role, rank, role in declared) for rank in run)
+            elif role in declared:
+                pieces.append(f"{role}[{run[0]}-{run[-1]}]")
+            else:
+                pieces.append(f"{role} ranks {run[0]}-{run[-1]}")
+    if len(pieces) > _PIECES_MAX:
+        total = sum(len(ranks) for ranks in by_role.values())
+        return ", ".join(pieces[:_PIECES_MAX]) + f", ... ({total} in all)"
+    return ", ".join(pieces)
 
 
 def describe_failures(failures: list[Failure]) -> str:

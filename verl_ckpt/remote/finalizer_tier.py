@@ -21,6 +21,7 @@ from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import StepStatus
+from verl_ckpt.protocol.phases import participants_text
 from verl_ckpt.remote.ledger import UploadLedger, UploadReport, UploadStatus
 from verl_ckpt.remote.tier import commit_remote_step, withdraw_other_remote_record
 from verl_ckpt.store.commit_record import (
@@ -288,7 +289,7 @@ class RemoteTier:
             logger.warning(
                 "step %d: no upload report from %s; the finalizer uploads their files",
                 step,
-                ", ".join(f"{role} rank {rank}" for role, rank in missing),
+                participants_text(missing, ()),
             )
 
     async def _commit_remotely(self, step: int) -> bool:
