@@ -595,6 +595,8 @@ def _profile_in_process(world: int, root: Path) -> str:
     async def one_step(step: int) -> None:
         directory = Path(await call(finalizer.begin_step, *_begin_args(step, 0, world)))
         reports = _reports(step, world, directory)
+        # As the group mode sends them: with their nodes' checks.
+        _checked_on_nodes(reports, directory.parent)
         batches = [ReportBatch.of(reports[i : i + GROUP_SIZE]) for i in range(0, world, GROUP_SIZE)]
         os.sync()
         if step == 2:

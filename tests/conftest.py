@@ -122,8 +122,14 @@ RANK_ANSWERS_WITHIN_S = 30.0
 def _start_shared_ranks() -> dict[str, list]:
     from tests.rank_worker import start_world
 
-    workers = {role: start_world(role, size, tp=size) for role, size in ROLES.items()}
-    ray.get([w.train.remote(1) for group in workers.values() for w in group])
+    workers: dict[str, list] = {}
+    try:
+        for role, size in ROLES.items():
+            workers[role] = start_world(role, size, tp=size)
+        ray.get([w.train.remote(1) for group in workers.values() for w in group])
+    except BaseException:
+        _kill_shared_ranks(workers)  # none left behind by a start that failed halfway
+        raise
     return workers
 
 

@@ -221,6 +221,7 @@ def test_I1_duplicate_and_replayed_reports_in_batches_are_ignored(tmp_path):
         ((ROLE, 1, WORLD + 1), f"rank 1 of world size {WORLD + 1}"),
         ((ROLE, WORLD, WORLD), f"rank {WORLD} of world size {WORLD}"),
         ((ROLE, -1, WORLD), f"rank -1 of world size {WORLD}"),
+        ((ROLE, float("nan"), WORLD), f"rank nan of world size {WORLD}"),
         (("critic", 0, WORLD), "role 'critic' is not a participant"),
     ],
 )
@@ -264,6 +265,46 @@ def test_I1_a_problem_a_node_found_with_a_reported_file_fails_the_step(tmp_path)
     error = asyncio.run(run())
     assert "part1.bin: reported by driver rank 1 with 64 bytes, found 3" in str(error), error
     assert read_tracker(tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("deleted", "commits"),
+    [
+        # Node a's second report: the node's word is taken for it (verification on resume
+        # finds such a file; many-machines.md).
+        (1, True),
+        # Node b's first report: checked again, and found missing although the node found it.
+        (2, False),
+    ],
+)
+def test_I1_a_batch_whose_nodes_found_every_file_is_checked_again_once_per_node(
+    tmp_path, deleted, commits
+):
+    """The common batch, every report a success of its registered save with files its node
+    found (taken in one pass over the batch): the finalizer checks each node's first report
+    again, and only that one. Ranks 0-1 are node a, 2-3 node b."""
+
+    async def run() -> StepNotCommittedError | None:
+        finalizer = CheckpointFinalizer(str(tmp_path), {ROLE: WORLD}, max_ckpt_to_keep=None)
+        reports = [await _written(finalizer, 4, r, f"s{r}") for r in range(WORLD)]
+        for report in reports:
+            report.files_on_arrival = ""
+            report.files_checked_on = "node-a" if report.rank < 2 else "node-b"
+        (step_dir(tmp_path, 4) / f"part{deleted}.bin").unlink()
+        assert await finalizer.report_batch(ReportBatch.of(reports)) == [None] * WORLD
+        try:
+            await finalizer.wait_for_commit(4, 10.0)
+        except StepNotCommittedError as exc:
+            return exc
+        return None
+
+    error = asyncio.run(run())
+    if commits:
+        assert error is None and read_tracker(tmp_path) == 4
+    else:
+        assert error is not None and read_tracker(tmp_path) is None
+        assert "part2.bin: reported by driver rank 2 with 64 bytes, found no file" in str(error)
+        assert "its node node-b found it as reported" in str(error), error
 
 
 def test_I1_only_a_report_the_step_counts_confirms_its_nodes_checks(tmp_path):

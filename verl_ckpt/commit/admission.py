@@ -254,16 +254,16 @@ class Admission:
         """Whether check_participant passes every report of a batch of one role (an
         aggregator's): checked over the batch's columns at once. False says only that some
         report needs check_participant's own verdict."""
-        roles = set(map(_ROLE, reports))
-        if len(roles) != 1:
+        if not reports:
             return False
-        expected = self._participants.get(roles.pop())
-        ranks = list(map(_RANK, reports))
+        roles = list(map(_ROLE, reports))
+        expected = self._participants.get(roles[0])
         return (
             expected is not None
-            and set(map(_WORLD_SIZE, reports)) == {expected}
-            and 0 <= min(ranks)
-            and max(ranks) < expected
+            and roles.count(roles[0]) == len(roles)
+            and list(map(_WORLD_SIZE, reports)).count(expected) == len(reports)
+            # Each rank, as check_participant tests it (a min and a max would let a NaN by).
+            and all(0 <= rank < expected for rank in map(_RANK, reports))
         )
 
     def _no_room_message(self, step: int, timeout_s: float) -> str:

@@ -86,7 +86,7 @@ def participant_label(role: str, rank: int, declared: bool) -> str:
 
 
 # participants_text: runs of at least this many consecutive ranks are shown as one range,
-# and at most this many pieces in all (a step missing every rank of 16,384 is one line).
+# and at most this many pieces of a role (a step missing every rank of 16,384 is one line).
 _RANGE_MIN = 3
 _PIECES_MAX = 24
 
@@ -94,12 +94,14 @@ _PIECES_MAX = 24
 def participants_text(participants: Iterable[tuple[str, int]], declared: Container[str]) -> str:
     """Participants in role and rank order, as messages name them (participant_label), with
     runs of consecutive ranks shown as ranges: "actor ranks 0-4095, critic rank 2",
-    "rollout[0-7]"; beyond _PIECES_MAX pieces, the count of all of them."""
+    "rollout[0-7]"; a role of more than _PIECES_MAX pieces cut short with its count (every
+    role is named)."""
     by_role: dict[str, list[int]] = {}
     for role, rank in sorted(set(participants)):
         by_role.setdefault(role, []).append(rank)
-    pieces = []
+    text = []
     for role, ranks in by_role.items():
+        pieces = []
         # Consecutive ranks share rank - position: one group per run.
         for _, pairs in groupby(enumerate(ranks), key=lambda pair: pair[1] - pair[0]):
             run = [rank for _, rank in pairs]
@@ -109,10 +111,10 @@ def participants_text(participants: Iterable[tuple[str, int]], declared: Contain
                 pieces.append(f"{role}[{run[0]}-{run[-1]}]")
             else:
                 pieces.append(f"{role} ranks {run[0]}-{run[-1]}")
-    if len(pieces) > _PIECES_MAX:
-        total = sum(len(ranks) for ranks in by_role.values())
-        return ", ".join(pieces[:_PIECES_MAX]) + f", ... ({total} in all)"
-    return ", ".join(pieces)
+        if len(pieces) > _PIECES_MAX:
+            pieces = [*pieces[:_PIECES_MAX], f"... ({len(ranks)} of {role} in all)"]
+        text.extend(pieces)
+    return ", ".join(text)
 
 
 def describe_failures(failures: list[Failure]) -> str:
