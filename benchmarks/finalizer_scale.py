@@ -203,16 +203,12 @@ class _TrackerWatch:
 
 
 @functools.cache
-def _begin_takes_timeout() -> bool:
+@functools.cache
+def _begin_parameters() -> frozenset[str]:
+    """The names `begin_step` takes at this commit (looked up once, not per rank's begin)."""
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
 
-    return "timeout_s" in inspect.signature(CheckpointFinalizer.begin_step).parameters
-
-
-def _begin_takes_save_id() -> bool:
-    from verl_ckpt.commit.finalizer import CheckpointFinalizer
-
-    return "save_id" in inspect.signature(CheckpointFinalizer.begin_step).parameters
+    return frozenset(inspect.signature(CheckpointFinalizer.begin_step).parameters)
 
 
 def _save_id(step: int, rank: int) -> str:
@@ -224,10 +220,10 @@ def _save_id(step: int, rank: int) -> str:
 def _begin_args(step: int, rank: int, world: int) -> tuple:
     """`begin_step`'s arguments (its signature gained a deadline, then a save id over time)."""
     args: tuple = (step, ROLE, rank, world)
-    if not _begin_takes_timeout():
+    if "timeout_s" not in _begin_parameters():
         return args
     args += (120.0,)
-    return args + (_save_id(step, rank),) if _begin_takes_save_id() else args
+    return args + (_save_id(step, rank),) if "save_id" in _begin_parameters() else args
 
 
 def _begins_batch() -> bool:

@@ -274,11 +274,9 @@ class CheckpointFinalizer:
         order: one bad report refuses itself only."""
         reports = batch_reports(batch)
         if self._admission.all_participants(reports):
-            # The common batch: only its save group's coordinator carries plan metadata.
             for report in reports:
-                if report.packed_global_metadata is not None:
-                    report.unpack(self._metadata_cache)
-            return list(self._committer.take_batch(reports))
+                report.unpack(self._metadata_cache)
+            return self._committer.take_batch(reports)
         accepted: list[RankReport] = []
         errors: list[CheckpointError | None] = []
         for report in reports:
