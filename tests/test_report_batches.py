@@ -342,7 +342,7 @@ def test_a_packed_batch_carries_every_field_a_report_sends():
     plain.write_results = [{"written": 1}]
     plain.packed_global_metadata = b"metadata"
     failed = RankReport(3, "actor", 6, 8, "b", failure=Failure("actor", 6, Phase.WRITE, "boom"))
-    # A node aggregator's check of a report's files travels with it (committer._check_files).
+    # A node aggregator's check of a report's files travels with it (intake._check_files).
     failed.files_on_arrival = "actor/y: reported by actor rank 6 with 3 bytes, found no file"
     failed.files_checked_on = "node-a"
     back = ReportBatch.of([plain, failed]).reports()

@@ -132,7 +132,7 @@ class ReportAggregator:
         self._groups = GroupRoutes(root_dir, finalizer, timeout_s, linger_s)
         # A node's aggregator (made with the root) checks its ranks' reported files, on the
         # node that wrote them: the finalizer then stats one file per node, not per rank
-        # (commit.committer._check_files). Each step's directory is the one the finalizer
+        # (commit.intake._check_files). Each step's directory is the one the finalizer
         # answered its begins with; a report of a step it did not see begin is left to the
         # finalizer.
         self._node_id = ray.get_runtime_context().get_node_id() if root_dir is not None else None

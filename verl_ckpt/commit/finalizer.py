@@ -2,13 +2,14 @@
 page, verl_ckpt/protocol).
 
 It only connects the pieces: admission (admission.py, step 1: back-pressure, leftovers,
-refusals), the committer (committer.py, steps 4-7: the step ledger of ledger.py counts
-reports, the plain functions of steps.py write the commit record, the tracker and delete
-old steps), the waits for a commit (waiters.py), the remote tier (remote/finalizer_tier.py,
-steps 8-11), the exports (hf/, step E), and recovery (store/recovery.py), which rolls the
-root forward whenever the actor starts. Every coroutine runs on the actor's one event loop,
-so the ledgers need no lock and one notifier (protocol.event_loop.Changes) wakes every
-waiter of both tiers; file work runs in a thread, one commit or retention at a time.
+refusals), the intake (intake.py, step 4: the step ledger of ledger.py counts reports), the
+committer (committer.py, steps 5-7: the plain functions of steps.py write the commit record,
+the tracker and delete old steps), the waits for a commit (waiters.py), the remote tier
+(remote/finalizer_tier.py, steps 8-11), the exports (hf/, step E), and recovery
+(store/recovery.py), which rolls the root forward whenever the actor starts. Every
+coroutine runs on the actor's one event loop, so the ledgers need no lock and one notifier
+(protocol.event_loop.Changes) wakes every waiter of both tiers; file work runs in a thread,
+one commit or retention at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from verl_ckpt.commit.admission import Admission, steps_lost_in_a_restart
 from verl_ckpt.commit.committer import Committer
+from verl_ckpt.commit.intake import ReportIntake
 from verl_ckpt.commit.ledger import StepLedger, StepStatus
 from verl_ckpt.commit.metadata_forecast import MetadataForecast
 from verl_ckpt.commit.waiters import Waiters
@@ -156,6 +158,7 @@ class CheckpointFinalizer:
             self._keyring,
             self._check_lease,
         )
+        self._intake = ReportIntake(self._root, self._ledger, self._changes, self._committer)
         self._waiters = Waiters(self._root, self._ledger, self._changes, self._committer)
         self._admission = Admission(
             self._root,
@@ -254,7 +257,7 @@ class CheckpointFinalizer:
             self._check_lease(f"step {requests[0].step} ({len(requests)} ranks)", _LEASE_RECHECK_S)
         return await self._admission.begin_steps(requests)
 
-    # ---- protocol steps 4-7: report, commit, retention (committer.py) ---------------------
+    # ---- protocol steps 4-7: report (intake.py), commit, retention (committer.py) -------
 
     async def report(self, report: RankReport) -> None:
         """Record one participant's outcome; start the commit when the last one arrives."""
@@ -263,7 +266,7 @@ class CheckpointFinalizer:
         # whatever the report says of them.
         report.files_on_arrival = report.files_checked_on = None
         self._admission.check_participant(report.role, report.rank, report.world_size)
-        self._committer.take(report)
+        self._intake.take(report)
 
     async def report_batch(
         self, batch: ReportBatch | list[RankReport]
@@ -276,7 +279,7 @@ class CheckpointFinalizer:
         if self._admission.all_participants(reports):
             for report in reports:
                 report.unpack(self._metadata_cache)
-            return self._committer.take_batch(reports)
+            return self._intake.take_batch(reports)
         accepted: list[RankReport] = []
         errors: list[CheckpointError | None] = []
         for report in reports:
@@ -288,7 +291,7 @@ class CheckpointFinalizer:
                 continue
             errors.append(None)
             accepted.append(report)
-        taken = iter(self._committer.take_batch(accepted))
+        taken = iter(self._intake.take_batch(accepted))
         return [error if error is not None else next(taken) for error in errors]
 
     # ---- waiting (waiters.py) ------------------------------------------------------------

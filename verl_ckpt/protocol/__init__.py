@@ -46,9 +46,9 @@ The code that does each step:
  3    | format.file_writer.write_checksummed, format.file_writer.write_bucket,
       | participants.saver.StateParticipant.save
  4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
-      | commit.committer.Committer.take, commit.ledger.StepLedger.record,
+      | commit.intake.ReportIntake.take, commit.ledger.StepLedger.record,
       | commit.batcher.NodeBatcher.submit, commit.aggregator.ReportAggregator.report_batch,
-      | commit.finalizer.CheckpointFinalizer.report_batch, commit.committer.Committer.take_batch
+      | commit.finalizer.CheckpointFinalizer.report_batch, commit.intake.ReportIntake.take_batch
  5    | commit.steps.commit_step
  6    | store.tracker.advance_tracker
  7    | store.retention.apply_retention, store.retention.delete_step
