@@ -418,3 +418,39 @@ def test_I3_retention_neither_counts_nor_deletes_a_planted_step(signed_root):
     outcome = apply_retention(signed_root, 1, keyring=Keyring([KEY]))
     assert outcome.deleted == [1] and outcome.unreadable == [99]
     assert step_dir(signed_root, 2).is_dir() and step_dir(signed_root, 99).is_dir()
+
+
+def test_I3_retention_parses_a_record_again_only_when_its_bytes_changed_and_then_checks_it(
+    tmp_path, monkeypatch
+):
+    """The finalizer's retention remembers the records it found valid (VerifiedRecords):
+    an unchanged record is not parsed again (a spy counts the real parse), and a record
+    replaced after it was found valid (signed with another key) is checked again and
+    refused: neither counted toward keep nor deleted."""
+    from verl_ckpt.store import commit_record
+    from verl_ckpt.store.record_cache import VerifiedRecords
+    from verl_ckpt.store.retention import apply_retention
+
+    keyring, verified = Keyring([KEY]), VerifiedRecords()
+    for step in (1, 2, 3):
+        signed_step(tmp_path, step, keyring)
+    parsed: list[str] = []
+    parse = commit_record.parse_commit_record
+    monkeypatch.setattr(
+        commit_record,
+        "parse_commit_record",
+        lambda data, path: parsed.append(str(path)) or parse(data, path),
+    )
+    assert apply_retention(tmp_path, 5, keyring=keyring, verified=verified).unreadable == []
+    assert len(parsed) == 3
+    parsed.clear()
+    assert apply_retention(tmp_path, 5, keyring=keyring, verified=verified).unreadable == []
+    assert parsed == []
+    record = read_commit_record(step_dir(tmp_path, 2))
+    record.signature = None
+    write_commit_record(step_dir(tmp_path, 2), sign_record(record, Keyring([OTHER])))
+    parsed.clear()
+    outcome = apply_retention(tmp_path, 1, keyring=keyring, verified=verified)
+    assert outcome.unreadable == [2] and outcome.deleted == [1]
+    assert step_dir(tmp_path, 2).is_dir() and step_dir(tmp_path, 3).is_dir()
+    assert len(parsed) == 0  # refused by its signature, before any parse

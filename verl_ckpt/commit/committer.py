@@ -32,6 +32,7 @@ from verl_ckpt.protocol.errors import RootLockedError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store.layout import DRIVER_ROLE, role_dir
+from verl_ckpt.store.record_cache import VerifiedRecords
 from verl_ckpt.store.retention import RetentionOutcome, apply_retention
 from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import CommitPhaseError
@@ -90,6 +91,10 @@ class Committer:
         # until this finalizer commits, so an upload alone (the end of a run that committed
         # nothing uploads its newest step) never deletes a step (I3: only after a commit).
         self._spared_for_uploads: set[int] = set()
+        # The records retention found valid (by their bytes): after every commit it reads
+        # every step's record, and with thousands of ranks parsing them again was most of
+        # its time (store/record_cache.py). Used only in the file thread, one run at a time.
+        self._verified_records = VerifiedRecords()
 
     def recent(self, step: int) -> CommitSummary | None:
         """The summary of a recent commit of `step`, if this finalizer made it."""
@@ -232,7 +237,11 @@ class Committer:
 
     def _retention(self) -> RetentionOutcome:
         return apply_retention(
-            self._root, self._keep, self.retention_keeps(), keyring=self._keyring
+            self._root,
+            self._keep,
+            self.retention_keeps(),
+            keyring=self._keyring,
+            verified=self._verified_records,
         )
 
     def _guarded(self, what: str, work: Callable[..., T], *args: Any) -> T:

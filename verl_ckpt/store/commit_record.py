@@ -32,6 +32,7 @@ from verl_ckpt.store.layout import (
 )
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
+from verl_ckpt.store.record_cache import VerifiedRecords
 from verl_ckpt.store.signing import SIGNATURE_FIELD, Keyring, signature_problem
 
 __all__ = [
@@ -349,17 +350,34 @@ class StepStates:
     unreadable: tuple[int, ...]
 
 
-def read_step_states(where: Where, keyring: Keyring | None = None) -> StepStates:
-    """Read every step's commit record (a record that does not read is logged)."""
+def read_step_states(
+    where: Where, keyring: Keyring | None = None, verified: VerifiedRecords | None = None
+) -> StepStates:
+    """Read every step's commit record (a record that does not read is logged). `verified`:
+    a long-lived reader's memory of the records it found valid (store/record_cache.py);
+    each record is still read, and parsed again unless its bytes are the ones found valid."""
     store = as_store(where)
     found: dict[str, list[int]] = {"committed": [], "uncommitted": [], "unreadable": []}
-    for step in store.list_steps():
+    listed = store.list_steps()
+    for step in listed:
+        rel = store.step_rel(step)
         try:
-            state = "committed" if find_commit_record(store, step, keyring) else "uncommitted"
+            data = _read_bytes(store, rel)
+            if data is None:
+                state = "uncommitted"
+            elif verified is not None and verified.knows(rel, data):
+                state = "committed"
+            else:
+                _parse_trusted(data, store, rel, keyring)
+                state = "committed"
+                if verified is not None:
+                    verified.remember(rel, data)
         except CommitRecordError as exc:
             logger.warning("step %d of %s is not counted as committed: %s", step, store.url, exc)
             state = "unreadable"
         found[state].append(step)
+    if verified is not None:
+        verified.keep_only(store.step_rel(step) for step in listed)
     return StepStates(**{state: tuple(steps) for state, steps in found.items()})
 
 

@@ -13,6 +13,7 @@ from verl_ckpt.store.base import Store
 from verl_ckpt.store.commit_record import StepStates, locate_step, read_step_states
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_of_dir
 from verl_ckpt.store.open_store import Where, as_store
+from verl_ckpt.store.record_cache import VerifiedRecords
 from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import tracker_or_none
 
@@ -83,6 +84,7 @@ def apply_retention(
     protected: Iterable[int] = (),
     dry_run: bool = False,
     keyring: Keyring | None = None,
+    verified: VerifiedRecords | None = None,
 ) -> RetentionOutcome:
     """Step 7 (11 on a remote tier), after a commit only: finish earlier half-done
     deletions, then delete committed steps beyond the newest `keep`. Never the tracker's
@@ -91,10 +93,11 @@ def apply_retention(
     are collected, not raised: retention failing never un-commits the step that triggered
     it, and the next commit retries. `dry_run`: decide, delete nothing. With a keyring
     (checkpoint.signing), a step whose record it does not verify counts as unreadable: a
-    planted step takes no place of `keep`, and is not deleted either."""
+    planted step takes no place of `keep`, and is not deleted either. `verified`: a
+    long-lived caller's memory of the records it found valid (read_step_states)."""
     store = as_store(where)
     outcome = RetentionOutcome()
-    states = read_step_states(store, keyring)
+    states = read_step_states(store, keyring, verified)
     outcome.unreadable = list(states.unreadable)
     protected = set(protected) | set(states.unreadable)
     tracker = tracker_or_none(store)
