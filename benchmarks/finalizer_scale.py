@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import cProfile
+import dataclasses
 import functools
 import gc
 import inspect
@@ -89,7 +90,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.messages import RankReport, ReportBatch, batch_reports
-from verl_ckpt.store.commit_record import FileEntry
+from verl_ckpt.store.commit_record import FileEntry, read_commit_record, write_commit_record
 from verl_ckpt.store.fsio import ChecksummingWriter
 from verl_ckpt.store.tracker import read_tracker
 
@@ -633,11 +634,16 @@ def _profile_in_process(world: int, root: Path) -> str:
     )
 
 
-def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, float]]:
-    """A new step's first `begin_step` (inside a rank's save()) with S committed steps of N
-    ranks on disk and retention off (max_ckpt_to_keep=None, the default): the committed
-    steps are copies of one real commit record of N ranks (committed_steps() reads only
-    the records)."""
+_KeptRow = tuple[int, float, float, float]
+
+
+def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[_KeptRow]:
+    """With S committed steps of N ranks on disk and retention keeping them all
+    (max_ckpt_to_keep=None, the default): a new step's first `begin_step` (inside a rank's
+    save()), and the retention that runs after every commit (_retention_after_commit). The
+    committed steps are copies of one real commit record of N ranks, each naming its own
+    step. Rows: (S, begin_step s, retention s, retention s without the finalizer's memory of
+    the records it verified)."""
     from verl_ckpt.commit.client import start_finalizer
 
     finalizer = start_finalizer(root, {ROLE: world}, max_ckpt_to_keep=None, timeout_s=120.0)
@@ -652,14 +658,14 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, f
             ]
         )
         ray.get(finalizer.wait_for_commit.remote(1, 300.0))
-        record = next(p for p in (root / "global_step_1").iterdir() if p.suffix == ".json")
+        record = read_commit_record(root / "global_step_1")
         present = 1
         step = 10_000
         for target in kept:
             for k in range(present + 1, target + 1):
                 copy = root / f"global_step_{k + 1}"
                 copy.mkdir()
-                shutil.copy(record, copy / record.name)
+                write_commit_record(copy, dataclasses.replace(record, step=k + 1))
             present = max(present, target)
             samples = []
             for _ in range(3):
@@ -673,10 +679,36 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[tuple[int, f
                 failed = RankReport(step, ROLE, 0, world, _save_id(step, 0), failure=failure)
                 ray.get(finalizer.report.remote(failed))
                 shutil.rmtree(root / f"global_step_{step}", ignore_errors=True)
-            out.append((target, _median(samples)))
+            remembered, parsed = _retention_after_commit(root, record)
+            out.append((target, _median(samples), remembered, parsed))
     finally:
         ray.kill(finalizer, no_restart=True)
     return out
+
+
+def _retention_after_commit(root: Path, record: Any) -> tuple[float, float]:
+    """Retention right after a commit (max_ckpt_to_keep=None: it deletes nothing, and still
+    reads every step's record), medians of 3: as the finalizer runs it, remembering the
+    records it verified at the retentions before (store/record_cache.py), so that only the
+    newly committed step's record is parsed; and parsing every record, as it did before."""
+    from verl_ckpt.store.record_cache import VerifiedRecords
+    from verl_ckpt.store.retention import apply_retention
+
+    newest = root / "global_step_9999"
+    remembered, parsed = [], []
+    for _ in range(3):
+        verified = VerifiedRecords()
+        apply_retention(root, None, verified=verified)
+        newest.mkdir()
+        write_commit_record(newest, dataclasses.replace(record, step=9999))
+        t = time.perf_counter()
+        apply_retention(root, None, verified=verified)
+        remembered.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        apply_retention(root, None)
+        parsed.append(time.perf_counter() - t)
+        shutil.rmtree(newest)
+    return _median(remembered), _median(parsed)
 
 
 @ray.remote(num_cpus=0)
@@ -783,8 +815,11 @@ def run(rank_counts: list[int], workdir: Path, log: Any = print) -> str:
         kept_n = min(max(rank_counts), 4096)
         kept = _begin_vs_kept(kept_n, workdir / "kept", [1, 8, 32, 128])
         log(
-            "    begin_step of a new step vs committed steps kept: "
-            + ", ".join(f"S={k}: {v * 1e3:.0f} ms" for k, v in kept)
+            "    begin_step of a new step, and retention after a commit (every record "
+            "parsed), vs committed steps kept: "
+            + ", ".join(
+                f"S={k}: {b * 1e3:.0f} ms, {r * 1e3:.0f} ({p * 1e3:.0f}) ms" for k, b, r, p in kept
+            )
         )
         soak = soak_table(
             soak_run(SOAK_COMMITS, trace_memory=False), soak_run(SOAK_COMMITS, trace_memory=True)
@@ -974,7 +1009,7 @@ def _markdown(
     rows: list[tuple[int, str, dict[str, Any]]],
     profile: str,
     largest: int,
-    kept: list[tuple[int, float]],
+    kept: list[_KeptRow],
     kept_n: int,
 ) -> str:
     lines = [
@@ -1012,8 +1047,16 @@ def _markdown(
         f"batches of {GROUP_SIZE}, the commit; by own time, then cumulative):\n\n```\n"
         + profile
         + "\n```"
-        + f"\n\nA new step's first begin_step (called inside a rank's save(), so blocking) with S "
-        f"committed steps of N={kept_n} ranks kept on disk (max_ckpt_to_keep=None, the "
-        "default), median of 3:\n\n| committed steps kept S | begin_step ms |\n|---|---|\n"
-        + "\n".join(f"| {k} | {v * 1e3:.1f} |" for k, v in kept)
+        + f"\n\nWith S committed steps of N={kept_n} ranks kept on disk (max_ckpt_to_keep=None, "
+        "the default; copies of one real commit record, each naming its own step), medians of "
+        "3: a new step's first begin_step (called inside a rank's save(), so blocking), and "
+        "the retention that runs after every commit (in the finalizer's file thread, after "
+        "wait_for_commit answered; it deletes nothing here but reads every step's record), "
+        "as the finalizer runs it (only the newly committed record parsed, the others known "
+        "by their bytes' SHA-256) and parsing every record (before 1d615de):"
+        "\n\n| committed steps kept S | begin_step ms | retention after a commit ms | "
+        "the same, every record parsed ms |\n|---|---|---|---|\n"
+        + "\n".join(
+            f"| {k} | {b * 1e3:.1f} | {r * 1e3:.1f} | {p * 1e3:.1f} |" for k, b, r, p in kept
+        )
     )
