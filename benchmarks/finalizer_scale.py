@@ -90,8 +90,14 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.messages import RankReport, ReportBatch, batch_reports
-from verl_ckpt.store.commit_record import FileEntry, read_commit_record, write_commit_record
+from verl_ckpt.store.commit_record import (
+    CommitRecord,
+    FileEntry,
+    read_commit_record,
+    write_commit_record,
+)
 from verl_ckpt.store.fsio import ChecksummingWriter
+from verl_ckpt.store.layout import DELETING_PREFIX, step_of_dir
 from verl_ckpt.store.tracker import read_tracker
 
 __all__ = ["run"]
@@ -686,7 +692,13 @@ def _begin_vs_kept(world: int, root: Path, kept: list[int]) -> list[_KeptRow]:
     return out
 
 
-def _retention_after_commit(root: Path, record: Any) -> tuple[float, float]:
+def _begun_or_deleting(name: str) -> bool:
+    """A failed step of _begin_vs_kept's begins (numbered from 10_001), or one being deleted."""
+    step = step_of_dir(name)
+    return name.startswith(DELETING_PREFIX) or (step is not None and step > 10_000)
+
+
+def _retention_after_commit(root: Path, record: CommitRecord) -> tuple[float, float]:
     """Retention right after a commit (max_ckpt_to_keep=None: it deletes nothing, and still
     reads every step's record), medians of 3: as the finalizer runs it, remembering the
     records it verified at the retentions before (store/record_cache.py), so that only the
@@ -695,6 +707,13 @@ def _retention_after_commit(root: Path, record: Any) -> tuple[float, float]:
     from verl_ckpt.store.retention import apply_retention
 
     newest = root / "global_step_9999"
+    # The finalizer deletes the failed steps begun before in the background: gone first, so
+    # that no deletion of its runs beside the timed ones.
+    deadline = time.monotonic() + 60
+    while any(_begun_or_deleting(p.name) for p in root.iterdir()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the failed steps under {root} were not deleted within 60 s")
+        time.sleep(0.05)
     remembered, parsed = [], []
     for _ in range(3):
         verified = VerifiedRecords()

@@ -431,9 +431,11 @@ def test_I3_retention_parses_a_record_again_only_when_its_bytes_changed_and_then
     from verl_ckpt.store.record_cache import VerifiedRecords
     from verl_ckpt.store.retention import apply_retention
 
-    keyring, verified = Keyring([KEY]), VerifiedRecords()
+    keyring = Keyring([KEY])
+    verified = VerifiedRecords(keyring)
     for step in (1, 2, 3):
         signed_step(tmp_path, step, keyring)
+    first = (step_dir(tmp_path, 1) / COMMIT_RECORD_FILENAME).read_bytes()
     parsed: list[str] = []
     parse = commit_record.parse_commit_record
     monkeypatch.setattr(
@@ -454,3 +456,29 @@ def test_I3_retention_parses_a_record_again_only_when_its_bytes_changed_and_then
     assert outcome.unreadable == [2] and outcome.deleted == [1]
     assert step_dir(tmp_path, 2).is_dir() and step_dir(tmp_path, 3).is_dir()
     assert len(parsed) == 0  # refused by its signature, before any parse
+    # The same bytes as a verified record, in another step's directory: parsed, and refused
+    # there (it names step 3); and what was deleted is forgotten.
+    step_dir(tmp_path, 7).mkdir()
+    copied = (step_dir(tmp_path, 3) / COMMIT_RECORD_FILENAME).read_bytes()
+    (step_dir(tmp_path, 7) / COMMIT_RECORD_FILENAME).write_bytes(copied)
+    outcome = apply_retention(tmp_path, 1, keyring=keyring, verified=verified)
+    assert outcome.unreadable == [2, 7] and outcome.deleted == [] and len(parsed) == 1
+    assert not verified.knows("global_step_1", first)  # deleted at the retention before
+    assert verified.knows("global_step_3", copied)
+    assert not verified.knows("global_step_7", copied)
+
+
+def test_verified_records_serve_only_the_keyring_they_were_made_with(tmp_path):
+    """A memory of records valid without a key (unsigned ones among them) must not vouch
+    for them under a key, nor the other way round."""
+    from verl_ckpt.store.record_cache import VerifiedRecords
+    from verl_ckpt.store.retention import apply_retention
+
+    signed_step(tmp_path, 1, None)
+    unsigned = VerifiedRecords()
+    assert apply_retention(tmp_path, 5, verified=unsigned).unreadable == []
+    with pytest.raises(ValueError, match="other signing keys"):
+        apply_retention(tmp_path, 5, keyring=Keyring([KEY]), verified=unsigned)
+    with pytest.raises(ValueError, match="other signing keys"):
+        apply_retention(tmp_path, 5, verified=VerifiedRecords(Keyring([KEY])))
+    assert apply_retention(tmp_path, 5, keyring=Keyring([KEY])).unreadable == [1]

@@ -94,7 +94,7 @@ class Committer:
         # The records retention found valid (by their bytes): after every commit it reads
         # every step's record, and with thousands of ranks parsing them again was most of
         # its time (store/record_cache.py). Used only in the file thread, one run at a time.
-        self._verified_records = VerifiedRecords()
+        self._verified_records = VerifiedRecords(keyring)
 
     def recent(self, step: int) -> CommitSummary | None:
         """The summary of a recent commit of `step`, if this finalizer made it."""

@@ -49,7 +49,7 @@ The code that does each step:
       | commit.intake.ReportIntake.take, commit.ledger.StepLedger.record,
       | commit.batcher.NodeBatcher.submit, commit.aggregator.ReportAggregator.report_batch,
       | commit.finalizer.CheckpointFinalizer.report_batch, commit.intake.ReportIntake.take_batch
- 5    | commit.steps.commit_step
+ 5    | commit.committer.Committer.start_commit, commit.steps.commit_step
  6    | store.tracker.advance_tracker
  7    | store.retention.apply_retention, store.retention.delete_step
  E    | hf.scheduler.ExportQueue.submit, hf.export.export_role

@@ -114,7 +114,7 @@ class RankReport:
     # nothing; commit.reported_files_problem). None: not checked, and the commit checks them.
     # Checked by the rank's node aggregator, on the node that wrote them, which sets
     # `files_checked_on` to that node's id; otherwise by the finalizer as the report
-    # arrives, which also checks one report per checking node again (commit.committer).
+    # arrives, which also checks one report per checking node again (commit.intake).
     # A rank's own report() has both reset by the finalizer, whatever it put there.
     files_on_arrival: str | None = None
     files_checked_on: str | None = None

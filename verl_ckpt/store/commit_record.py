@@ -356,6 +356,8 @@ def read_step_states(
     """Read every step's commit record (a record that does not read is logged). `verified`:
     a long-lived reader's memory of the records it found valid (store/record_cache.py);
     each record is still read, and parsed again unless its bytes are the ones found valid."""
+    if verified is not None and not verified.serves(keyring):
+        raise ValueError("verified records remembered under other signing keys")
     store = as_store(where)
     found: dict[str, list[int]] = {"committed": [], "uncommitted": [], "unreadable": []}
     listed = store.list_steps()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
+from verl_ckpt.store.signing import Keyring
+
 __all__ = ["VerifiedRecords"]
 
 
@@ -24,11 +26,17 @@ def _digest(data: bytes) -> bytes:
 
 class VerifiedRecords:
     """Per step directory (a store's relative path), the digest of the record bytes last
-    found valid there (signed by the reader's keyring, where it has one: a cache belongs to
-    one reader and its keyring). Holds only the directories of the last listing."""
+    found valid there: by the checks of `keyring` (checkpoint.signing), or of no keyring,
+    and only by those (serves). Holds only the directories of the last listing."""
 
-    def __init__(self) -> None:
+    def __init__(self, keyring: Keyring | None = None) -> None:
+        self._key_ids = keyring.key_ids if keyring is not None else None
         self._digests: dict[str, bytes] = {}
+
+    def serves(self, keyring: Keyring | None) -> bool:
+        """Whether these verdicts are those of `keyring`: a record valid without a keyring
+        may be unsigned, one valid under some keys not signed by others."""
+        return (keyring.key_ids if keyring is not None else None) == self._key_ids
 
     def knows(self, rel: str, data: bytes) -> bool:
         """Whether `data` are the bytes of the record verified at `rel` before."""
