@@ -108,11 +108,10 @@ def log(message: str) -> None:
 
 
 def start_ray(verbose: bool) -> None:
-    import ray
+    from recipes.local_ray import init_local_ray
 
     pythonpath = str(REPO_ROOT)
-    ray.init(
-        address="local",  # never attach to another Ray on this machine
+    init_local_ray(  # never attach to another Ray on this machine
         _node_ip_address="127.0.0.1",
         num_cpus=4,
         include_dashboard=False,

@@ -53,6 +53,7 @@ from omegaconf import DictConfig  # noqa: E402
 # The driver never imports megatron-core: only the rank processes do (recipes.workers).
 import verl_ckpt
 from recipes.hydra_records import redact_hydra_records
+from recipes.local_ray import init_local_ray
 from recipes.ppo_config import (
     ROLES,
     PPOToyConfig,
@@ -89,8 +90,8 @@ def connect_ray(cfg: PPOToyConfig) -> bool:
     ranks += sum(declared_participants(cfg).values())  # the rollout workers
     num_cpus = max(os.cpu_count() or 1, math.ceil(ranks * cfg.trainer.cpus_per_worker))
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(
-        address="local",  # never attach to another Ray on this machine by accident
+    init_local_ray(  # never attach to another Ray on this machine by accident
+        log,
         _node_ip_address="127.0.0.1",
         num_cpus=num_cpus,
         include_dashboard=False,

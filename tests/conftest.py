@@ -26,6 +26,8 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
+from recipes.local_ray import init_local_ray  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,9 +45,8 @@ def ray_local():
     if ray.is_initialized():
         ray.shutdown()
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(
-        # "local": always a new cluster of our own, never one found running on the machine.
-        address="local",
+    # Always a new cluster of our own, never one found running on the machine.
+    init_local_ray(
         _node_ip_address="127.0.0.1",
         num_cpus=4,
         include_dashboard=False,

@@ -1,0 +1,37 @@
+"""Start a Ray of this process's own on 127.0.0.1, once more if its node timed out starting.
+
+Ray's raylet waits a fixed 15 s for its dashboard agent (a Python process it starts even
+without a dashboard) to write its port file, and exits when it does not: on a loaded 2-core
+machine the agent's imports alone can take longer (ray-project/ray#65983; seen in this
+project's test suite). `ray.init` then fails after 30 s with "The current node timed out
+during startup", and nothing of it is left running that a second start cannot replace.
+Every other error of `ray.init` is raised as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+__all__ = ["init_local_ray"]
+
+_NODE_TIMED_OUT = "timed out during startup"
+
+
+def init_local_ray(log: logging.Logger | None = None, **options: Any) -> None:
+    """`ray.init(address="local", **options)` (always a new Ray of this process's own, never
+    one found running on the machine), started a second time if the first start's node timed
+    out; `log` names the first failure."""
+    try:
+        ray.init(address="local", **options)
+    except Exception as exc:  # Ray raises a bare Exception for it
+        if _NODE_TIMED_OUT not in str(exc):
+            raise
+        (log or logging.getLogger(__name__)).warning(
+            "Ray's node did not start in time (%s); starting it once more", exc
+        )
+        # What the first start left (its GCS, its agents) goes before the second.
+        ray.shutdown()
+        ray.init(address="local", **options)
