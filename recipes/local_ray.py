@@ -4,8 +4,9 @@ Ray's raylet waits a fixed 15 s for its dashboard agent (a Python process it sta
 without a dashboard) to write its port file, and exits when it does not: on a loaded 2-core
 machine the agent's imports alone can take longer (ray-project/ray#65983; seen in this
 project's test suite). `ray.init` then fails after 30 s with "The current node timed out
-during startup", and nothing of it is left running that a second start cannot replace.
-Every other error of `ray.init` is raised as it is.
+during startup". The first start's other processes (its GCS, its agents) stay until this
+process exits (Ray's reaper ends them then); the second start picks ports of its own. Every
+other error of `ray.init` is raised as it is.
 """
 
 from __future__ import annotations
@@ -32,6 +33,6 @@ def init_local_ray(log: logging.Logger | None = None, **options: Any) -> None:
         (log or logging.getLogger(__name__)).warning(
             "Ray's node did not start in time (%s); starting it once more", exc
         )
-        # What the first start left (its GCS, its agents) goes before the second.
+        # Whatever state of the first start this process holds is reset before the second.
         ray.shutdown()
         ray.init(address="local", **options)
