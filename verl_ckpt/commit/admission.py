@@ -185,6 +185,19 @@ class Admission:
         if directory is None:
             directory = self._make_directory(step, role, status, first=not made)
             made[role] = directory
+        if (
+            role != DRIVER_ROLE
+            and role not in self._ledger.state_participants
+            and self._ledger.role_has_begun(step, role)
+        ):
+            # The role's `.metadata` is made now, while its ranks copy and write, if it can be
+            # foreseen; the commit checks it against what the ranks then report. Only once
+            # the role's last rank joined: the forecast holds the GIL for most of its work,
+            # and started at the first begin it would share the event loop with every other
+            # begin of the step (and, run on an idle core only, may hold the GIL while it
+            # waits for one). A retried begin finds it pending (begin is idempotent), and
+            # once the commit took it the step no longer collects.
+            self._forecast.begin(step, role, Path(directory))
         return directory
 
     def _make_directory(self, step: int, role: str, status: StepStatus | None, first: bool) -> str:
@@ -196,10 +209,6 @@ class Admission:
             _mark_run(path, self._run_id)
         target = role_dir(self._root, step, role) if role != DRIVER_ROLE else path
         make_dir(target, parents=True, exist_ok=True)
-        if role != DRIVER_ROLE and role not in self._ledger.state_participants:
-            # The role's `.metadata` is made now, while its ranks write, if it can be
-            # foreseen; the commit checks it against what the ranks then report.
-            self._forecast.begin(step, role, target)
         return str(target)
 
     async def _remove_leftover(

@@ -85,6 +85,8 @@ class StepEntry:
     started_at: float = field(default_factory=time.monotonic)
     # The save id each participant's begin_step registered (while collecting).
     attempts: dict[Participant, str] = field(default_factory=dict)
+    # The ranks of each role whose begin_step joined the step (with or without a save id).
+    joined: dict[str, set[int]] = field(default_factory=dict)
     # time.monotonic() after which a collecting step fails for its missing reports.
     expires_at: float = math.inf
     # What the commit produced (commit.CommitSummary), kept until the step is retired.
@@ -117,6 +119,7 @@ class StepLedger:
             (role, rank) for role, size in sorted(everyone.items()) for rank in range(size)
         )
         self._expected_set = frozenset(self.expected)
+        self._sizes = everyone
         self.max_in_flight = max_in_flight
         # Open steps in full; failed and lost steps are kept so that waiters and late
         # reporters get the real answer, bounded so that a long run's failures do not
@@ -160,6 +163,15 @@ class StepLedger:
         participants_text): a step missing 4096 ranks is named in one short line."""
         return participants_text(participants, self.state_participants)
 
+    def role_has_begun(self, step: int, role: str) -> bool:
+        """Whether every rank of `role` joined `step`, which still collects reports."""
+        entry = self.entry(step)
+        return (
+            entry is not None
+            and entry.status is StepStatus.COLLECTING
+            and len(entry.joined.get(role, ())) == self._sizes.get(role)
+        )
+
     def failures(self, step: int) -> list[Failure]:
         entry = self.entry(step)
         return list(entry.failures) if entry is not None else []
@@ -193,6 +205,7 @@ class StepLedger:
             if known not in (None, save_id) and participant in entry.reports:
                 return Begun.ALREADY_REPORTED
             entry.attempts[participant] = save_id
+        entry.joined.setdefault(participant[0], set()).add(participant[1])
         if math.isinf(entry.expires_at) or expires_at > entry.expires_at:
             entry.expires_at = expires_at  # the latest participant's deadline counts
         return Begun.JOINED
@@ -316,6 +329,7 @@ class StepLedger:
             self._steps.move(step, StepStatus.COMMITTING, StepStatus.COMMITTED)
             entry.summary = summary
             entry.reports.clear()  # DCP metadata can be large and is on disk now
+            entry.joined.clear()
         else:
             self._decide(entry, StepStatus.FAILED, failure)
 
