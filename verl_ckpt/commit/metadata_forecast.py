@@ -8,10 +8,10 @@ on the tensors' geometry only, and on whether a large storage starts on a page, 
 staging buffer always does: torch_format) the same write results at every step. So once
 every rank of a role began a step (admission), the finalizer makes, in the background, the
 `.metadata` that the inputs of the role's last commit give for the new step's directory. The
-commit uses it only if every
-rank of the role sent exactly those bytes again (compared whole, not hashed); otherwise it
-makes the file then, as it would without a forecast. A forecast never decides what is
-written: it only moves the work of an exact, checked match ahead of the last report.
+commit uses it only if every rank of the role sent exactly those bytes again (compared
+whole, not hashed); otherwise it makes the file then, as it would without a forecast. A
+forecast never decides what is written: it only moves the work of an exact, checked match
+ahead of the last report.
 """
 
 from __future__ import annotations
