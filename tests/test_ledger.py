@@ -127,6 +127,31 @@ def test_I5_memory_is_flat_over_many_commits_and_failures():
     assert ledger.status(10_000) is StepStatus.FAILED and ledger.status(10) is None
 
 
+def test_a_role_has_begun_once_each_of_its_ranks_joined_while_the_step_collects():
+    """What starts the finalizer's `.metadata` forecast (admission): every rank of the role
+    joined, counted once each (a retried begin, a begin without a save id), and only while
+    the step collects; what it kept is dropped when the step is decided, as reports are."""
+    ledger = StepLedger({"actor": 3, "driver": 1}, max_in_flight=2)
+    for rank, save_id in ((0, "a"), (0, "a"), (1, None)):
+        assert ledger.begin(1, ("actor", rank), save_id, 100.0) is Begun.JOINED
+        assert not ledger.role_has_begun(1, "actor")
+    ledger.begin(1, ("actor", 2), "c", 100.0)
+    assert ledger.role_has_begun(1, "actor") and not ledger.role_has_begun(1, "driver")
+    assert not ledger.role_has_begun(2, "actor")
+    for rank in range(3):
+        ledger.begin(2, ("actor", rank), f"s{rank}", 100.0)
+    ledger.record(RankReport(2, "actor", 0, 3, "s0", failure=Failure("actor", 0, Phase.WRITE, "x")))
+    assert ledger.status(2) is StepStatus.FAILED and not ledger.role_has_begun(2, "actor")
+    assert ledger.entry(2).joined == {}
+    for role, rank in ledger.expected:
+        ledger.begin(1, (role, rank), f"{role}{rank}", 100.0)
+        ledger.record(RankReport(1, role, rank, 3 if role == "actor" else 1, f"{role}{rank}"))
+    ledger.begin_commit(1)
+    assert not ledger.role_has_begun(1, "actor")  # committing: no longer collects
+    ledger.finish_commit(1)
+    assert ledger.entry(1).joined == {}
+
+
 # ---- saves of a participant (save ids), refusals and deadlines ---------------------------
 
 

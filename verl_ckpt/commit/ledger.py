@@ -365,5 +365,6 @@ class StepLedger:
         }
         entry.reports.clear()  # DCP metadata can be large; the failure is what is kept
         entry.attempts.clear()
+        entry.joined.clear()
         # Last: the step becomes the newest decided one, and the oldest beyond the bound go.
         self._steps.move(entry.step, entry.status, status)
