@@ -19,6 +19,7 @@ import threading
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ from verl_ckpt.format.torch_format import write_item
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
-from verl_ckpt.protocol.messages import RankReport
+from verl_ckpt.protocol.messages import RankReport, StepStatus
 from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,
@@ -484,7 +485,12 @@ def _actor_plan() -> bytes:
 
 
 async def save_actor_step(
-    finalizer, step: int, plan: bytes, gap: tuple[int, int], wait: bool = True
+    finalizer,
+    step: int,
+    plan: bytes,
+    gap: tuple[int, int],
+    wait: bool = True,
+    after_reports: Any = None,
 ) -> None:
     """Both ranks write their row of step `step` (values 10 * step + rank) after `gap` bytes
     of their file, and report it packed as ranks do. Both begin first, as ranks do; before
@@ -520,6 +526,8 @@ async def save_actor_step(
         if rank == 0:
             report.packed_global_metadata = plan
         await finalizer.report(report.pack())
+    if after_reports is not None:
+        await after_reports()  # the step's commit started, and has not been waited for
     await finalizer.wait_for_commit(step, 10.0)
 
 
@@ -575,7 +583,8 @@ def test_a_forecast_starts_once_every_rank_of_its_role_began(tmp_path):
     """The forecast holds the finalizer's GIL for most of its work: started at a role's
     first begin, it would slow every other begin of the step (16,384 ranks' begins took
     2.5x as long). It starts when the role's last rank joins, once: a retried begin before
-    that starts none, and one after the commit is refused."""
+    that starts none, nor does one while the step commits (Ray retried the call: the same
+    save id, which the finalizer answers as joined), and one after the commit is refused."""
     plan = _actor_plan()
 
     async def run() -> None:
@@ -587,9 +596,22 @@ def test_a_forecast_starts_once_every_rank_of_its_role_began(tmp_path):
         assert (2, "actor") not in pending
         await finalizer.begin_step(2, "actor", 1, 2, 10.0, "s2r1")
         assert list(pending) == [(2, "actor")]
+
+        async def retried_while_committing() -> None:
+            # Until the commit's task took the forecast (its first turn of the event loop);
+            # its file work then runs on a thread, and the begin below never yields.
+            for _ in range(1000):
+                if not pending:
+                    break
+                await asyncio.sleep(0)
+            assert list(pending) == []
+            assert finalizer._ledger.status(2) is StepStatus.COMMITTING
+            await finalizer.begin_step(2, "actor", 1, 2, 10.0, "s2r1")
+            assert list(pending) == []
+
         # Step 2's saves as ranks make them (they begin again: the same save ids).
-        await save_actor_step(finalizer, 2, plan, (0, 0))
-        assert finalizer.status()["metadata_forecasts"]["used"] == 1
+        await save_actor_step(finalizer, 2, plan, (0, 0), after_reports=retried_while_committing)
+        assert finalizer.status()["metadata_forecasts"] == {"used": 1, "missed": 0, "late": 0}
         with pytest.raises(CheckpointError, match="already committed"):
             await finalizer.begin_step(2, "actor", 1, 2, 10.0, "s2r1")  # retried after it
         assert list(pending) == []

@@ -94,8 +94,9 @@ class MetadataForecast:
         self._pending: OrderedDict[tuple[int, str], tuple[_Inputs, Path, Future]] = OrderedDict()
 
     def begin(self, step: int, role: str, directory: Path) -> None:
-        """The role's directory of `step` exists: forecast its `.metadata`, once, if the role
-        committed before."""
+        """Every rank of the role began `step` (admission): forecast its `.metadata` in
+        `directory`, if the role committed before; a call for a step already forecast (a
+        retried begin) does nothing."""
         key = (step, role)
         last = self._last.get(role)
         if last is None or key in self._pending:
