@@ -598,11 +598,12 @@ def test_a_forecast_starts_once_every_rank_of_its_role_began(tmp_path):
         assert list(pending) == [(2, "actor")]
 
         async def retried_while_committing() -> None:
-            # Until the commit's task took the forecast (its first turn of the event loop);
-            # its file work then runs on a thread, and the begin below never yields.
-            for _ in range(1000):
-                if not pending:
-                    break
+            # Until the commit's task took the forecast (once it holds the root's file work,
+            # which the retention after step 1 may still hold); its file work then runs on
+            # a thread, for longer than one turn of the event loop, and the begin below
+            # never yields.
+            deadline = time.monotonic() + 30.0
+            while pending and time.monotonic() < deadline:
                 await asyncio.sleep(0)
             assert list(pending) == []
             assert finalizer._ledger.status(2) is StepStatus.COMMITTING
