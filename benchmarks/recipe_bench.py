@@ -7,8 +7,8 @@ with the same seed and config but `checkpoint`:
     threads; offload-aware staging as configs/ppo_toy.yaml sets it),
   - a save after every 4th step, whose steps right after a save are compared with its
     steps that neither save nor follow one (issue 44 item 1, within one run),
-  - the same with `checkpoint.snapshot=deferred` (save() returns before the copy; the copy
-    runs while the trainer is idle and the next optimizer step fences on it),
+  - a save after every step with `checkpoint.snapshot=deferred` (save() returns before the
+    copy; the copy runs while the trainer is idle and the next optimizer step fences on it),
   - a save after every step with the `sync` preset (the rank writes inside save()),
 and compares the per-step wall times (`step_s`) of its metrics JSONL. Steps 1-2 are left
 out (start-up, the finalizer's first commit). The model is enlarged from the recipe's default
