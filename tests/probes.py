@@ -10,3 +10,10 @@ import sys
 def imported(_actor: object, module: str) -> bool:
     """Whether the actor's process has imported `module`."""
     return module in sys.modules
+
+
+def process_id(_actor: object) -> int:
+    """The actor's process id: a restarted actor answers with another."""
+    import os
+
+    return os.getpid()

@@ -10,8 +10,15 @@ import ray
 import torch
 
 from tests.conftest import ROLES
-from tests.helpers import ckpt_config, close_all, every_rank, open_all, save_everyone
-from tests.probes import imported
+from tests.helpers import (
+    ckpt_config,
+    close_all,
+    every_rank,
+    open_all,
+    save_everyone,
+    wait_until,
+)
+from tests.probes import imported, process_id
 from verl_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
@@ -102,7 +109,17 @@ def test_I3_retention_keeps_newest_and_survives_finalizer_restart(ranks, tmp_pat
     root = tmp_path / "ckpt"
     assert sorted(p.name for p in root.glob("global_step_*")) == ["global_step_2", "global_step_3"]
     # Kill the finalizer for real; Ray restarts it and it rebuilds its state from disk.
-    ray.kill(coordinator.finalizer, no_restart=False)
+    # ray.kill returns before the process is gone: a begin of step 4 sent at once may reach
+    # the old finalizer, and the new one then rightly refuses a step that was in flight when
+    # it restarted. So save only once a new process answers.
+    finalizer = coordinator.finalizer
+    old_pid = ray.get(finalizer.__ray_call__.remote(process_id), timeout=60)
+    ray.kill(finalizer, no_restart=False)
+    wait_until(
+        lambda: _pid_after_restart(finalizer) not in (None, old_pid),
+        60,
+        "the finalizer restarted in a new process",
+    )
     save_everyone(ranks, coordinator, 4)
     coordinator.wait_for_commit(4)
     coordinator.drain()
@@ -110,6 +127,13 @@ def test_I3_retention_keeps_newest_and_survives_finalizer_restart(ranks, tmp_pat
     assert read_tracker(root) == 4
     ray.get([w.close.remote() for w in every_rank(ranks)])
     coordinator.close()
+
+
+def _pid_after_restart(actor: ray.actor.ActorHandle) -> int | None:
+    try:
+        return ray.get(actor.__ray_call__.remote(process_id), timeout=60)
+    except ray.exceptions.RayActorError:  # still restarting
+        return None
 
 
 def test_write_failure_surfaces_on_rank_and_in_finalizer_and_tracker_stays(ranks, tmp_path):
