@@ -268,8 +268,15 @@ def test_structure_change_replans_and_same_structure_reuses_plan(ranks, tmp_path
     save_everyone(ranks, coordinator, 3)
     for step in (1, 2, 3):
         coordinator.wait_for_commit(step)
-    stats = ray.get(critic.wait.remote())
+    by_rank = ray.get([w.wait.remote() for w in every_rank(ranks)])
+    stats = by_rank[every_rank(ranks).index(critic)]
     assert [s["plan_reused"] for s in stats if s["step"] == 3] == [False]
+    # Step 1 planned anew and converted the staged state for DCP; step 2, on the reused plan,
+    # found its write items in the staged state without converting it (write_resolution.py);
+    # the critic's step 3 converted again, with its new structure.
+    converted = [[s["plan_converted"] for s in st if s["step"] in (1, 2)] for st in by_rank]
+    assert converted == [[True, False]] * len(by_rank), converted
+    assert [s["plan_converted"] for s in stats if s["step"] == 3] == [True]
     before = ray.get(critic.state_copy.remote())
     ray.get(critic.train.remote(1))
     ray.get(critic.load.remote(3))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from verl_ckpt.format.safe_load import load_state_file
 from verl_ckpt.format.safe_reader import checkpoint_error_in
 from verl_ckpt.format.structure import Structure
 from verl_ckpt.format.torch_dist_dir import BACKEND, CHECKPOINTING_CONFIG
+from verl_ckpt.format.write_resolution import WriteResolution, see_shards, writable
 from verl_ckpt.protocol.errors import CheckpointError
 
 __all__ = [
@@ -117,6 +118,11 @@ class SavePlanCache:
     # Only the coordinator (rank 0 of the save group) holds the global DCP metadata, pickled
     # (see PreparedSave).
     global_metadata: bytes | None
+    # Where the plan's write items are in the sharded dict, once a save with this plan
+    # converted (write_resolution.py); None until then, or where it cannot be known.
+    resolution: WriteResolution | None = None
+    # DCP's stream transforms of the writer that planned (what it writes them with).
+    transforms: Any = None
 
 
 @dataclass
@@ -130,6 +136,8 @@ class PreparedSave:
     # dataclass per tensor and chunk) was most of the report's round trip.
     global_metadata: bytes | None
     plan_cache: SavePlanCache
+    # Whether megatron-core converted the state to DCP's to plan it (write_resolution.py).
+    converted: bool = True
 
 
 class _PlanOnlyWriter(FileSystemWriterAsync):
@@ -138,27 +146,29 @@ class _PlanOnlyWriter(FileSystemWriterAsync):
     `FileSystemWriterAsync.prepare_write_data` also creates a results queue backed by a
     multiprocessing Manager: a server process per rank that outlives every save. We write
     ourselves and need no queue, so this builds the same buckets (same file names, same
-    split) without it. Views are cloned as megatron-core does: `torch.save` of a view would
-    write its whole storage.
+    split) without it. Views are cloned as megatron-core does (`writable`). Each bucket's
+    tensors as the planner resolved them, before that, are kept in `views` (for
+    WriteResolution.learn).
     """
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         prefix = plan.storage_data.prefix
         self.write_buckets = []
+        self.views: list[list[torch.Tensor]] = []
         for items in _split_by_size_and_type(self.thread_count, plan.items):
-            bytes_data, tensor_data = [], []
+            bytes_data, tensor_data, views = [], [], []
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     bytes_data.append((item, data))
                 else:
-                    tensor = data.detach()
-                    is_view = tensor.untyped_storage().nbytes() != tensor.numel() * tensor.itemsize
-                    tensor_data.append((item, tensor.clone() if is_view else tensor))
+                    views.append(data)
+                    tensor_data.append((item, writable(data)))
             if bytes_data or tensor_data:
                 name = f"{prefix}{len(self.write_buckets)}{DEFAULT_SUFFIX}"
                 path = os.path.join(self.checkpoint_dir, name)
                 self.write_buckets.append((path, name, (bytes_data, tensor_data)))
+                self.views.append(views)
         self.results_queue = None
 
 
@@ -295,11 +305,24 @@ def plan_save(
     """Plan the DCP save of `sharded_part` (whose tensors are already staged on the host).
 
     With a valid `cache` no collective runs; otherwise the local plans are gathered on the
-    save group's coordinator, which builds the global metadata.
+    save group's coordinator, which builds the global metadata. With a valid `cache` that
+    learned where its write items are, megatron-core's conversion to DCP's state dict is
+    skipped too (write_resolution.py).
     """
     flat, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
         sharded_part, keep_only_main_replica=True
     )
+    if cache is not None and cache.resolution is not None:
+        write_buckets = cache.resolution.write_buckets(flat, checkpoint_dir)
+        if write_buckets is not None:
+            # DCP's planning makes the directory it plans for (its prepare_local_plan).
+            Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            kept = replace(cache, structure=structure, replica_distribution=replica_distribution)
+            return PreparedSave(
+                write_buckets, cache.transforms, cache.global_metadata, kept, converted=False
+            )
+    # Before the conversion, which reshapes shards' data in place.
+    seen = see_shards(flat)
     pyt_state_dict = mcore_torch.mcore_to_pyt_state_dict(flat, False)
     writer = _PlanOnlyWriter(checkpoint_dir, thread_count=files_per_rank)
     planner = mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
@@ -318,10 +341,18 @@ def plan_save(
         global_metadata = cache.global_metadata
     elif global_metadata is not None:
         global_metadata = pickle.dumps(global_metadata, protocol=pickle.HIGHEST_PROTOCOL)
-    new_cache = SavePlanCache(
-        structure, central_plan, local_plan, replica_distribution, global_metadata
-    )
     transforms = getattr(writer, "transforms", None)
+    # Goes with this central plan: the items it resolves are the plan's.
+    resolution = WriteResolution.learn(seen, flat, writer.write_buckets, writer.views)
+    new_cache = SavePlanCache(
+        structure,
+        central_plan,
+        local_plan,
+        replica_distribution,
+        global_metadata,
+        resolution,
+        transforms,
+    )
     return PreparedSave(writer.write_buckets, transforms, global_metadata, new_cache)
 
 

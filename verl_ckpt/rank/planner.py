@@ -154,6 +154,7 @@ class StepPlanner:
             self._plan_cache if job.layout.reuse_plan else None,
             job.layout.distribution,
         )
+        job.stats.plan_converted = job.prepared.converted
         if self._config.assume_constant_structure:
             self._plan_cache = job.prepared.plan_cache
         if self._config.writer.write_while_copying:

@@ -37,6 +37,10 @@ class SaveStats:
     # copy (offload-aware staging).
     bytes_staged: int
     bytes_zero_copy: int = 0
+    # Whether the plan converted the staged state to DCP's state dict (megatron-core's
+    # conversion); a reused plan finds its write items without it once a save learned
+    # where they are (format/write_resolution.py). None until the plan ran.
+    plan_converted: bool | None = None
     # "now", or "deferred": the copy (stage_s) ran in the background, after save() returned.
     snapshot: str = "now"
     # The wait, on the save thread, for the save group's agreement (ranks that went ahead

@@ -1,0 +1,193 @@
+"""A cached plan's write buckets, found in the next save's sharded dict directly.
+
+While the plan is cached (the structure holds, structure.py), megatron-core still converts
+the whole sharded dict to DCP's at every save (`mcore_to_pyt_state_dict`: a torch
+ShardedTensor or a container per key, most of the save thread's planning CPU) only for
+DCP's planner to find each write item's tensor in it again. That tensor is always a view of
+one shard's own data (megatron-core reshapes it, for example to add the prepended layer
+axis, but does not copy it). So the save that converts also learns, for each tensor write
+item, which shard it views and how; the next saves take the same view of that shard's data
+and skip the conversion. The objects (`ShardedObject`) are still serialised by megatron-core,
+as they may change at every save.
+
+Protocol step 1 (plan): megatron_compat.plan_save, verl_ckpt/protocol/__init__.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from torch.distributed.checkpoint.planner import WriteItem
+
+__all__ = ["SeenShards", "WriteResolution", "see_shards", "writable"]
+
+# A tensor's place in its storage: equal for two tensors means the same view of equal
+# storages.
+_Geometry = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
+
+
+def _geometry(tensor: torch.Tensor) -> _Geometry:
+    return (
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+    )
+
+
+def writable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a write bucket holds it: a view is cloned, as megatron-core does, since
+    `torch.save` of a view writes its whole storage."""
+    tensor = tensor.detach()
+    is_view = tensor.untyped_storage().nbytes() != tensor.numel() * tensor.itemsize
+    return tensor.clone() if is_view else tensor
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """One shard's data as the conversion found it."""
+
+    geometry: _Geometry
+    storage: int  # its storage's address
+    global_offset: tuple[int, ...]
+
+
+# Before megatron-core converts them (it reshapes shards' data in place): by key, each
+# shard's place in that key's list, or None for an object.
+SeenShards = dict[str, list[_Shard | None]]
+
+
+def see_shards(flat: dict[str, list]) -> SeenShards:
+    """Every tensor shard of `flat` (megatron-core's flattened dict: key -> its shards, main
+    replicas only), as it is before the conversion."""
+    return {
+        key: [
+            _Shard(_geometry(s.data), s.data.untyped_storage().data_ptr(), tuple(s.global_offset))
+            if isinstance(s, ShardedTensor) and s.data is not None
+            else None
+            for s in shards
+        ]
+        for key, shards in flat.items()
+    }
+
+
+@dataclass(frozen=True)
+class _TensorItem:
+    item: WriteItem
+    key: str
+    position: int  # in the key's list of shards
+    global_offset: tuple[int, ...]
+    # The shard's data as learned (before and after megatron-core reshaped it in place: a
+    # staged dict reused by the next save holds the reshaped data).
+    accepted: frozenset[_Geometry]
+    view: tuple[tuple[int, ...], tuple[int, ...], int]  # shape, stride, storage offset
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    name: str
+    objects: tuple[WriteItem, ...]
+    tensors: tuple[_TensorItem, ...]
+
+
+class WriteResolution:
+    """Where each write item of a cached plan is in the sharded dict."""
+
+    def __init__(self, buckets: tuple[_Bucket, ...]) -> None:
+        self._buckets = buckets
+        self._object_keys = sorted({item.index.fqn for b in buckets for item in b.objects})
+
+    @classmethod
+    def learn(
+        cls, seen: SeenShards, flat: dict[str, list], write_buckets: list, views: list[list]
+    ) -> WriteResolution | None:
+        """From a save that converted: `seen` before the conversion, `flat` after it, the
+        buckets its planner resolved and, for each bucket, its tensors as the planner
+        resolved them (before `writable`). None when a tensor item is not a view of exactly
+        one shard's data (megatron-core copied it: a non-contiguous shard), and the
+        conversion then runs at every save."""
+        buckets = []
+        for (_, name, (bytes_data, tensor_data)), resolved in zip(
+            write_buckets, views, strict=True
+        ):
+            tensors = []
+            for (item, _), tensor in zip(tensor_data, resolved, strict=True):
+                learned = _learn_item(seen, flat, item, tensor)
+                if learned is None:
+                    return None
+                tensors.append(learned)
+            objects = tuple(item for item, _ in bytes_data)
+            buckets.append(_Bucket(name, objects, tuple(tensors)))
+        return cls(tuple(buckets))
+
+    def write_buckets(self, flat: dict[str, list], checkpoint_dir: Path | str) -> list | None:
+        """The buckets over `flat`'s data, as the planner would resolve them; None where a
+        shard's data is no longer placed as learned (the caller converts instead)."""
+        found = [[_data_as_learned(flat, spec) for spec in b.tensors] for b in self._buckets]
+        if any(data is None for datas in found for data in datas):
+            return None
+        # megatron-core serialises the objects, as its conversion would (a list of each
+        # key's objects' data, one file entry per key).
+        objects = mcore_torch.mcore_to_pyt_state_dict(
+            {key: flat[key] for key in self._object_keys}, False
+        )
+        buckets = []
+        for bucket, datas in zip(self._buckets, found, strict=True):
+            bytes_data = [(item, objects[item.index.fqn]) for item in bucket.objects]
+            tensor_data = [
+                (spec.item, writable(data.detach().as_strided(*spec.view)))
+                for spec, data in zip(bucket.tensors, datas, strict=True)
+            ]
+            path = os.path.join(checkpoint_dir, bucket.name)
+            buckets.append((path, bucket.name, (bytes_data, tensor_data)))
+        return buckets
+
+
+def _data_as_learned(flat: dict[str, list], spec: _TensorItem) -> torch.Tensor | None:
+    shards = flat.get(spec.key)
+    if shards is None or spec.position >= len(shards):
+        return None
+    shard = shards[spec.position]
+    data = shard.data
+    if (
+        data is None
+        or tuple(shard.global_offset) != spec.global_offset
+        or _geometry(data) not in spec.accepted
+    ):
+        return None
+    return data
+
+
+def _learn_item(
+    seen: SeenShards, flat: dict[str, list], item: WriteItem, tensor: torch.Tensor
+) -> _TensorItem | None:
+    key = item.index.fqn
+    storage = tensor.untyped_storage().data_ptr()
+    offset = tensor.storage_offset()
+    matches = [
+        position
+        for position, shard in enumerate(seen.get(key, ()))
+        if shard is not None
+        and shard.storage == storage
+        and shard.geometry[3] == offset
+        and _geometry(tensor)[4] == shard.geometry[4]
+    ]
+    if len(matches) != 1:
+        return None
+    position = matches[0]
+    before = seen[key][position]
+    after = flat[key][position].data
+    return _TensorItem(
+        item,
+        key,
+        position,
+        before.global_offset,
+        frozenset({before.geometry, _geometry(after)}),
+        (tuple(tensor.shape), tensor.stride(), offset),
+    )
