@@ -95,3 +95,31 @@ assert again.plan_cache.resolution is not None
 print("ok")
 """
     )
+
+
+def test_a_shard_megatron_core_copies_is_never_learnt_and_every_save_converts():
+    """A non-contiguous shard of a stacked layer (several shards per key): megatron-core's
+    conversion writes a contiguous copy of it, which is no view of the shard. Nothing is
+    learnt; the next save with the plan converts and writes the same buckets as a reference
+    that never had anything to learn from."""
+    run_with_megatron(
+        TINY_GPT_AFTER_ONE_STEP
+        + PLANNING
+        + """
+def transposed(items):
+    for shard in items:
+        if (isinstance(shard, ShardedTensor) and shard.prepend_axis_num
+                and shard.data.dim() == 2 and shard.data.shape[0] != shard.data.shape[1]):
+            shard.data = shard.data.t().contiguous().t()
+            assert not shard.data.is_contiguous()
+            return
+    raise AssertionError("no 2-D shard of a stacked layer")
+copied, copied_converted = plan(None, 4, transposed)
+assert copied.plan_cache.resolution is None and copied_converted > 10
+again, again_converted = plan(copied.plan_cache, 5, transposed)
+slow, slow_converted = plan(without_resolution, 6, transposed)
+assert again_converted == slow_converted > 10, (again_converted, slow_converted)
+same_buckets(again.write_buckets, slow.write_buckets)
+print("ok")
+"""
+    )

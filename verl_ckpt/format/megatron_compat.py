@@ -121,7 +121,9 @@ class SavePlanCache:
     # Where the plan's write items are in the sharded dict, once a save with this plan
     # converted (write_resolution.py); None until then, or where it cannot be known.
     resolution: WriteResolution | None = None
-    # DCP's stream transforms of the writer that planned (what it writes them with).
+    # DCP's stream transforms of the writer that planned, which the saves that find their
+    # items without planning write with too: it holds only DCP's extensions, no state of a
+    # save (each stream it wraps is its own).
     transforms: Any = None
 
 
@@ -146,15 +148,17 @@ class _PlanOnlyWriter(FileSystemWriterAsync):
     `FileSystemWriterAsync.prepare_write_data` also creates a results queue backed by a
     multiprocessing Manager: a server process per rank that outlives every save. We write
     ourselves and need no queue, so this builds the same buckets (same file names, same
-    split) without it. Views are cloned as megatron-core does (`writable`). Each bucket's
-    tensors as the planner resolved them, before that, are kept in `views` (for
-    WriteResolution.learn).
+    split) without it. Views are cloned as megatron-core does (`writable`).
     """
+
+    # Each bucket's tensors as the planner resolved them, before `writable` cloned any:
+    # what WriteResolution.learn compares with the shards.
+    views: list[list[torch.Tensor]]
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         prefix = plan.storage_data.prefix
         self.write_buckets = []
-        self.views: list[list[torch.Tensor]] = []
+        self.views = []
         for items in _split_by_size_and_type(self.thread_count, plan.items):
             bytes_data, tensor_data, views = [], [], []
             for item in items:
@@ -313,7 +317,7 @@ def plan_save(
         sharded_part, keep_only_main_replica=True
     )
     if cache is not None and cache.resolution is not None:
-        write_buckets = cache.resolution.write_buckets(flat, checkpoint_dir)
+        write_buckets = cache.resolution.write_buckets(flat, checkpoint_dir, files_per_rank)
         if write_buckets is not None:
             # DCP's planning makes the directory it plans for (its prepare_local_plan).
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
@@ -343,7 +347,9 @@ def plan_save(
         global_metadata = pickle.dumps(global_metadata, protocol=pickle.HIGHEST_PROTOCOL)
     transforms = getattr(writer, "transforms", None)
     # Goes with this central plan: the items it resolves are the plan's.
-    resolution = WriteResolution.learn(seen, flat, writer.write_buckets, writer.views)
+    resolution = WriteResolution.learn(
+        seen, flat, writer.write_buckets, writer.views, files_per_rank
+    )
     new_cache = SavePlanCache(
         structure,
         central_plan,

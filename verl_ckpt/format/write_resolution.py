@@ -3,12 +3,15 @@
 While the plan is cached (the structure holds, structure.py), megatron-core still converts
 the whole sharded dict to DCP's at every save (`mcore_to_pyt_state_dict`: a torch
 ShardedTensor or a container per key, most of the save thread's planning CPU) only for
-DCP's planner to find each write item's tensor in it again. That tensor is always a view of
-one shard's own data (megatron-core reshapes it, for example to add the prepended layer
-axis, but does not copy it). So the save that converts also learns, for each tensor write
-item, which shard it views and how; the next saves take the same view of that shard's data
-and skip the conversion. The objects (`ShardedObject`) are still serialised by megatron-core,
-as they may change at every save.
+DCP's planner to find each write item's tensor in it again. That tensor is normally a view
+of one shard's own data (megatron-core reshapes it, for example to add the prepended layer
+axis, and copies only a non-contiguous shard). So the save that converts also learns, for
+each tensor write item, which shard it views and how; the next saves take the same view of
+that shard's data and skip the conversion. Nothing of the conversion is re-implemented:
+what is learnt is what this release's conversion and DCP's planner did, checked against the
+shards themselves, and where they copied, nothing is learnt (`WriteResolution.learn`). The
+objects (`ShardedObject`) are still serialised by megatron-core, as they may change at every
+save.
 
 Protocol step 1 (plan): megatron_compat.plan_save, verl_ckpt/protocol/__init__.py.
 """
@@ -24,10 +27,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-__all__ = ["SeenShards", "WriteResolution", "see_shards", "writable"]
+__all__ = ["WriteResolution", "see_shards", "writable"]
 
-# A tensor's place in its storage: equal for two tensors means the same view of equal
-# storages.
+# A tensor's place in its storage: equal for two tensors means the same view of storages of
+# equal size.
 _Geometry = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
 
 
@@ -60,10 +63,10 @@ class _Shard:
 
 # Before megatron-core converts them (it reshapes shards' data in place): by key, each
 # shard's place in that key's list, or None for an object.
-SeenShards = dict[str, list[_Shard | None]]
+_SeenShards = dict[str, list[_Shard | None]]
 
 
-def see_shards(flat: dict[str, list]) -> SeenShards:
+def see_shards(flat: dict[str, list]) -> _SeenShards:
     """Every tensor shard of `flat` (megatron-core's flattened dict: key -> its shards, main
     replicas only), as it is before the conversion."""
     return {
@@ -99,19 +102,25 @@ class _Bucket:
 class WriteResolution:
     """Where each write item of a cached plan is in the sharded dict."""
 
-    def __init__(self, buckets: tuple[_Bucket, ...]) -> None:
+    def __init__(self, buckets: tuple[_Bucket, ...], files_per_rank: int) -> None:
         self._buckets = buckets
+        self._files_per_rank = files_per_rank
         self._object_keys = sorted({item.index.fqn for b in buckets for item in b.objects})
 
     @classmethod
     def learn(
-        cls, seen: SeenShards, flat: dict[str, list], write_buckets: list, views: list[list]
+        cls,
+        seen: _SeenShards,
+        flat: dict[str, list],
+        write_buckets: list,
+        views: list[list],
+        files_per_rank: int,
     ) -> WriteResolution | None:
         """From a save that converted: `seen` before the conversion, `flat` after it, the
-        buckets its planner resolved and, for each bucket, its tensors as the planner
-        resolved them (before `writable`). None when a tensor item is not a view of exactly
-        one shard's data (megatron-core copied it: a non-contiguous shard), and the
-        conversion then runs at every save."""
+        buckets its planner resolved (split for `files_per_rank`) and, for each bucket, its
+        tensors as the planner resolved them (before `writable`). None when a tensor item
+        is not a view of exactly one shard's data, in its dtype (megatron-core copied a
+        non-contiguous shard, say), and the conversion then runs at every save."""
         buckets = []
         for (_, name, (bytes_data, tensor_data)), resolved in zip(
             write_buckets, views, strict=True
@@ -124,11 +133,16 @@ class WriteResolution:
                 tensors.append(learned)
             objects = tuple(item for item, _ in bytes_data)
             buckets.append(_Bucket(name, objects, tuple(tensors)))
-        return cls(tuple(buckets))
+        return cls(tuple(buckets), files_per_rank)
 
-    def write_buckets(self, flat: dict[str, list], checkpoint_dir: Path | str) -> list | None:
+    def write_buckets(
+        self, flat: dict[str, list], checkpoint_dir: Path | str, files_per_rank: int
+    ) -> list | None:
         """The buckets over `flat`'s data, as the planner would resolve them; None where a
-        shard's data is no longer placed as learned (the caller converts instead)."""
+        shard's data is no longer placed as learned, or the files are split otherwise (the
+        caller converts instead)."""
+        if files_per_rank != self._files_per_rank or any(k not in flat for k in self._object_keys):
+            return None
         found = [[_data_as_learned(flat, spec) for spec in b.tensors] for b in self._buckets]
         if any(data is None for datas in found for data in datas):
             return None
@@ -141,7 +155,7 @@ class WriteResolution:
         for bucket, datas in zip(self._buckets, found, strict=True):
             bytes_data = [(item, objects[item.index.fqn]) for item in bucket.objects]
             tensor_data = [
-                (spec.item, writable(data.detach().as_strided(*spec.view)))
+                (spec.item, writable(data.as_strided(*spec.view)))
                 for spec, data in zip(bucket.tensors, datas, strict=True)
             ]
             path = os.path.join(checkpoint_dir, bucket.name)
@@ -154,7 +168,7 @@ def _data_as_learned(flat: dict[str, list], spec: _TensorItem) -> torch.Tensor |
     if shards is None or spec.position >= len(shards):
         return None
     shard = shards[spec.position]
-    data = shard.data
+    data = shard.data if isinstance(shard, ShardedTensor) else None
     if (
         data is None
         or tuple(shard.global_offset) != spec.global_offset
@@ -165,29 +179,33 @@ def _data_as_learned(flat: dict[str, list], spec: _TensorItem) -> torch.Tensor |
 
 
 def _learn_item(
-    seen: SeenShards, flat: dict[str, list], item: WriteItem, tensor: torch.Tensor
+    seen: _SeenShards, flat: dict[str, list], item: WriteItem, tensor: torch.Tensor
 ) -> _TensorItem | None:
     key = item.index.fqn
     storage = tensor.untyped_storage().data_ptr()
-    offset = tensor.storage_offset()
+    geometry = _geometry(tensor)
     matches = [
         position
         for position, shard in enumerate(seen.get(key, ()))
         if shard is not None
         and shard.storage == storage
-        and shard.geometry[3] == offset
-        and _geometry(tensor)[4] == shard.geometry[4]
+        and shard.geometry[0] == geometry[0]  # the same dtype: not a reinterpreting view
+        and shard.geometry[3:] == geometry[3:]  # the same offset in a storage of that size
     ]
     if len(matches) != 1:
         return None
     position = matches[0]
     before = seen[key][position]
     after = flat[key][position].data
+    # The shard still holds that storage after the conversion: a storage megatron-core
+    # copied a shard into could have been given the address of one it freed, and matched it.
+    if after.untyped_storage().data_ptr() != storage:
+        return None
     return _TensorItem(
         item,
         key,
         position,
         before.global_offset,
         frozenset({before.geometry, _geometry(after)}),
-        (tuple(tensor.shape), tensor.stride(), offset),
+        (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()),
     )
