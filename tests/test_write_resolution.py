@@ -3,7 +3,9 @@ its sharded dict without megatron-core's conversion to DCP's state dict, and the
 buckets the conversion gives: the same files, items, objects and tensor views, holding the
 values of this save. Where a shard's data is not placed as learned, the conversion runs.
 On a real tiny GPT (two stacked layers: several shards per key) and its Adam state, in a
-process of its own (megatron's parallel state is global)."""
+process of its own (megatron's parallel state is global). Invariants I7 (the files are
+DCP's and megatron-core's own format: the same buckets as the conversion's) and I4 (what is
+written is this save's state)."""
 
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ without_resolution = dataclasses.replace(first.plan_cache, resolution=None)
 """
 
 
-def test_a_cached_plan_finds_its_write_buckets_without_converting_and_they_are_the_same():
+def test_I4_I7_a_cached_plan_finds_its_write_buckets_without_converting_and_they_are_the_same():
     run_with_megatron(
         TINY_GPT_AFTER_ONE_STEP
         + PLANNING
@@ -74,7 +76,7 @@ print("ok")
     )
 
 
-def test_a_shard_placed_otherwise_is_converted_and_the_buckets_are_still_the_same():
+def test_I4_I7_a_shard_placed_otherwise_is_converted_and_the_buckets_are_still_the_same():
     """A shard whose data now sits elsewhere in a larger storage (a staging buffer shared by
     several tensors, say) has the same shape and strides but not the learned place: the
     conversion runs, gives the same buckets, and the plan learns again."""
@@ -97,7 +99,7 @@ print("ok")
     )
 
 
-def test_a_shard_megatron_core_copies_is_never_learnt_and_every_save_converts():
+def test_I7_a_shard_megatron_core_copies_is_never_learnt_and_every_save_converts():
     """A non-contiguous shard of a stacked layer (several shards per key): megatron-core's
     conversion writes a contiguous copy of it, which is no view of the shard. Nothing is
     learnt; the next save with the plan converts and writes the same buckets as a reference
