@@ -248,6 +248,15 @@ class RankWorker:
             for name, value in list(s.items()):
                 s[name] = value.detach().to("cpu", copy=True)
 
+    def forget_write_resolution(self) -> None:
+        """Fault injection: the next save on the cached plan converts the staged state for
+        DCP, as a save did before it learned where its write items are
+        (format/write_resolution.py), or as one does whose shards are placed otherwise."""
+        import dataclasses
+
+        planner = self.manager._planner
+        planner._plan_cache = dataclasses.replace(planner._plan_cache, resolution=None)
+
     def hold_shard_conversion(self, hold: bool) -> bool | None:
         """Fault injection (a thread interleaving cannot be forced for real), for the next
         save() whose plan runs on the save thread: the save's copy into its staging buffers

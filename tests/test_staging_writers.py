@@ -258,7 +258,10 @@ def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):
     pointed every item at its buffer again, undoing the view of a tensor the plan was
     converting: the step failed. Here, on every rank, the copy waits until the plan is
     converting such a tensor, and the conversion pauses until save() returned
-    (hold_shard_conversion, an injected interleaving): the step commits and loads back."""
+    (hold_shard_conversion, an injected interleaving): the step commits and loads back.
+    A plan that learned where its write items are converts nothing (write_resolution.py);
+    one that converts on the save thread still does where the shards are placed otherwise,
+    which forget_write_resolution stands in for."""
     cfg = {"root_dir": str(tmp_path / "ckpt"), "timeout_s": 60.0}
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
@@ -266,6 +269,7 @@ def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):
     coordinator.wait_for_commit(1)
     workers = every_rank(ranks)
     before = ray.get([w.state_copy.remote() for w in workers])
+    ray.get([w.forget_write_resolution.remote() for w in workers])
     ray.get([w.hold_shard_conversion.remote(True) for w in workers])
     try:
         stats = save_everyone(ranks, coordinator, 2)
@@ -275,6 +279,10 @@ def test_plan_on_the_save_thread_keeps_its_view_of_the_copies(ranks, tmp_path):
     assert all(s["plan_reused"] for s in stats), stats
     # The interleaving was produced: on every rank a conversion waited for save() to return.
     assert held == [True] * len(workers), held
+    converted = [
+        [s["plan_converted"] for s in ray.get(w.wait.remote()) if s["step"] == 2] for w in workers
+    ]
+    assert converted == [[True]] * len(workers), converted
     assert_restores(ranks, 2, before)
     close_all(ranks, coordinator)
 

@@ -113,9 +113,10 @@ class Snapshotter:
         if job.started is None:
             bind_buffers(copy)
         # else the save thread owns the items: they were pointed at the buffers before it
-        # took the job, and its plan is rebinding them meanwhile (megatron-core's conversion
-        # views each staged tensor with its prepended axes, then reads the view back): a
-        # second binding from this thread could undo a view under way and fail the plan.
+        # took the job, and its plan may be rebinding them meanwhile (where it converts,
+        # megatron-core views each staged tensor with its prepended axes, then reads the
+        # view back): a second binding from this thread could undo a view under way and
+        # fail the plan.
         job.stats.stage_s = time.perf_counter() - started
 
     def take_deferred(self, job: SaveJob) -> None:
