@@ -59,7 +59,9 @@ __all__ = [
     "BLOB_TEMPLATES",
     "CRC_FREE_BLOBS",
     "BlobLayout",
+    "StorageGeometry",
     "save_tensor_blob",
+    "storage_geometry",
     "whole_tensor_blob_layout",
     "write_item",
     "write_tensor_blob",
@@ -136,6 +138,22 @@ _TEMPLATES_MAX = 4096
 _templates_lock = threading.Lock()
 
 
+# A tensor's place in its storage: equal for two tensors means the same view of storages of
+# equal size (dtype, shape, strides, storage offset, storage bytes).
+StorageGeometry = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
+
+
+def storage_geometry(tensor: torch.Tensor) -> StorageGeometry:
+    """Where `tensor` lies in its storage, and that storage's size."""
+    return (
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.untyped_storage().nbytes(),
+    )
+
+
 def _template_key(tensor: torch.Tensor, alignment: int | None = None) -> tuple | None:
     """Everything save_tensor_blob's bytes depend on besides the storage's bytes, or None
     for a tensor whose pickle may hold more (it is then written by torch.save itself)."""
@@ -148,11 +166,7 @@ def _template_key(tensor: torch.Tensor, alignment: int | None = None) -> tuple |
     ):
         return None
     return (
-        tensor.dtype,
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.storage_offset(),
-        tensor.untyped_storage().nbytes(),
+        *storage_geometry(tensor),
         tensor.requires_grad,
         tuple(sorted(torch._C._get_tensor_metadata(tensor).items())),  # conj, neg bits
         alignment if alignment is not None else torch_serialization._get_storage_alignment(),

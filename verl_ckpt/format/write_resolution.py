@@ -27,21 +27,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from torch.distributed.checkpoint.planner import WriteItem
 
+from verl_ckpt.format.torch_format import StorageGeometry, storage_geometry
+
 __all__ = ["WriteResolution", "see_shards", "writable"]
-
-# A tensor's place in its storage: equal for two tensors means the same view of storages of
-# equal size.
-_Geometry = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
-
-
-def _geometry(tensor: torch.Tensor) -> _Geometry:
-    return (
-        tensor.dtype,
-        tuple(tensor.shape),
-        tensor.stride(),
-        tensor.storage_offset(),
-        tensor.untyped_storage().nbytes(),
-    )
 
 
 def writable(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,7 +44,7 @@ def writable(tensor: torch.Tensor) -> torch.Tensor:
 class _Shard:
     """One shard's data as the conversion found it."""
 
-    geometry: _Geometry
+    geometry: StorageGeometry
     storage: int  # its storage's address
     global_offset: tuple[int, ...]
 
@@ -71,7 +59,11 @@ def see_shards(flat: dict[str, list]) -> _SeenShards:
     replicas only), as it is before the conversion."""
     return {
         key: [
-            _Shard(_geometry(s.data), s.data.untyped_storage().data_ptr(), tuple(s.global_offset))
+            _Shard(
+                storage_geometry(s.data),
+                s.data.untyped_storage().data_ptr(),
+                tuple(s.global_offset),
+            )
             if isinstance(s, ShardedTensor) and s.data is not None
             else None
             for s in shards
@@ -88,7 +80,7 @@ class _TensorItem:
     global_offset: tuple[int, ...]
     # The shard's data as learned (before and after megatron-core reshaped it in place: a
     # staged dict reused by the next save holds the reshaped data).
-    accepted: frozenset[_Geometry]
+    accepted: frozenset[StorageGeometry]
     view: tuple[tuple[int, ...], tuple[int, ...], int]  # shape, stride, storage offset
 
 
@@ -172,7 +164,7 @@ def _data_as_learned(flat: dict[str, list], spec: _TensorItem) -> torch.Tensor |
     if (
         data is None
         or tuple(shard.global_offset) != spec.global_offset
-        or _geometry(data) not in spec.accepted
+        or storage_geometry(data) not in spec.accepted
     ):
         return None
     return data
@@ -183,7 +175,7 @@ def _learn_item(
 ) -> _TensorItem | None:
     key = item.index.fqn
     storage = tensor.untyped_storage().data_ptr()
-    geometry = _geometry(tensor)
+    geometry = storage_geometry(tensor)
     matches = [
         position
         for position, shard in enumerate(seen.get(key, ()))
@@ -206,6 +198,6 @@ def _learn_item(
         key,
         position,
         before.global_offset,
-        frozenset({before.geometry, _geometry(after)}),
-        (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()),
+        frozenset({before.geometry, storage_geometry(after)}),
+        geometry[1:4],  # shape, stride, storage offset
     )
