@@ -6,7 +6,7 @@ and write it at the same time into two files (writer.threads=2) with fsync, in t
 rotated round by round:
 - `O_DIRECT floor`: os.pwrite of 8 MiB requests straight from the memory, one thread per file;
   no header, no checksum. The least these bytes can cost.
-- `verl_ckpt`: `file_writer.write_checksummed` as the rank's writer calls it (a header, then
+- `verl_ckpt`: `checksummed_file.write_checksummed` as the rank's writer calls it (a header, then
   the tensor's bytes in one write): the file's helper writes 8 MiB requests back to back while
   the writer thread hashes the slice (xxh3) beside them.
 - `verl_ckpt, a hand-off per 8 MiB`: the same with the stream's `beside` turned off, which is
@@ -51,8 +51,8 @@ def _floor_file(path: Path, view: memoryview) -> None:
 
 
 def _rank(index: int, directory: Path, rounds: int, barrier: Barrier, out: Queue) -> None:
-    from verl_ckpt.format.file_writer import write_checksummed
     from verl_ckpt.store import direct_io
+    from verl_ckpt.store.checksummed_file import write_checksummed
     from verl_ckpt.store.fsio import WriteOptions
 
     memory = mmap.mmap(-1, RANK_BYTES)

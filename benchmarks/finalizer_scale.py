@@ -951,7 +951,7 @@ def soak_run(commits: int = SOAK_COMMITS, trace_memory: bool = False) -> list[di
     import tracemalloc
 
     from verl_ckpt.commit.finalizer import CheckpointFinalizer
-    from verl_ckpt.format.file_writer import write_checksummed
+    from verl_ckpt.store.checksummed_file import write_checksummed
     from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
     interned = [

@@ -29,10 +29,10 @@ from verl_ckpt.commit.client import (
 )
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
 from verl_ckpt.commit.participant import ParticipantLink
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.messages import BeginRequest, RankReport, batch_begins, begin_rows
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.layout import step_dir
 from verl_ckpt.store.tracker import read_tracker

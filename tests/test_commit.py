@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from verl_ckpt.commit.steps import commit_step, discard_failed_steps, reported_files_problem
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol import Phase
 from verl_ckpt.protocol.faults import ENV_VAR
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store import fsio
 from verl_ckpt.store import local as commit_module
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import CommitRecord, FileEntry, is_committed, write_commit_record
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,

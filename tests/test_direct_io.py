@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.store import direct_io
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.direct_io import open_direct
 from verl_ckpt.store.fsio import WriteOptions, file_checksum
 

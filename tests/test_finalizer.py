@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from verl_ckpt.commit import metadata_forecast
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.format.torch_format import write_item
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR
 from verl_ckpt.protocol.messages import RankReport, StepStatus
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import (
     CommitRecord,
     FileEntry,

@@ -92,7 +92,7 @@ def test_a_write_starved_of_its_only_core_leaves_the_idle_class_and_ends(tmp_pat
     """A busy process at nice 0 and the idle writer share one core (both pinned to it): the
     writer gets next to nothing of it until it has waited STARVED_AFTER_S for the core, then
     goes on at its niceness and finishes. Through the direct path, as a rank's writer."""
-    from verl_ckpt.format.file_writer import write_checksummed
+    from verl_ckpt.store.checksummed_file import write_checksummed
     from verl_ckpt.store.fsio import WriteOptions, file_checksum
 
     core = sorted(os.sched_getaffinity(0))[0]

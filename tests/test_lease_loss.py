@@ -25,7 +25,6 @@ import ray
 from tests.helpers import ckpt_config
 from tests.test_finalizer import save_driver_step
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.protocol.errors import CheckpointError, RootLockedError
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.startup import root_lock
@@ -37,6 +36,7 @@ from verl_ckpt.startup.root_lock import (
     read_holder,
     this_job,
 )
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import FileEntry, is_committed
 from verl_ckpt.store.layout import DRIVER_STATE_FILENAME, step_dir
 from verl_ckpt.store.tracker import read_tracker

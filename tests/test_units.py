@@ -287,7 +287,7 @@ def test_I2_tracker_with_an_absurdly_long_number_is_an_error_naming_the_path(tmp
 
 _WRITE_PAST_FILE_SIZE_CAP = """
 import resource, signal, sys, torch
-from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.format.torch_format import save_tensor_blob
 # A real OS limit: writes past 64 KiB fail with EFBIG, as a full disk fails with ENOSPC.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -318,8 +318,8 @@ def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path
     import threading
     import time
 
-    from verl_ckpt.format.file_writer import write_checksummed
     from verl_ckpt.store import fsio
+    from verl_ckpt.store.checksummed_file import write_checksummed
 
     callers: list[str] = []
     real = fsio.start_writeback
@@ -344,7 +344,7 @@ def test_early_writeback_runs_beside_the_writer_and_lets_go_of_the_file(tmp_path
 
 _WRITE_WITH_ONE_DESCRIPTOR_LEFT = """
 import os, resource, sys
-from verl_ckpt.format.file_writer import write_checksummed
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.fsio import file_checksum
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 payload = os.urandom(1 << 20) * 40  # the early writeback's helper wants a dup at the first hint
@@ -530,3 +530,22 @@ else:
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == []
+
+
+def test_the_driver_and_participants_write_their_files_without_torchs_checkpoint_package():
+    """The driver and a participant write plain checksummed files (store/checksummed_file.py):
+    the recipe's driver, its coordinator and a participant's saver import no
+    torch.distributed.checkpoint (most of a second of CPU in every job's driver, which had
+    it through the rank's bucket writer)."""
+    probe = (
+        "import sys\n"
+        "import recipes.ppo_toy\n"
+        "from verl_ckpt.driver import coordinator\n"
+        "from verl_ckpt.participants import saver\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[]"], done.stdout

@@ -21,7 +21,6 @@ import pytest
 
 from verl_ckpt.cli.main import main
 from verl_ckpt.cli.output import escaped, print_table
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.hf.record import (
     EXPORT_FORMAT_VERSION,
     EXPORT_RECORD_FILENAME,
@@ -31,6 +30,7 @@ from verl_ckpt.hf.record import (
 )
 from verl_ckpt.protocol.errors import CommitRecordError, TrackerError
 from verl_ckpt.remote.pull import pull_step
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import (
     COMMIT_RECORD_MAX_BYTES,
     CommitRecord,

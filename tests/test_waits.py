@@ -136,8 +136,8 @@ def test_I5_paused_writes_wait_between_calls_and_a_lost_resume_ends_by_itself(
 ):
     """CheckpointManager.quiet() holds background writes back while the trainer's update
     runs; a pause whose resume never comes (an optimizer step that raised) is bounded."""
-    from verl_ckpt.format.file_writer import write_checksummed
     from verl_ckpt.store import fsio
+    from verl_ckpt.store.checksummed_file import write_checksummed
 
     gate = threading.Event()  # cleared: paused
     wrote = threading.Event()

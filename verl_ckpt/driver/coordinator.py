@@ -16,7 +16,6 @@ import ray
 from verl_ckpt.commit.client import FinalizerClient, check_shared_root, start_finalizer
 from verl_ckpt.commit.participant import ParticipantLink, new_save_id
 from verl_ckpt.commit.participant_handle import ParticipantHandle
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.format.safe_load import load_state_file, safe_state_bytes
 from verl_ckpt.hf.scheduler import plan_exports
 from verl_ckpt.protocol import Phase
@@ -29,6 +28,7 @@ from verl_ckpt.protocol.errors import (
 )
 from verl_ckpt.startup.prepare import StartPlan, prepare_start
 from verl_ckpt.startup.resume_fit import check_participants_fit
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,

@@ -1,4 +1,5 @@
-"""Writing one rank's files: DCP write buckets and common.pt, fsynced and checksummed.
+"""Writing one rank's files: DCP write buckets and common.pt (each a
+store.checksummed_file.write_checksummed: fsynced and checksummed).
 
 Depends on torch only (not megatron-core), so that a spawned writer process starts fast.
 
@@ -7,90 +8,20 @@ Protocol step 3 (write), verl_ckpt/protocol/__init__.py.
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from verl_ckpt.format.torch_format import write_item
-from verl_ckpt.store.direct_io import open_direct
-from verl_ckpt.store.fsio import (
-    DEFAULT_WRITES,
-    ChecksummingWriter,
-    Gate,
-    WriteOptions,
-    open_for_rewrite,
-)
+from verl_ckpt.store.checksummed_file import WrittenFile, write_checksummed
+from verl_ckpt.store.fsio import DEFAULT_WRITES, ChecksummingWriter, Gate, WriteOptions
 
-__all__ = [
-    "COMMON_FILENAME",
-    "WrittenFile",
-    "serialize_common",
-    "write_bucket",
-    "write_checksummed",
-    "write_common",
-]
+__all__ = ["COMMON_FILENAME", "serialize_common", "write_bucket", "write_common"]
 
 COMMON_FILENAME = "common.pt"
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    name: str
-    size: int
-    checksum: str
-    # Seconds of the final fsync (the part a fast disk makes small and a page cache cannot).
-    fsync_s: float = 0.0
-
-
-def write_checksummed(
-    path: str | Path,
-    write: Callable[[ChecksummingWriter], Any],
-    gate: Gate | None = None,
-    options: WriteOptions = DEFAULT_WRITES,
-) -> WrittenFile:
-    """Create `path`, let `write` fill it through a checksumming stream, fsync it.
-
-    The file is durable when this returns: a report of it to the finalizer must mean the
-    bytes are on disk. The checksum covers exactly the bytes written. A failure raises the
-    OSError the file gave (ENOSPC, EFBIG, EIO), naming the path, even where torch's C++
-    writer hid it behind a RuntimeError.
-    """
-    # Opened in place without following a link, with the project's file mode; a regular
-    # file with another name (a hard link planted there) is refused before it is truncated:
-    # either would redirect a rank's bytes into another file (fsio.open_for_rewrite).
-    fd = open_for_rewrite(path)
-    direct = open_direct(fd) if options.direct_io else None
-    with direct if direct is not None else open(fd, "wb") as raw:
-        # Around the page cache there are no dirty pages to hand to the disk early.
-        stream = ChecksummingWriter(raw, gate, 0 if direct is not None else options.writeback_every)
-        try:
-            try:
-                write(stream)
-            finally:
-                stream.done_writing()
-            if direct is not None:
-                direct.finish()
-            raw.flush()
-            synced = time.perf_counter()
-            os.fsync(raw.fileno())
-            fsync_s = time.perf_counter() - synced
-        except Exception as exc:
-            # Close here, quietly: the implicit close would flush the buffer to the same full
-            # disk and raise a second error without the path, in place of this one.
-            with contextlib.suppress(OSError):
-                raw.close()
-            cause = stream.error if stream.error is not None else exc
-            if isinstance(cause, OSError):
-                raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from exc
-            raise
-    return WrittenFile(os.path.basename(path), stream.size, stream.checksum, fsync_s)
 
 
 def write_bucket(

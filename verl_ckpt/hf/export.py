@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.hf.mapping import (
     HFMapping,
     TensorRule,
@@ -43,6 +42,7 @@ from verl_ckpt.hf.record import (
 from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError, CommitRecordError
 from verl_ckpt.protocol.phases import Phase
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
 from verl_ckpt.store.fsio import fsync_dir, make_dir
 from verl_ckpt.store.layout import DRIVER_ROLE

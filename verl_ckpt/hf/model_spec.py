@@ -115,7 +115,7 @@ def encode_model_spec(spec: dict[str, Any]) -> bytes:
 
 def write_model_spec(data: bytes, role_dir: Path) -> Any:
     """Write the description into the role's directory (fsynced, checksummed, step 3)."""
-    from verl_ckpt.format.file_writer import write_checksummed
+    from verl_ckpt.store.checksummed_file import write_checksummed
 
     return write_checksummed(role_dir / MODEL_SPEC_FILENAME, lambda stream: stream.write(data))
 

@@ -18,7 +18,6 @@ import torch
 from verl_ckpt.commit.client import FinalizerClient, check_shared_root
 from verl_ckpt.commit.participant import ParticipantLink, new_save_id
 from verl_ckpt.commit.participant_handle import ParticipantHandle
-from verl_ckpt.format.file_writer import write_checksummed
 from verl_ckpt.participants.loader import load_participant_state
 from verl_ckpt.participants.state_copy import stage_state
 from verl_ckpt.protocol import Phase, faults
@@ -26,6 +25,7 @@ from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.threads import DaemonPool
+from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.layout import participant_state_file
 
 __all__ = ["StateParticipant"]

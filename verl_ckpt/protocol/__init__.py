@@ -43,7 +43,7 @@ The code that does each step:
       | commit.finalizer.CheckpointFinalizer.begin_batch, commit.admission.Admission.begin_steps
  2    | rank.snapshot_plan.split_live, rank.staging.copy_into,
       | participants.state_copy.stage_state
- 3    | format.file_writer.write_checksummed, format.file_writer.write_bucket,
+ 3    | store.checksummed_file.write_checksummed, format.file_writer.write_bucket,
       | participants.saver.StateParticipant.save
  4    | commit.participant.ParticipantLink.report, commit.finalizer.CheckpointFinalizer.report,
       | commit.intake.ReportIntake.take, commit.ledger.StepLedger.record,

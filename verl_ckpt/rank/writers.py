@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.multiprocessing as torch_mp
 
-from verl_ckpt.format.file_writer import WrittenFile, write_bucket
+from verl_ckpt.format.file_writer import write_bucket
 from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.deadlines import time_left
 from verl_ckpt.protocol.errors import CheckpointWriteError, CommitTimeoutError
@@ -30,6 +30,7 @@ from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.protocol.threads import DaemonPool, idle_until_starved, lower_priority
 from verl_ckpt.rank.copy_progress import CopyProgress
 from verl_ckpt.rank.staging import StagingSlot
+from verl_ckpt.store.checksummed_file import WrittenFile
 from verl_ckpt.store.fsio import DEFAULT_WRITES, WriteOptions
 
 __all__ = [
