@@ -204,12 +204,12 @@ def own_s3_server(tmp_path):
     server.stop()
 
 
-# ---- two workers (pyproject: pytest -n 2 --dist loadgroup) --------------------------------
+# ---- two workers (pyproject: pytest -n 2 --dist loadgroup --no-loadscope-reorder) ----------
 
-# The modules that use the session's recipe runs (`uninterrupted`, `four_step_run`): one
-# group, so that those runs happen once, on one worker. It is the longest group and starts
-# first; the other worker works through every other module meanwhile, a module at a time
-# (module fixtures are built once).
+# The session's recipe runs (`uninterrupted`, `four_step_run`) are built once per worker that
+# asks for them: every test that uses one is in one group, so that they run once, on one
+# worker. So are the modules below (recipe runs that kill, resume or plant files).
+SESSION_RECIPE_RUNS = {"uninterrupted", "four_step_run"}
 RECIPE_RUN_MODULES = {
     "test_job_kill",
     "test_recipe",
@@ -220,6 +220,24 @@ RECIPE_RUN_MODULES = {
 }
 RECIPE_RUNS_GROUP = "recipe runs"
 
+# The longest groups of a full run (pytest --durations), longest first; every other group
+# follows in collection order. The suite keeps both cores busy until one worker is left with
+# the last group: the longest ones start first, so that the last are short (longest
+# processing time first). xdist would otherwise order the groups by their number of tests
+# (--no-loadscope-reorder turns that off), which left the documentation's examples, one
+# test of five minutes, to the end, on one worker.
+LONGEST_FIRST = (
+    RECIPE_RUNS_GROUP,
+    "test_docs_examples",
+    "test_recipe_async",
+    "test_report_batches",
+    "test_participants",
+    "test_remote_tier",
+    "test_hf_export",
+    "test_multinode",
+    "test_core_ray",
+)
+
 
 # First: xdist's own hook turns the markers into the groups it schedules by (a suffix of each
 # test's id), and runs before a conftest's hook unless this one asks to go first. Without it
@@ -228,13 +246,17 @@ RECIPE_RUNS_GROUP = "recipe runs"
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        group = RECIPE_RUNS_GROUP if module in RECIPE_RUN_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
-    # xdist hands each worker two groups to begin with: the recipe group and a short module
-    # go to the first, everything else to the second.
-    order = {RECIPE_RUNS_GROUP: 0, "test_units": 1}
-    items.sort(key=lambda item: order.get(_group_of(item), 2))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # xdist hands each worker one group, then another whenever a worker has two tests left.
+    order = {group: rank for rank, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(_group_of(item), len(order)))
+
+
+def _group(item) -> str:
+    module = item.module.__name__.rpartition(".")[2]
+    if module in RECIPE_RUN_MODULES or SESSION_RECIPE_RUNS & set(item.fixturenames):
+        return RECIPE_RUNS_GROUP
+    return module
 
 
 def _group_of(item) -> str:
