@@ -534,13 +534,16 @@ else:
 
 def test_the_driver_and_participants_write_their_files_without_torchs_checkpoint_package():
     """The driver and a participant write plain checksummed files (store/checksummed_file.py):
-    the recipe's driver, its coordinator and a participant's saver import no
+    the recipe's driver, its coordinator, the finalizer's actor class (which the driver
+    imports to start the actor) and a participant's saver import no
     torch.distributed.checkpoint (most of a second of CPU in every job's driver, which had
-    it through the rank's bucket writer)."""
+    it through the rank's bucket writer and the finalizer's `.metadata` forecast). The
+    finalizer itself imports it when it starts."""
     probe = (
         "import sys\n"
         "import recipes.ppo_toy\n"
         "from verl_ckpt.driver import coordinator\n"
+        "from verl_ckpt.commit import finalizer\n"  # the actor class the driver starts
         "from verl_ckpt.participants import saver\n"
         "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n"
     )

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_ckpt.format.torch_dist_dir import metadata_file_bytes
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.protocol.threads import DaemonPool
 
@@ -67,6 +66,11 @@ def role_inputs(reports: list[RankReport]) -> _Inputs | None:
 
 
 def _forecast_file(directory: Path, inputs: _Inputs) -> bytes:
+    # Imported here, as in commit.steps: the driver imports this module with the finalizer's
+    # actor class (to start the actor) and has no use for torch's checkpoint package; the
+    # finalizer imports it when it starts (CheckpointFinalizer.__init__).
+    from verl_ckpt.format.torch_dist_dir import metadata_file_bytes
+
     # The ranks' own reports over Ray (protocol/messages.py's trust boundary), never bytes
     # read from a root.
     results = [pickle.loads(packed) for packed in inputs.packed_results]
