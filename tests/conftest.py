@@ -22,6 +22,13 @@ os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1")
 # suite shares the CPU fairly. Read by each raylet: set before any cluster starts, and
 # inherited by the clusters that recipe runs and `ray start` make.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# A head started with `ray start` (test_multinode, test_recipe's job-submission head) posts a
+# usage report from its dashboard process even with --disable-usage-stats: a "disabled"
+# report, to https://usage-stats.ray.io/ by default (tests/test_usage_report.py). The suite
+# sends nothing beyond loopback: the report goes to a loopback port where nothing listens.
+# ray.init() clusters send none (Ray disables usage stats there); the 0 says so for all.
+os.environ.setdefault("RAY_USAGE_STATS_REPORT_URL", "http://127.0.0.1:9/")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
