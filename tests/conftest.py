@@ -26,7 +26,9 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # usage report from its dashboard process even with --disable-usage-stats: a "disabled"
 # report, to https://usage-stats.ray.io/ by default (tests/test_usage_report.py). The suite
 # sends nothing beyond loopback: the report goes to a loopback port where nothing listens.
-# ray.init() clusters send none (Ray disables usage stats there); the 0 says so for all.
+# RAY_USAGE_STATS_ENABLED=0 also covers a `ray start` without --disable-usage-stats; the URL
+# is still needed, since a head with usage stats disabled posts anyway. (ray.init() clusters
+# post nothing.)
 os.environ.setdefault("RAY_USAGE_STATS_REPORT_URL", "http://127.0.0.1:9/")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -231,8 +233,8 @@ RECIPE_RUNS_GROUP = "recipe runs"
 # follows in collection order. The suite keeps both cores busy until one worker is left with
 # the last group: the longest ones start first, so that the last are short (longest
 # processing time first). xdist would otherwise order the groups by their number of tests
-# (--no-loadscope-reorder turns that off), which left the documentation's examples, one
-# test of five minutes, to the end, on one worker.
+# (--no-loadscope-reorder turns that off), which left the documentation's examples, the
+# longest single test, to the end, on one worker.
 LONGEST_FIRST = (
     RECIPE_RUNS_GROUP,
     "test_docs_examples",

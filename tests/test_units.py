@@ -536,9 +536,9 @@ def test_the_driver_and_participants_write_their_files_without_torchs_checkpoint
     """The driver and a participant write plain checksummed files (store/checksummed_file.py):
     the recipe's driver, its coordinator, the finalizer's actor class (which the driver
     imports to start the actor) and a participant's saver import no
-    torch.distributed.checkpoint (most of a second of CPU in every job's driver, which had
-    it through the rank's bucket writer and the finalizer's `.metadata` forecast). The
-    finalizer itself imports it when it starts."""
+    torch.distributed.checkpoint (CPU in every job's driver at start-up, which had it through
+    the rank's bucket writer and the finalizer's `.metadata` forecast). The finalizer itself
+    imports it when it starts."""
     probe = (
         "import sys\n"
         "import recipes.ppo_toy\n"

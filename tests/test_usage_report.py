@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -23,9 +24,9 @@ import pytest
 from tests.conftest import free_port
 from tests.test_multinode import RAY, stop_cluster
 
-pytestmark = pytest.mark.slow
-
-REPORT_WITHIN_S = 60.0
+# The report comes from the head's dashboard process, which on 2 busy cores once took over a
+# minute to start (test_recipe.RayHead).
+REPORT_WITHIN_S = 180.0
 
 
 class _Reports(http.server.BaseHTTPRequestHandler):
@@ -48,6 +49,7 @@ def test_the_suites_ray_sends_its_usage_report_to_loopback():
     assert os.environ.get("RAY_USAGE_STATS_ENABLED") == "0"
 
 
+@pytest.mark.slow
 def test_ray_start_with_usage_stats_disabled_still_sends_a_report():
     """Why the suite's setting exists: a head started the way the suite starts its heads
     (`--disable-usage-stats`, no dashboard) posts a report to RAY_USAGE_STATS_REPORT_URL."""
@@ -81,3 +83,5 @@ def test_ray_start_with_usage_stats_disabled_still_sends_a_report():
     finally:
         stop_cluster(port)
         server.shutdown()
+        server.server_close()
+        shutil.rmtree(temp_dir, ignore_errors=True)

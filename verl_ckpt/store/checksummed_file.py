@@ -1,10 +1,10 @@
 """One durable, checksummed file: created without following links, filled through a
 checksumming stream, fsynced before its size and checksum are reported.
 
-Every file a step holds is written here (a rank's buckets and common.pt, a participant's
-state, the driver's state, a Hugging Face export). Depends on the standard library and the
-store's file primitives only, so that a process that writes no tensors (the driver, a
-participant) does not import torch's checkpoint package for it.
+Every file a writer reports to the finalizer is written here (a rank's buckets and
+common.pt, a participant's state, the driver's state), and a Hugging Face export's files.
+No torch: a process that writes no tensors (the driver, a participant) does not import
+torch's checkpoint package for it, as it would through format.file_writer.
 
 Protocol step 3 (write), verl_ckpt/protocol/__init__.py.
 """
