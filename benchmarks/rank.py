@@ -152,8 +152,15 @@ class RankBench:
         start = time.perf_counter()
         # quiet(): verl_ckpt fences (a deferred snapshot's copy may still run: the update
         # then waits for it, which this timing includes) and holds its writes back.
-        context = getattr(self.systems[name], "quiet", None) if quiet else None
+        system = self.systems[name]
+        context = getattr(system, "quiet", None) if quiet else None
         with context() if context is not None else contextlib.nullcontext():
+            fence = None if quiet else getattr(system, "fence", None)
+            if fence is not None:
+                # Without quiet(), a trainer still fences before its update: a deferred
+                # save's copy may not have run yet (the save would be refused, its tensors
+                # changed). Counted in the update's time, as quiet()'s fence is.
+                fence()
             self.state.update(offload)
         out["update_s"] = time.perf_counter() - start
         return out

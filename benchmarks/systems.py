@@ -124,6 +124,11 @@ class VerlSystem:
         """What a trainer's optimizer step runs in with fence_before(): fence, writes paused."""
         return self.manager.quiet()
 
+    def fence(self) -> None:
+        """What a trainer without quiet() calls before it changes the state: required after a
+        deferred save (its copy may not have run yet), at once done after any other."""
+        self.manager.fence()
+
     def load(self, step_dir: Path, templates: dict[str, Any], verify: bool) -> dict[str, Any]:
         """A resuming trainer's load of a committed step into its live tensors, through
         `templates` ("model" and "optimizer" sharded state dicts of them); where its time
