@@ -45,6 +45,10 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
         "verl",
         {**_THREAD, "write_while_copying": True, "idle_class": False},
     ),
+    "verl_ckpt thread write while copying at nice 0": (
+        "verl",
+        {**_THREAD, "write_while_copying": True, "idle_class": False, "nice": 0},
+    ),
     "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
     "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),

@@ -1,0 +1,257 @@
+"""The least a save that snapshots by copying can take on this machine, against the write
+floor that never copies: the bound behind issue 44's item 4 (durable within 1.10x of the
+strongest write floor) beside its item 3 (blocking within 1.25x of the copy floor).
+
+Two processes (a save's two ranks) each hold 504 MiB of tensors (the benchmark's default
+state per rank, in tensors of 1 to 16 MiB). Every round runs, in a rotated order, with a
+pause before each so the disk settles:
+
+- `write floor`: page-aligned memory written O_DIRECT (8 MiB requests) and fsynced, as the
+  save benchmark's fastest floor;
+- `copy floor`: the tensors copied into a touched page-aligned mapping (the least a
+  snapshot costs);
+- `copy, then write`: that copy in 32 MiB `torch._foreach_copy_` groups (as
+  rank/staging.py copies), then the copy written as the floor writes it: a save with no
+  checksum, no serialisation and no commit, which writes once its copy ended;
+- `write beside the copy`: the same, with a thread of each process writing every group as
+  soon as it is copied (nice 0), so the device starts at the first group;
+- `write beside the copy, idle class`: the same thread in SCHED_IDLE, as
+  `writer.write_while_copying` runs its writers.
+
+Blocking is the copy's time, durable the time to the fsync's end, both from a barrier, the
+slower process's. Each ratio is taken against the floor of the same round, then the median
+(range) over the rounds is printed:
+
+    python -m benchmarks.snapshot_bound --dir /path/on/the/checkpoint/disk [--rounds 6]
+
+Linux only, on a filesystem that takes O_DIRECT; the files are deleted after each variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import threading
+import time
+from multiprocessing import Barrier, Process, Queue
+from pathlib import Path
+from queue import Empty
+
+import torch
+
+__all__ = ["main"]
+
+_BYTES = 504 << 20
+_TENSOR_SIZES = (16 << 20, 4 << 20, 1 << 20, 12 << 20)
+_GROUP = 32 << 20
+_REQUEST = 8 << 20
+# Every wait ends: a process that failed leaves its peer at the barrier.
+_RUN_S = 900.0
+
+WRITE_FLOOR = "write floor"
+COPY_FLOOR = "copy floor"
+THEN = "copy, then write"
+BESIDE = "write beside the copy"
+BESIDE_IDLE = "write beside the copy, idle class"
+VARIANTS = (WRITE_FLOOR, COPY_FLOOR, THEN, BESIDE, BESIDE_IDLE)
+# Issue 44's targets for a save: item 3 and item 4.
+BLOCKING_TARGET = 1.25
+DURABLE_TARGET = 1.10
+
+
+def _private(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+class _Rank:
+    """One process's tensors, staging and floor memory, and the variants run on them."""
+
+    def __init__(self) -> None:
+        sizes, left = [], _BYTES
+        while left:
+            sizes.append(min(left, _TENSOR_SIZES[len(sizes) % len(_TENSOR_SIZES)]))
+            left -= sizes[-1]
+        self.sources = [torch.randn(n // 4) for n in sizes]
+        self.staging_memory = _private(_BYTES)
+        staging = torch.frombuffer(self.staging_memory, dtype=torch.float32)
+        staging.zero_()  # every page touched before the timings
+        self.targets, self.groups = [], []  # groups: (tensor indices, end offset in bytes)
+        offset, group = 0, []
+        for index, nbytes in enumerate(sizes):
+            self.targets.append(staging[offset // 4 : (offset + nbytes) // 4])
+            offset += nbytes
+            group.append(index)
+            if sum(sizes[i] for i in group) >= _GROUP or offset == _BYTES:
+                self.groups.append((group, offset))
+                group = []
+        self.floor_memory = _private(_BYTES)
+        torch.frombuffer(self.floor_memory, dtype=torch.uint8).fill_(1)
+
+    def _copy_group(self, indices: list[int]) -> None:
+        torch._foreach_copy_([self.targets[i] for i in indices], [self.sources[i] for i in indices])
+
+    def _write(self, memory: mmap.mmap, path: Path, copied: list[threading.Event] | None) -> None:
+        """Write `memory` O_DIRECT and fsync; with `copied`, each request waits for the
+        group that holds its last byte."""
+        view = memoryview(memory)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+        try:
+            offset, group = 0, 0
+            while offset < _BYTES:
+                end = min(offset + _REQUEST, _BYTES)
+                if copied is not None:
+                    while self.groups[group][1] < end:
+                        group += 1
+                    if not copied[group].wait(_RUN_S):
+                        raise TimeoutError(f"group {group} of the copy never came")
+                done = os.pwrite(fd, view[offset:end], offset)
+                if done != end - offset:  # the next O_DIRECT write would be misaligned
+                    raise OSError(f"short direct write: {done} of {end - offset} bytes")
+                offset = end
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            view.release()
+            path.unlink(missing_ok=True)
+
+    def _beside(self, path: Path, idle: bool) -> float:
+        copied = [threading.Event() for _ in self.groups]
+        failed: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                if idle:
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread
+                self._write(self.staging_memory, path, copied)
+            except BaseException as exc:  # re-raised on the process's own thread below
+                failed.append(exc)
+
+        writer = threading.Thread(target=write)
+        began = time.perf_counter()
+        writer.start()
+        for event, (indices, _) in zip(copied, self.groups, strict=True):
+            self._copy_group(indices)
+            event.set()
+        blocking = time.perf_counter() - began
+        writer.join(_RUN_S)
+        if failed or writer.is_alive():
+            raise RuntimeError(f"the write beside the copy failed: {failed or 'still running'}")
+        return blocking
+
+    def run(self, variant: str, path: Path) -> tuple[float | None, float]:
+        """(blocking, durable) of one variant, in seconds; blocking is None for the floor."""
+        began = time.perf_counter()
+        blocking = None
+        if variant == WRITE_FLOOR:
+            self._write(self.floor_memory, path, None)
+        elif variant == COPY_FLOOR:
+            for target, source in zip(self.targets, self.sources, strict=True):
+                target.copy_(source)
+            blocking = time.perf_counter() - began
+        elif variant == THEN:
+            for indices, _ in self.groups:
+                self._copy_group(indices)
+            blocking = time.perf_counter() - began
+            self._write(self.staging_memory, path, None)
+        else:
+            blocking = self._beside(path, idle=variant == BESIDE_IDLE)
+        return blocking, time.perf_counter() - began
+
+
+def _process(
+    rank: int, directory: Path, rounds: int, settle_s: float, start: Barrier, out: Queue
+) -> None:
+    torch.set_num_threads(1)
+    state = _Rank()
+    figures = []
+    for round_ in range(rounds):
+        shift = round_ % len(VARIANTS)
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+            time.sleep(settle_s)
+            start.wait()
+            figures.append((round_, variant, *state.run(variant, directory / f"bound_{rank}.bin")))
+    out.put(figures)
+
+
+def _run(directory: Path, rounds: int, settle_s: float) -> dict[tuple[int, str], tuple]:
+    """{(round, variant): (blocking, durable)}, the slower process's of each."""
+    start, out = Barrier(2, timeout=_RUN_S), Queue()
+    ranks = [
+        Process(target=_process, args=(r, directory, rounds, settle_s, start, out)) for r in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        both = [out.get(timeout=_RUN_S), out.get(timeout=_RUN_S)]
+    except Empty:
+        raise SystemExit(f"a process did not finish within {_RUN_S:.0f}s") from None
+    finally:
+        for process in ranks:
+            process.join(timeout=_RUN_S)
+            if process.is_alive():
+                process.kill()
+    slowest = {}
+    for (round_, variant, b0, d0), (_, _, b1, d1) in zip(*both, strict=True):
+        blocking = None if b0 is None else max(b0, b1)
+        slowest[(round_, variant)] = (blocking, max(d0, d1))
+    return slowest
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def report(figures: dict[tuple[int, str], tuple], rounds: int) -> list[str]:
+    """The table's lines and the verdict, from `_run`'s figures."""
+    floor = {r: figures[(r, WRITE_FLOOR)][1] for r in range(rounds)}
+    copy = {r: figures[(r, COPY_FLOOR)][0] for r in range(rounds)}
+    lines = [
+        f"write floor {statistics.median(floor.values()):.3f} s, "
+        f"copy floor {statistics.median(copy.values()):.3f} s (medians of {rounds} rounds)",
+        "",
+        "| variant | blocking / copy floor | durable / write floor |",
+        "|---|---|---|",
+    ]
+    both_met = []
+    for variant in (THEN, BESIDE, BESIDE_IDLE):
+        blocking = [figures[(r, variant)][0] / copy[r] for r in range(rounds)]
+        durable = [figures[(r, variant)][1] / floor[r] for r in range(rounds)]
+        lines.append(f"| {variant} | {_spread(blocking)} | {_spread(durable)} |")
+        if (
+            statistics.median(blocking) <= BLOCKING_TARGET
+            and statistics.median(durable) <= DURABLE_TARGET
+        ):
+            both_met.append(variant)
+    lines += [
+        "",
+        f"blocking <= {BLOCKING_TARGET}x the copy floor and durable <= {DURABLE_TARGET}x the "
+        "write floor, both (medians): "
+        + (f"reached by {', '.join(both_met)}" if both_met else "reached by no variant"),
+    ]
+    return lines
+
+
+def _check_direct(directory: Path) -> None:
+    probe = directory / "snapshot_bound_probe.bin"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+    except (AttributeError, OSError) as exc:
+        raise SystemExit(f"{directory}: no O_DIRECT files here ({exc})") from None
+    probe.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True, help="a directory on the disk to use")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of every variant")
+    parser.add_argument("--settle-s", type=float, default=2.0, help="pause before each variant")
+    args = parser.parse_args()
+    _check_direct(args.dir)
+    for line in report(_run(args.dir, args.rounds, args.settle_s), args.rounds):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
