@@ -17,7 +17,6 @@ out (start-up, the finalizer's first commit). The model is enlarged from the rec
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from recipes.metrics import read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model.hidden_size=256", "model.ffn_hidden_size=1024", "model.num_layers=4"]
@@ -94,7 +95,7 @@ def _run_once(out: Path, steps: int, overrides: list[str], log: Any) -> list[dic
         tail = "\n".join(proc.stdout.splitlines()[-15:])
         raise RuntimeError(f"recipe exited with {proc.returncode}:\n{tail}")
     log(f"    {' '.join(overrides)}: {time.perf_counter() - begin:.0f} s")
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return list(read_metrics(metrics).values())
 
 
 def _figures(records: list[dict[str, Any]]) -> dict[str, float | None]:

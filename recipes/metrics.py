@@ -2,25 +2,30 @@
 
 Each step's line carries its rewards and losses, `prompt_ids` (the data set indices trained
 at that step), `policy_version` (the updates the generating weights had seen) and, on a
-save step, the checkpoint's figures.
+save step, the save's blocking figures. A save's background write figures come later, in a
+line of their own for that step; `read_metrics` merges a file's lines by step.
 """
 
 from __future__ import annotations
 
 import json
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog"]
+__all__ = ["WRITE_FIGURES", "MetricsLog", "is_write_figures", "read_metrics"]
+
+# The keys of a save's write-figures line, besides `step`.
+WRITE_FIGURES = ("ckpt_write_s", "ckpt_bytes")
 
 
 class MetricsLog:
-    """Per-step JSON Lines, in step order, one object per step.
+    """Per-step JSON Lines: a step's line when the step ends, and a save step's write
+    figures in a later line once its background write ended (usually during the next step,
+    for the last save at shutdown).
 
-    The line of a save step also carries that save's background write figures
-    (`ckpt_write_s`, `ckpt_bytes`), so it is held back until they are known: usually at the
-    next step, for the last save at shutdown. Lines after a held one wait behind it.
+    Why the step's line does not wait for its save's write figures: the save may commit
+    before they are known, and a job killed in between would lose the line of a step that
+    a resume never trains again.
     """
 
     def __init__(self, path: str | None) -> None:
@@ -28,35 +33,45 @@ class MetricsLog:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._queue: deque[dict[str, Any]] = deque()
-        self._held: dict[int, dict[str, Any]] = {}
 
-    def add(self, record: dict[str, Any], hold_for_write: bool = False) -> None:
-        self._queue.append(record)
-        if hold_for_write:
-            self._held[record["step"]] = record
-        self._flush()
+    def add(self, record: dict[str, Any]) -> None:
+        self._write(record)
 
     def set_write_figures(self, step: int, write_s: float, nbytes: int) -> None:
-        record = self._held.pop(step, None)
-        if record is not None:
-            record.update(ckpt_write_s=write_s, ckpt_bytes=nbytes)
-            self._flush()
+        self._write(dict(zip(("step", *WRITE_FIGURES), (step, write_s, nbytes), strict=True)))
 
     def close(self) -> None:
-        """Write everything still held; a save whose figures never came gets nulls."""
-        for record in self._held.values():
-            record.setdefault("ckpt_write_s", None)
-            record.setdefault("ckpt_bytes", None)
-        self._held.clear()
-        self._flush()
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def _flush(self) -> None:
-        while self._queue and self._queue[0]["step"] not in self._held:
-            record = self._queue.popleft()
-            if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            # Flushed line by line: a killed job keeps every line written before the kill.
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+
+def is_write_figures(record: dict[str, Any]) -> bool:
+    """Whether a line of the file is a save's write figures rather than a step's line."""
+    return set(record) == {"step", *WRITE_FIGURES}
+
+
+def read_metrics(path: str | Path) -> dict[int, dict[str, Any]]:
+    """{step: its line, with its save's write figures merged in}; step lines must come in
+    step order, each step once."""
+    merged: dict[int, dict[str, Any]] = {}
+    last = None
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        record = json.loads(line)
+        step = record["step"]
+        if is_write_figures(record):
+            if step not in merged:
+                raise ValueError(f"{path}:{number}: write figures of step {step} before its line")
+            merged[step].update(record)
+            continue
+        if step in merged or (last is not None and step < last):
+            raise ValueError(f"{path}:{number}: step {step} after step {last}")
+        merged[step] = record
+        last = step
+    return merged

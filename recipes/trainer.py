@@ -186,9 +186,9 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
                 record["critic_loss"],
                 record["step_s"],
             )
-            # Added before the write figures are collected: a save that already finished
-            # (sync saves) releases its line right away.
-            self.metrics.add(record, hold_for_write=saving)
+            # Before the write figures are collected, which may include this step's own
+            # (a sync save's): a step's figures line comes after its line.
+            self.metrics.add(record)
             self.collect_write_figures(ray.get(self._call_all("finished_writes")))
             if self.rollout is not None:
                 self.rollout.save_figures()  # logs a failed save (that step does not commit)

@@ -26,6 +26,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from recipes.metrics import read_metrics
 from recipes.ppo_config import RecipeConfigError, to_recipe_config
 from recipes.ppo_math import gae, policy_loss, token_rewards
 from verl_ckpt import read_commit_record, read_tracker, step_dir
@@ -128,13 +129,6 @@ class Output:
             pytest.fail(f"still running after {timeout_s}s:\n{self.text[-4000:]}")
         self._reader.join(30)
         return self.text
-
-
-def read_metrics(path: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    steps = [r["step"] for r in records]
-    assert steps == sorted(set(steps)), f"{path}: steps out of order or repeated: {steps}"
-    return {r["step"]: r for r in records}
 
 
 def free_ports(count: int) -> list[int]:
@@ -427,6 +421,60 @@ def test_schema_defaults_match_configs_ppo_toy_yaml():
     from_yaml, defaults = to_recipe_config(yaml), to_recipe_config(OmegaConf.create({}))
     for section in ("trainer", "model", "rollout", "algorithm", "actor", "critic"):
         assert getattr(from_yaml, section) == getattr(defaults, section), section
+
+
+# ---- the metrics file ----------------------------------------------------------------------
+
+KILLED_AFTER_A_SAVE_STEP = """
+import os, signal, sys
+from recipes.metrics import MetricsLog
+log = MetricsLog(sys.argv[1])
+log.add({"step": 1, "reward": 0.5, "ckpt_blocking_s": 0.01})  # a save step
+log.add({"step": 2, "reward": 0.6, "ckpt_blocking_s": 0.02})  # another
+log.set_write_figures(1, 0.2, 10)  # step 1's write ended during step 2
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # before step 2's figures: its save may have committed
+"""
+
+
+def test_a_job_killed_before_a_saves_write_figures_keeps_the_save_steps_line(tmp_path):
+    """The recipe used to hold a save step's line until the save's write figures came,
+    usually a step later; the save can commit before that, and a job killed in between lost
+    the line of a step that no resume trains again (the fresh-clone suite at 564cad7:
+    test_recipe_async's sync run, step 4 in no run's metrics). Now every line is written
+    when add() returns, and the figures follow in a line of their own."""
+    path = tmp_path / "metrics.jsonl"
+    run = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_A_SAVE_STEP, str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == -signal.SIGKILL and run.stdout == "ready\n", run.stderr
+    metrics = read_metrics(path)
+    assert sorted(metrics) == [1, 2]
+    figures = {"ckpt_write_s": 0.2, "ckpt_bytes": 10}
+    assert metrics[1] == {"step": 1, "reward": 0.5, "ckpt_blocking_s": 0.01, **figures}
+    assert metrics[2] == {"step": 2, "reward": 0.6, "ckpt_blocking_s": 0.02}
+
+
+def test_read_metrics_merges_write_figures_and_refuses_lines_out_of_order(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [
+        {"step": 1, "x": 1},
+        {"step": 2, "x": 2},
+        {"step": 1, "ckpt_write_s": 0.5, "ckpt_bytes": 7},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert read_metrics(path) == {
+        1: {"step": 1, "x": 1, "ckpt_write_s": 0.5, "ckpt_bytes": 7},
+        2: {"step": 2, "x": 2},
+    }
+    for bad in ([lines[1], lines[0]], [lines[2], lines[0]], [lines[0], lines[0]]):
+        path.write_text("".join(json.dumps(line) + "\n" for line in bad))
+        with pytest.raises(ValueError, match=str(path)):
+            read_metrics(path)
 
 
 # ---- arithmetic and optimizer offload ----------------------------------------------------

@@ -8,6 +8,7 @@ the signals and kills are real. The documented hook VERL_CKPT_FAULT only holds a
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 from ray.job_submission import JobSubmissionClient
 
+from recipes.metrics import is_write_figures
 from tests.conftest import UNINTERRUPTED_STEPS
 from tests.test_job_kill import kill_session
 from tests.test_recipe import (
@@ -51,9 +53,10 @@ def wait_for_steps(metrics: Path, count: int, output: Output, timeout_s: float =
     """Wait until the metrics file holds at least `count` complete steps; return how many."""
     deadline = time.monotonic() + timeout_s
     while True:
-        lines = metrics.read_text().count("\n") if metrics.exists() else 0
-        if lines >= count:
-            return lines
+        lines = metrics.read_text().split("\n")[:-1] if metrics.exists() else []  # whole lines
+        steps = sum(not is_write_figures(json.loads(line)) for line in lines)
+        if steps >= count:
+            return steps
         assert output.proc.poll() is None, f"the run ended early:\n{output.text[-4000:]}"
         assert time.monotonic() < deadline, f"{count} steps not done in {timeout_s}s"
         time.sleep(0.05)
