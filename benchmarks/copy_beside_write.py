@@ -24,13 +24,14 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import Barrier, Process, Queue
 from pathlib import Path
 from queue import Empty
 
 import torch
 
-__all__ = ["main"]
+__all__ = ["check_direct", "main", "private_mapping", "run_pair"]
 
 _BYTES = 512 << 20
 _GROUP = 32 << 20
@@ -40,17 +41,18 @@ _COPIES = 6
 _ROUND_S = 300.0
 
 
-def _private(nbytes: int) -> mmap.mmap:
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous private memory, as rank/staging.py maps a large staging buffer."""
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Queue) -> None:
     torch.set_num_threads(1)
     source = torch.randn(_BYTES // 4)
-    target_memory = _private(_BYTES)
+    target_memory = private_mapping(_BYTES)
     target = torch.frombuffer(target_memory, dtype=torch.float32)
     target.copy_(source)  # every page touched before the timings
-    written_memory = _private(_BYTES)
+    written_memory = private_mapping(_BYTES)
     torch.frombuffer(written_memory, dtype=torch.uint8).fill_(1)  # touched, not zero pages
     group = _GROUP // 4
     times = []
@@ -85,25 +87,32 @@ def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Q
     out.put(times)
 
 
-def _round(beside_write: bool, directory: Path) -> list[float]:
-    start, out = Barrier(2, timeout=_ROUND_S), Queue()
-    ranks = [Process(target=_rank, args=(r, beside_write, directory, start, out)) for r in (0, 1)]
+def run_pair(target: Callable[..., None], args: tuple, timeout_s: float, what: str) -> list:
+    """Run `target(rank, *args, start, out)` in two processes (ranks 0 and 1) that meet at the
+    barrier `start`; return what each put on the queue `out`, in the order they finished."""
+    start, out = Barrier(2, timeout=timeout_s), Queue()
+    ranks = [Process(target=target, args=(r, *args, start, out)) for r in (0, 1)]
     for process in ranks:
         process.start()
     try:
-        times = out.get(timeout=_ROUND_S) + out.get(timeout=_ROUND_S)
+        return [out.get(timeout=timeout_s), out.get(timeout=timeout_s)]
     except Empty:
-        raise SystemExit(f"a copy process did not finish within {_ROUND_S:.0f}s") from None
+        raise SystemExit(f"{what} did not finish within {timeout_s:.0f}s") from None
     finally:
         for process in ranks:
-            process.join(timeout=_ROUND_S)
+            process.join(timeout=timeout_s)
             if process.is_alive():
                 process.kill()
-    return times
 
 
-def _check_direct(directory: Path) -> None:
-    probe = directory / "copy_beside_write_probe.bin"
+def _round(beside_write: bool, directory: Path) -> list[float]:
+    first, second = run_pair(_rank, (beside_write, directory), _ROUND_S, "a copy process")
+    return first + second
+
+
+def check_direct(directory: Path) -> None:
+    """Exit with one line unless files in `directory` can be opened O_DIRECT."""
+    probe = directory / "o_direct_probe.bin"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
     except (AttributeError, OSError) as exc:
@@ -115,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True, help="a directory on the disk to use")
     args = parser.parse_args()
-    _check_direct(args.dir)
+    check_direct(args.dir)
     for beside_write in (False, True, False, True):
         times = _round(beside_write, args.dir)
         label = "beside a write" if beside_write else "alone"

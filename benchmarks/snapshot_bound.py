@@ -35,11 +35,12 @@ import os
 import statistics
 import threading
 import time
-from multiprocessing import Barrier, Process, Queue
+from multiprocessing import Barrier, Queue
 from pathlib import Path
-from queue import Empty
 
 import torch
+
+from benchmarks.copy_beside_write import check_direct, private_mapping, run_pair
 
 __all__ = ["main"]
 
@@ -61,10 +62,6 @@ BLOCKING_TARGET = 1.25
 DURABLE_TARGET = 1.10
 
 
-def _private(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-
 class _Rank:
     """One process's tensors, staging and floor memory, and the variants run on them."""
 
@@ -74,7 +71,7 @@ class _Rank:
             sizes.append(min(left, _TENSOR_SIZES[len(sizes) % len(_TENSOR_SIZES)]))
             left -= sizes[-1]
         self.sources = [torch.randn(n // 4) for n in sizes]
-        self.staging_memory = _private(_BYTES)
+        self.staging_memory = private_mapping(_BYTES)
         staging = torch.frombuffer(self.staging_memory, dtype=torch.float32)
         staging.zero_()  # every page touched before the timings
         self.targets, self.groups = [], []  # groups: (tensor indices, end offset in bytes)
@@ -86,7 +83,7 @@ class _Rank:
             if sum(sizes[i] for i in group) >= _GROUP or offset == _BYTES:
                 self.groups.append((group, offset))
                 group = []
-        self.floor_memory = _private(_BYTES)
+        self.floor_memory = private_mapping(_BYTES)
         torch.frombuffer(self.floor_memory, dtype=torch.uint8).fill_(1)
 
     def _copy_group(self, indices: list[int]) -> None:
@@ -177,21 +174,7 @@ def _process(
 
 def _run(directory: Path, rounds: int, settle_s: float) -> dict[tuple[int, str], tuple]:
     """{(round, variant): (blocking, durable)}, the slower process's of each."""
-    start, out = Barrier(2, timeout=_RUN_S), Queue()
-    ranks = [
-        Process(target=_process, args=(r, directory, rounds, settle_s, start, out)) for r in (0, 1)
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        both = [out.get(timeout=_RUN_S), out.get(timeout=_RUN_S)]
-    except Empty:
-        raise SystemExit(f"a process did not finish within {_RUN_S:.0f}s") from None
-    finally:
-        for process in ranks:
-            process.join(timeout=_RUN_S)
-            if process.is_alive():
-                process.kill()
+    both = run_pair(_process, (directory, rounds, settle_s), _RUN_S, "a process")
     slowest = {}
     for (round_, variant, b0, d0), (_, _, b1, d1) in zip(*both, strict=True):
         blocking = None if b0 is None else max(b0, b1)
@@ -233,22 +216,13 @@ def report(figures: dict[tuple[int, str], tuple], rounds: int) -> list[str]:
     return lines
 
 
-def _check_direct(directory: Path) -> None:
-    probe = directory / "snapshot_bound_probe.bin"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
-    except (AttributeError, OSError) as exc:
-        raise SystemExit(f"{directory}: no O_DIRECT files here ({exc})") from None
-    probe.unlink()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, required=True, help="a directory on the disk to use")
     parser.add_argument("--rounds", type=int, default=6, help="rounds of every variant")
     parser.add_argument("--settle-s", type=float, default=2.0, help="pause before each variant")
     args = parser.parse_args()
-    _check_direct(args.dir)
+    check_direct(args.dir)
     for line in report(_run(args.dir, args.rounds, args.settle_s), args.rounds):
         print(line)
 
