@@ -94,15 +94,28 @@ def run_pair(target: Callable[..., None], args: tuple, timeout_s: float, what: s
     ranks = [Process(target=target, args=(r, *args, start, out)) for r in (0, 1)]
     for process in ranks:
         process.start()
+    results: list = []
+    deadline = time.monotonic() + timeout_s
     try:
-        return [out.get(timeout=timeout_s), out.get(timeout=timeout_s)]
-    except Empty:
-        raise SystemExit(f"{what} did not finish within {timeout_s:.0f}s") from None
+        while len(results) < 2:
+            try:
+                results.append(out.get(timeout=1.0))
+                continue
+            except Empty:
+                pass
+            # A rank that raised exits without a result: say so now, not at the deadline.
+            failed = [(r, p.exitcode) for r, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+            if failed:
+                raise SystemExit(f"{what} failed: (rank, exit code) {failed}; its error is above")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{what} did not finish within {timeout_s:.0f}s")
+        return results
     finally:
         for process in ranks:
-            process.join(timeout=timeout_s)
+            process.join(timeout=5.0 if len(results) < 2 else timeout_s)
             if process.is_alive():
                 process.kill()
+                process.join()
 
 
 def _round(beside_write: bool, directory: Path) -> list[float]:
