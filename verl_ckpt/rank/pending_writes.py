@@ -55,9 +55,14 @@ class PendingWrites:
         while len(self._queue) >= self._limit:
             oldest = self._queue[0]
             if not self._wait(oldest.future, oldest.deadline):
+                # What it is doing (SaveStats.doing) tells a slow disk from a finalizer
+                # that does not answer.
+                doing = getattr(oldest.stats, "doing", None)
                 raise CommitTimeoutError(
                     f"{self._owner}: the write of step {oldest.step} is still running after "
-                    f"checkpoint.timeout_s={self._timeout_s:g}s; not starting another save"
+                    f"checkpoint.timeout_s={self._timeout_s:g}s"
+                    + (f" ({doing})" if doing else "")
+                    + "; not starting another save"
                 )
             self.collect()
         self.raise_pending()

@@ -21,7 +21,7 @@ from verl_ckpt.format.structure import Structure, describe_structure
 from verl_ckpt.protocol.config import CheckpointConfig
 from verl_ckpt.rank.agreement import SaveAgreement, Statement, check_went_ahead, plan_reusable
 from verl_ckpt.rank.copy_progress import write_order
-from verl_ckpt.rank.save_job import Layout, SaveJob
+from verl_ckpt.rank.save_job import DOING_AGREEMENT, DOING_BEGIN, Layout, SaveJob
 
 __all__ = ["StepPlanner"]
 
@@ -130,9 +130,11 @@ class StepPlanner:
         plan), and only then begin_step: ranks that disagree fail before any directory
         exists."""
         if job.layout.agreement is not None:
+            job.stats.doing = DOING_AGREEMENT
             waited = time.perf_counter()
             check_went_ahead(self._agreement.outcome(job.layout.agreement), self._link.role)
             job.stats.agree_s = time.perf_counter() - waited
+        job.stats.doing = DOING_BEGIN
         self.begin(job)
 
     def begin(self, job: SaveJob) -> None:

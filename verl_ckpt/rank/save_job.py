@@ -61,6 +61,20 @@ class SaveStats:
     files_written: int | None = None
     # Set when the write failed (the error is also raised once by the next save()/wait()).
     error: str | None = None
+    # What the save's background part is doing, for an error that finds it still running
+    # (PendingWrites): one of the DOING_* texts below. Not a fault Phase: those name where a
+    # failure happened; this names where a save that has not ended is.
+    doing: str = "waiting for the save thread"
+
+
+# SaveStats.doing, as the save thread moves on; each reads after "still running (...)".
+DOING_DEFERRED_COPY = "copying its deferred snapshot"
+DOING_AGREEMENT = "waiting for its save group's agreement"
+DOING_BEGIN = "waiting for the finalizer's answer to begin_step"
+DOING_PLAN = "planning"
+DOING_WRITE = "writing its files"
+DOING_REPORT = "waiting for the finalizer to take its report"
+DOING_DONE = "done"
 
 
 class SavePath(enum.Enum):

@@ -25,7 +25,15 @@ from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.rank.copy_progress import CopyFailed
 from verl_ckpt.rank.pending_writes import PendingWrites
 from verl_ckpt.rank.planner import StepPlanner
-from verl_ckpt.rank.save_job import SaveJob, SaveStats
+from verl_ckpt.rank.save_job import (
+    DOING_DEFERRED_COPY,
+    DOING_DONE,
+    DOING_PLAN,
+    DOING_REPORT,
+    DOING_WRITE,
+    SaveJob,
+    SaveStats,
+)
 from verl_ckpt.rank.snapshot_plan import check_live_unchanged
 from verl_ckpt.rank.snapshotter import Snapshotter
 from verl_ckpt.rank.staging import StagingSlot
@@ -129,10 +137,12 @@ class SaveRunner:
         phase = Phase.STAGE
         try:
             if job.path.deferred:
+                job.stats.doing = DOING_DEFERRED_COPY
                 self._snapshotter.take_deferred(job)  # a failure is raised below
             if job.path.plans_in_background:
                 phase = Phase.PLAN
                 self._planner.agree_and_begin(job)
+                job.stats.doing = DOING_PLAN
                 self._planner.plan(job)
                 live = [entry.tensor for entry in job.copy.live]
                 if job.copied is not None and not job.copied.covers(
@@ -172,9 +182,11 @@ class SaveRunner:
     # ---- steps 3-4 -----------------------------------------------------------------------
 
     def _write_and_report(self, job: SaveJob) -> None:
+        job.stats.doing = DOING_WRITE
         started = time.perf_counter()
         report = self._link.new_report(job.step, job.save_id)
         report.failure = self._write(job, report)
+        job.stats.doing = DOING_REPORT
         reporting = time.perf_counter()
         job.stats.write_s = reporting - started
         if job.copied is not None and job.copied.finished_at is not None:
@@ -183,6 +195,7 @@ class SaveRunner:
         job.stats.files_written = len(report.files)
         failure = self._link.deliver(report, deadline=job.deadline + RPC_SLACK_S)
         job.stats.report_s = time.perf_counter() - reporting
+        job.stats.doing = DOING_DONE
         if failure is None and self._uploads is not None:
             self._uploads.submit(job.step, report.files)
         if failure is not None:
