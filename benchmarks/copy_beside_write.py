@@ -31,7 +31,7 @@ from queue import Empty
 
 import torch
 
-__all__ = ["check_direct", "main", "private_mapping", "run_pair"]
+__all__ = ["check_direct", "main", "private_mapping", "pwrite_direct", "run_pair"]
 
 _BYTES = 512 << 20
 _GROUP = 32 << 20
@@ -44,6 +44,13 @@ _ROUND_S = 300.0
 def private_mapping(nbytes: int) -> mmap.mmap:
     """Page-aligned anonymous private memory, as rank/staging.py maps a large staging buffer."""
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def pwrite_direct(fd: int, view: memoryview, offset: int, end: int) -> None:
+    """One O_DIRECT request: `view[offset:end]` at file offset `offset`, whole."""
+    done = os.pwrite(fd, view[offset:end], offset)
+    if done != end - offset:  # the next O_DIRECT write would be misaligned
+        raise OSError(f"short direct write: {done} of {end - offset} bytes")
 
 
 def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Queue) -> None:
@@ -65,10 +72,8 @@ def _rank(rank: int, beside_write: bool, directory: Path, start: Barrier, out: Q
             view = memoryview(written_memory)
             offset = 0
             while not stop.is_set() and offset < _BYTES:
-                done = os.pwrite(fd, view[offset : offset + _REQUEST], offset)
-                if done != _REQUEST:  # the next O_DIRECT write would be misaligned
-                    raise OSError(f"short direct write: {done} of {_REQUEST} bytes")
-                offset += done
+                pwrite_direct(fd, view, offset, offset + _REQUEST)
+                offset += _REQUEST
             view.release()
 
         writer = threading.Thread(target=write) if beside_write else None

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.copy_beside_write import check_direct, private_mapping, run_pair
+from benchmarks.copy_beside_write import check_direct, private_mapping, pwrite_direct, run_pair
 
 __all__ = ["main"]
 
@@ -134,9 +134,7 @@ class _Rank:
                         group += 1
                     if not copied[group].wait(_RUN_S):
                         raise TimeoutError(f"group {group} of the copy never came")
-                done = os.pwrite(fd, view[offset:end], offset)
-                if done != end - offset:  # the next O_DIRECT write would be misaligned
-                    raise OSError(f"short direct write: {done} of {end - offset} bytes")
+                pwrite_direct(fd, view, offset, end)
                 offset = end
         finally:
             view.release()

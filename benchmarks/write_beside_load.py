@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.copy_beside_write import check_direct, private_mapping
+from benchmarks.copy_beside_write import check_direct, private_mapping, pwrite_direct
 
 __all__ = ["main"]
 
@@ -50,10 +50,8 @@ def _write(memory: memoryview, path: Path) -> float:
     try:
         offset = 0
         while offset < _BYTES:
-            done = os.pwrite(fd, memory[offset : offset + _REQUEST], offset)
-            if done != _REQUEST:  # the next O_DIRECT write would be misaligned
-                raise OSError(f"short direct write: {done} of {_REQUEST} bytes")
-            offset += done
+            pwrite_direct(fd, memory, offset, offset + _REQUEST)
+            offset += _REQUEST
         os.fsync(fd)
     finally:
         os.close(fd)

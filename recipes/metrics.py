@@ -38,7 +38,7 @@ class MetricsLog:
         self._write(record)
 
     def set_write_figures(self, step: int, write_s: float, nbytes: int) -> None:
-        self._write(dict(zip(("step", *WRITE_FIGURES), (step, write_s, nbytes), strict=True)))
+        self._write({"step": step, "ckpt_write_s": write_s, "ckpt_bytes": nbytes})
 
     def close(self) -> None:
         if self._file is not None:
