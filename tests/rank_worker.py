@@ -302,6 +302,16 @@ class RankWorker:
         self._conversion_hold = state
         return None
 
+    def save_through_ctrl_c(self, step: int) -> str:
+        """save(step) in a trainer that catches Ctrl-C (KeyboardInterrupt) and goes on; the
+        interrupt itself comes from VERL_CKPT_FAULT's `interrupt` (a SIGINT does not reach
+        a Ray actor's calls). Returns "KeyboardInterrupt" or "saved"."""
+        try:
+            self.save(step)
+            return "saved"
+        except KeyboardInterrupt:
+            return "KeyboardInterrupt"
+
     def set_env(self, name: str, value: str | None) -> None:
         import os
 

@@ -283,6 +283,36 @@ def test_I5_a_save_whose_copy_failed_is_waited_for_while_its_save_thread_holds_t
     close_all(ranks, coordinator)
 
 
+def test_I5_ctrl_c_during_a_first_save_frees_its_buffers_and_fails_the_step_at_once(
+    ranks, tmp_path
+):
+    """Found by review: a KeyboardInterrupt (Ctrl-C in the trainer's terminal) inside save()
+    on the training thread, during a save that plans there (the first one), left its staging
+    slot taken and told the finalizer nothing: a trainer that caught it and saved again got
+    "staging pool exhausted" at every later save, and the step waited out its deadline.
+    The interrupt is injected (VERL_CKPT_FAULT `interrupt`, before the copy): a real SIGINT
+    does not reach a call running in a Ray actor."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=interrupt"))
+    others = [w.save.remote(1) for w in ranks["actor"]]
+    assert ray.get(critic.save_through_ctrl_c.remote(1)) == "KeyboardInterrupt"
+    ray.get(critic.set_env.remote(ENV_VAR, None))
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\]"):
+        coordinator.wait_for_commit(1, timeout_s=30)
+    for outcome in others:
+        try:
+            ray.get(outcome)
+        except CheckpointError as exc:  # refused: step 1 had already failed
+            assert "step 1" in str(exc)
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2, timeout_s=60)
+    assert read_tracker(cfg["root_dir"]) == 2
+    close_all(ranks, coordinator)
+
+
 @pytest.mark.parametrize("phase", ["commit", "tracker"])
 def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
     """Killed after every report arrived but before the commit record (the step is lost),

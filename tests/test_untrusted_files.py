@@ -510,3 +510,29 @@ def test_a_hard_link_planted_at_a_files_name_is_replaced_not_written_through(tmp
     write_in_place(tmp_path / "metadata.json", b"{}")
     assert target.read_bytes() == b"keep me"
     assert (tmp_path / "metadata.json").read_bytes() == b"{}"
+
+
+@pytest.mark.timeout(30)
+def test_the_resume_reader_refuses_a_fifo_or_a_link_at_metadata_or_a_data_file(tmp_path):
+    """Found by review: every rank's load reads the role's `.metadata` and its data files
+    through DCP's own opens, which waited forever on a FIFO planted there (the default
+    `verify_checksums_on_load=false` checks nothing first) and followed a planted link. The
+    resume reader opens them as regular files only, and the refusal names the file."""
+    from verl_ckpt.format.direct_reader import DirectFileSystemReader
+    from verl_ckpt.format.safe_reader import SafeFileSystemReader
+
+    fifo_role, link_role = tmp_path / "fifo" / "actor", tmp_path / "link" / "actor"
+    for role in (fifo_role, link_role):
+        role.mkdir(parents=True)
+    os.mkfifo(fifo_role / ".metadata")
+    os.mkfifo(fifo_role / "__0_0.distcp")
+    victim, _ = outside_file(tmp_path)
+    (link_role / ".metadata").symlink_to(victim)
+    for reader in (SafeFileSystemReader, DirectFileSystemReader):
+        for path in (fifo_role / ".metadata", link_role / ".metadata"):
+            with pytest.raises(OSError, match="not a regular file|symbolic link") as refused:
+                reader(path.parent).read_metadata()
+            assert str(path) in str(refused.value)
+        with pytest.raises(OSError, match="not a regular file"):
+            with reader(fifo_role).fs.create_stream(fifo_role / "__0_0.distcp", "rb"):
+                pass

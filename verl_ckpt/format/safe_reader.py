@@ -10,21 +10,45 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from verl_ckpt.format.safe_load import load_dcp_metadata, load_state_bytes
 from verl_ckpt.protocol.errors import CheckpointError
+from verl_ckpt.store.fsio import open_regular
 
 __all__ = ["SafeFileSystemReader", "checkpoint_error_in"]
 
 
+class _RegularFilesOnly(FileSystem):
+    """DCP's local FileSystem, except that a stream read from the checkpoint is opened as a
+    regular file only (fsio.open_regular): DCP's own opens follow a planted link and wait
+    forever on a FIFO planted at `.metadata` or a data file's name."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "r" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with os.fdopen(open_regular(path), "rb") as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` and byte items never run code of the checkpoint."""
+    """FileSystemReader whose `.metadata` and byte items never run code of the checkpoint,
+    and whose every file is opened as a regular file only."""
+
+    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.fs = _RegularFilesOnly()  # the path stays as DCP made it
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")

@@ -5,7 +5,8 @@
 phases: the values of `verl_ckpt.protocol.Phase` (where each one fires is said there).
 actions: `hang` (sleep for an hour: a hung participant), `sleep=<seconds>` (a slow one),
 `raise` (raise InjectedFault), `enospc` (raise OSError ENOSPC, a full disk at that exact
-moment), `exit` (the process exits at once with status 17, a crash).
+moment), `exit` (the process exits at once with status 17, a crash), `interrupt` (raise
+KeyboardInterrupt, as Ctrl-C does on a trainer's main thread).
 With VERL_CKPT_FAULT_ONCE=<path>, a fault fires only if <path> does not exist, and creates
 it first: a restarted process then runs normally.
 The variables are read when the phase runs, in the process running it.
@@ -76,6 +77,8 @@ def inject(phase: Phase, role: str | None = None, rank: int | None = None) -> No
         raise OSError(errno.ENOSPC, f"No space left on device (injected at phase {phase.value})")
     elif action == "exit":
         os._exit(17)
+    elif action == "interrupt":
+        raise KeyboardInterrupt  # Ctrl-C in a trainer's terminal, on the thread that saves
     else:
-        known = "hang, sleep=<s>, raise, enospc or exit"
+        known = "hang, sleep=<s>, raise, enospc, exit or interrupt"
         raise ValueError(f"{ENV_VAR}: unknown action {action!r} ({known})")

@@ -331,8 +331,9 @@ class CheckpointManager:
             # Once the save thread owns the job, its write fails on this, and it frees
             # the slot and reports the failure to the finalizer.
             if job.started is None:
-                if isinstance(exc, Exception):
-                    self._runner.abandon(job, Phase.STAGE, exc)
+                # Whatever was raised, Ctrl-C included (a trainer may catch it and save
+                # again): the slot goes back and the step fails now, not at its deadline.
+                self._runner.abandon(job, Phase.STAGE, exc)
             else:
                 self._runner.hand_over_failed(job)
             raise
