@@ -103,6 +103,30 @@ def test_I1_a_reported_file_replaced_by_a_link_fails_before_the_record(tmp_path)
     assert read_tracker(tmp_path / "root") is None
 
 
+def test_I1_a_declared_participants_directory_is_durable_before_the_record(tmp_path, monkeypatch):
+    """Found by review: the commit synced each role's directory (with its .metadata) and the
+    step's, never a declared participant's (`replay/`, files only): a crash after the commit
+    could keep the record and lose the entry of `replay/state_0.pt`, a committed step that
+    cannot be loaded. A crash cannot be produced here: the directory syncs are observed."""
+    synced = []
+    real_fsync_dir = fsio.fsync_dir
+
+    def observed(path):
+        synced.append((Path(path), is_committed(step_dir(tmp_path, 5))))
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(commit_module, "fsync_dir", observed)
+    reports = [driver_report(tmp_path, 5)]
+    replay = step_dir(tmp_path, 5) / "replay"
+    replay.mkdir()
+    written = write_checksummed(replay / "state_0.pt", lambda s: s.write(b"replay"))
+    entry = FileEntry("replay/state_0.pt", written.size, written.checksum)
+    reports.append(RankReport(5, "replay", 0, 1, "save", files=[entry]))
+    commit_step(tmp_path, 5, DRIVER_ONLY, reports, state_participants={"replay": 1})
+    assert (replay, False) in synced, synced
+    assert read_tracker(tmp_path) == 5
+
+
 def test_I2_the_tracker_never_moves_backwards(tmp_path):
     commit_step(tmp_path, 5, DRIVER_ONLY, [driver_report(tmp_path, 5)])
     summary = commit_step(tmp_path, 4, DRIVER_ONLY, [driver_report(tmp_path, 4)])

@@ -95,6 +95,29 @@ def test_I3_finalizer_start_deletes_nothing_and_rolls_the_tracker_forward(tmp_pa
     assert read_tracker(tmp_path) == 40
 
 
+def test_I5_a_late_success_for_a_step_the_finalizer_forgot_holds_no_step_open(tmp_path):
+    """Found by review: a success report for a step the ledger does not hold (a retried call
+    or a batch sent again, after the step was decided and forgotten, its record deleted by
+    retention) opened that step again, with no deadline: it never expired, held the only
+    max_in_flight slot, and every later begin_step was refused ("steps [7] still
+    uncommitted"). Such a report is now dropped; a failure still fails its step."""
+    directory = step_dir(tmp_path, 7)
+    directory.mkdir()
+    written = write_checksummed(directory / DRIVER_STATE_FILENAME, lambda s: s.write(b"x"))
+    entry = FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum)
+
+    async def run() -> tuple[list, str]:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=1)
+        await finalizer.report(RankReport(7, "driver", 0, 1, "old", files=[entry]))
+        pending = finalizer.status()["pending"]
+        began = await finalizer.begin_step(8, "driver", 0, 1, 5.0, "save-8")
+        return pending, began
+
+    pending, began = asyncio.run(run())
+    assert pending == {}, pending
+    assert began.endswith("global_step_8"), began
+
+
 def test_I5_finalizer_memory_is_flat_over_3000_commits(tmpfs_root):
     """After 3,000 commits the finalizer holds what it held after 100: the ledger keeps
     only steps in flight, retention keeps the disk at max_ckpt_to_keep steps. 64 KiB over

@@ -107,16 +107,25 @@ class ReportIntake:
             return taken
         # The step's directory and state, looked up once per step of the batch (a node's
         # reports are of one step), not per report: pathlib alone was most of a report's cost.
-        steps: dict[int, tuple[str, bool]] = {}
-        recorded = []
+        steps: dict[int, tuple[str, bool, bool]] = {}
+        recorded, dropped = [], set()
         for report in reports:
             step = report.step
             if step not in steps:
                 path = step_dir(self._root, step)
+                unknown = self._ledger.status(step) is None
                 # A step the ledger no longer knows may be committed and forgotten already.
-                late = self._ledger.status(step) is None and is_committed(path)
-                steps[step] = (str(path), late)
-            if not steps[step][1]:
+                steps[step] = (str(path), unknown, unknown and is_committed(path))
+            _, unknown, committed = steps[step]
+            # Every save begins its step first (begin_step opens it, with a deadline): a
+            # success for a step the ledger does not hold is a late duplicate (a retried
+            # call, a batch sent again) of a step decided and forgotten. Recorded, it would
+            # open the step with no deadline, waiting for reports that never come, holding
+            # a max_in_flight slot and refusing every later step. A failure before
+            # begin_step still opens its step, failed.
+            if committed or (unknown and report.failure is None):
+                dropped.add(id(report))
+            else:
                 recorded.append(report)
         outcomes = self._ledger.record_batch(recorded)
         # The files of the reports that count, checked after they were counted and before
@@ -131,7 +140,7 @@ class ReportIntake:
         errors: list[CheckpointError | None] = []
         settle = False
         for report in reports:
-            outcome = None if steps[report.step][1] else next(counted)
+            outcome = None if id(report) in dropped else next(counted)
             if outcome in (Recorded.STALE, Recorded.FAILED, Recorded.READY):
                 self._act_on(report, outcome)
             if outcome is Recorded.REFUSED_LOST:

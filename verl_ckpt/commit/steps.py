@@ -98,6 +98,11 @@ def commit_step(
         # The finalizer's mark of the job that opened the step goes: a committed step holds
         # exactly the files its record names (and the record).
         (path / RUN_MARKER_FILENAME).unlink(missing_ok=True)
+        # A declared participant's files have no .metadata whose write syncs their
+        # directory: synced here, or a crash after the commit could keep the record and
+        # lose the directory entry of a file it names.
+        for name in sorted(state_participants or {}):
+            store.make_durable(f"{step_name(step)}/{name}")
         store.make_durable(step_name(step))
         faults.inject(Phase.COMMIT)
         record = CommitRecord(
