@@ -118,6 +118,34 @@ def test_I5_a_late_success_for_a_step_the_finalizer_forgot_holds_no_step_open(tm
     assert began.endswith("global_step_8"), began
 
 
+def test_I3_what_retention_keeps_is_read_on_the_event_loop_not_the_file_thread(tmp_path):
+    """Found by review: retention ran in the file thread and read the steps it must keep
+    (the ledger's steps in flight, the export queue, the uploads) there, while the event
+    loop kept changing them: a begin_step at that moment could raise "dictionary changed
+    size during iteration" and fail that retention. They are read on the loop now. The race
+    itself is not produced; where the read runs is observed."""
+    threads = []
+
+    async def run() -> threading.Thread:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=1)
+        committer = finalizer._committer
+        keeps = committer.retention_keeps
+
+        def observed() -> list[int]:
+            threads.append(threading.current_thread())
+            return keeps()
+
+        committer.retention_keeps = observed
+        for step in (1, 2):
+            await save_driver_step(finalizer, step)
+        await finalizer.drain(10.0)
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(run())
+    assert threads and all(t is loop_thread for t in threads), threads
+    assert sorted(list_step_dirs(tmp_path)) == [2]
+
+
 def test_I5_finalizer_memory_is_flat_over_3000_commits(tmpfs_root):
     """After 3,000 commits the finalizer holds what it held after 100: the ledger keeps
     only steps in flight, retention keeps the disk at max_ckpt_to_keep steps. 64 KiB over

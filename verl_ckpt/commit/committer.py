@@ -220,8 +220,13 @@ class Committer:
         # that ends while retention runs still finds its step in the spared ones below.
         uploading = self._uploading()
         try:
+            # What it keeps is read here, on the event loop that changes it (a begin_step,
+            # an export, an upload), never from the file thread while the loop runs.
             outcome = await asyncio.to_thread(
-                self._guarded, f"retention after step {step}", self._retention
+                self._guarded,
+                f"retention after step {step}",
+                self._retention,
+                self.retention_keeps(),
             )
             errors = outcome.errors
             self._spared_for_uploads = uploading.intersection(outcome.spared)
@@ -235,11 +240,11 @@ class Committer:
         self._changes.notify()
         return errors
 
-    def _retention(self) -> RetentionOutcome:
+    def _retention(self, keeps: list[int]) -> RetentionOutcome:
         return apply_retention(
             self._root,
             self._keep,
-            self.retention_keeps(),
+            keeps,
             keyring=self._keyring,
             verified=self._verified_records,
         )
@@ -271,7 +276,10 @@ class Committer:
                 return  # no retention of this finalizer waits for an upload that ended
             try:
                 outcome = await asyncio.to_thread(
-                    self._guarded, "retention after an upload", self._retention
+                    self._guarded,
+                    "retention after an upload",
+                    self._retention,
+                    self.retention_keeps(),
                 )
             except Exception as exc:  # noqa: BLE001 - a background task: logged, retried later
                 logger.error("retention after an upload failed: %s: %s", type(exc).__name__, exc)
