@@ -146,6 +146,30 @@ def test_I3_what_retention_keeps_is_read_on_the_event_loop_not_the_file_thread(t
     assert sorted(list_step_dirs(tmp_path)) == [2]
 
 
+def test_I5_a_begin_held_up_by_retention_names_it(tmp_path, monkeypatch):
+    """Found by review: a committed step holds its max_in_flight slot until its retention
+    has deleted the step it replaces; a begin_step refused meanwhile said "steps [] still
+    uncommitted ...; missing reports: " and drain "the commit of steps []", naming nothing.
+    Both now name the retention. (A slow deletion: the documented hook sleeps in it.)"""
+
+    async def run() -> tuple[str, str]:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=1)
+        await save_driver_step(finalizer, 1)
+        monkeypatch.setenv(ENV_VAR, "delete=sleep=3")
+        await save_driver_step(finalizer, 2)  # its retention deletes step 1, slowly
+        with pytest.raises(CommitTimeoutError) as refused:
+            await finalizer.begin_step(3, "driver", 0, 1, 0.5, "save-3")
+        with pytest.raises(CommitTimeoutError) as undrained:
+            await finalizer.drain(0.5)
+        await finalizer.drain(30.0)
+        return str(refused.value), str(undrained.value)
+
+    refused, undrained = asyncio.run(run())
+    assert "the retention after committed steps [2] still deleting older steps" in refused
+    assert "steps []" not in refused, refused
+    assert undrained.startswith("the retention after steps [2] under "), undrained
+
+
 def test_I5_finalizer_memory_is_flat_over_3000_commits(tmpfs_root):
     """After 3,000 commits the finalizer holds what it held after 100: the ledger keeps
     only steps in flight, retention keeps the disk at max_ckpt_to_keep steps. 64 KiB over

@@ -276,14 +276,22 @@ class Admission:
         )
 
     def _no_room_message(self, step: int, timeout_s: float) -> str:
-        pending = "; ".join(
-            f"step {s}: " + self._ledger.describe(self._ledger.missing(s))
-            for s in self._ledger.in_flight()
-        )
+        """What holds the max_in_flight slots: steps in flight (and whose reports they
+        miss), and committed steps whose retention is still deleting older steps."""
+        in_flight, retiring = self._ledger.in_flight(), self._ledger.retiring()
+        holders = []
+        if in_flight or not retiring:
+            pending = "; ".join(
+                f"step {s}: " + self._ledger.describe(self._ledger.missing(s)) for s in in_flight
+            )
+            holders.append(f"steps {in_flight} still uncommitted; missing reports: {pending}")
+        if retiring:
+            holders.append(
+                f"the retention after committed steps {retiring} still deleting older steps"
+            )
         return (
-            f"step {step} cannot start under {self._root}: steps {self._ledger.in_flight()} still "
-            f"uncommitted after {timeout_s:.0f}s "
-            f"(max_in_flight={self._ledger.max_in_flight}); missing reports: {pending}"
+            f"step {step} cannot start under {self._root} within {timeout_s:.0f}s "
+            f"(max_in_flight={self._ledger.max_in_flight}): {'; '.join(holders)}"
         )
 
     def _refusal(self, step: int, role: str, rank: int, begun: Begun) -> str:

@@ -313,8 +313,13 @@ class CheckpointFinalizer:
                     for s in self._ledger.in_flight()
                     if self._ledger.status(s) is StepStatus.COMMITTING
                 ]
+                retiring = self._ledger.retiring()
+                running = f"the commit of steps {committing}" if committing or not retiring else ""
+                if retiring:
+                    after = f"the retention after steps {retiring}"
+                    running = f"{running} and {after}" if running else after
                 raise CommitTimeoutError(
-                    f"the commit of steps {committing} under {self._root} did not end within "
+                    f"{running} under {self._root} did not end within "
                     f"{timeout_s:.0f}s; the next start rolls forward any commit that got as "
                     "far as its commit record"
                 )

@@ -143,6 +143,11 @@ class StepLedger:
         """Steps collecting reports or committing: what retention must never delete."""
         return sorted(e.step for e in self._steps.held() if e.status in IN_FLIGHT)
 
+    def retiring(self) -> list[int]:
+        """Committed steps whose retention has not ended: each still takes a max_in_flight
+        slot (has_room_for) until it is retired."""
+        return sorted(e.step for e in self._steps.held() if e.status is StepStatus.COMMITTED)
+
     def has_room_for(self, step: int) -> bool:
         """Whether `step` may start: it already has, or fewer than max_in_flight steps are
         open (back-pressure: at most keep + max_in_flight step directories exist, counting
