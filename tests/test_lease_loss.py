@@ -26,6 +26,7 @@ from tests.helpers import ckpt_config
 from tests.test_finalizer import save_driver_step
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
 from verl_ckpt.protocol.errors import CheckpointError, RootLockedError
+from verl_ckpt.protocol.faults import ENV_VAR
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.startup import root_lock
 from verl_ckpt.startup.root_lock import (
@@ -95,6 +96,38 @@ def test_a_lost_lease_refuses_begin_step_and_the_commit_in_the_finalizer(tmp_pat
         with pytest.raises(RootLockedError) as driver:
             lock.check_held("the driver's save of step 3")
         assert_names_lease_and_thief(str(driver.value), root)
+    finally:
+        lock.release()
+
+
+def test_a_lease_lost_while_a_begin_waits_for_room_deletes_no_leftover(tmp_path, monkeypatch):
+    """Found by review: begin_step checks the lease when it arrives, then may wait long for
+    room (here: the retention after step 2, slowed by the documented hook) before it removes
+    the step's uncommitted leftover. A job that took the root over meanwhile may be writing
+    that very step: the removal now checks the lease anew, as commits and retention do, and
+    the other job's files stay."""
+    root = tmp_path / "ckpt"
+    lock = RootLock.acquire(root, purpose="job", mode="lease", lease_s=30.0)
+    theirs = step_dir(root, 5) / DRIVER_STATE_FILENAME
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(root), {"driver": 1}, 1, lease=lock.lease_guard())
+        await save_driver_step(finalizer, 1)
+        monkeypatch.setenv(ENV_VAR, "delete=sleep=2")
+        await save_driver_step(finalizer, 2)  # its retention deletes step 1, slowly
+        begin = asyncio.ensure_future(finalizer.begin_step(5, "driver", 0, 1, 30.0, "mine"))
+        await asyncio.sleep(0.5)  # waiting for room, its lease check behind it
+        take_over_lease(root)
+        theirs.parent.mkdir(parents=True)
+        theirs.write_bytes(b"the other job's step 5")
+        with pytest.raises(CheckpointError) as refused:
+            await begin
+        assert_names_lease_and_thief(str(refused.value), root)
+        await finalizer.drain(30.0)
+
+    try:
+        asyncio.run(run())
+        assert theirs.read_bytes() == b"the other job's step 5"
     finally:
         lock.release()
 

@@ -238,8 +238,13 @@ class Admission:
             # Off the event loop (a large leftover takes long to delete, and every other call
             # would wait), and under the lock of commits and retention: retention purges
             # `.deleting_*` directories, and both would delete this one's at once.
+            # The lease is checked anew right before (as for commits and retention): this
+            # begin_step may have waited long for room, and a job that took the root over
+            # meanwhile may be writing this very step.
             async with self._committer.file_work:
-                await asyncio.to_thread(delete_step, path)
+                await asyncio.to_thread(
+                    self._committer.guarded, f"removal of the leftover {path}", delete_step, path
+                )
         except OSError as exc:
             if not path.exists():
                 # It left the step's name (the atomic rename) and only its files stayed: the

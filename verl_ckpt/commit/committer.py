@@ -138,7 +138,7 @@ class Committer:
         async with self.file_work:
             try:
                 errors = await asyncio.to_thread(
-                    self._guarded, "deleting failed steps", discard_failed_steps, self._root, steps
+                    self.guarded, "deleting failed steps", discard_failed_steps, self._root, steps
                 )
             except RootLockedError as exc:
                 errors = [str(exc)]
@@ -165,7 +165,7 @@ class Committer:
             }
             try:
                 summary = await asyncio.to_thread(
-                    self._guarded,
+                    self.guarded,
                     f"the commit of step {step}",
                     commit_step,
                     self._root,
@@ -223,7 +223,7 @@ class Committer:
             # What it keeps is read here, on the event loop that changes it (a begin_step,
             # an export, an upload), never from the file thread while the loop runs.
             outcome = await asyncio.to_thread(
-                self._guarded,
+                self.guarded,
                 f"retention after step {step}",
                 self._retention,
                 self.retention_keeps(),
@@ -249,7 +249,7 @@ class Committer:
             verified=self._verified_records,
         )
 
-    def _guarded(self, what: str, work: Callable[..., T], *args: Any) -> T:
+    def guarded(self, what: str, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)` in the file thread, unless the lease on the root is lost."""
         self._check_lease(what)
         return work(*args)
@@ -276,7 +276,7 @@ class Committer:
                 return  # no retention of this finalizer waits for an upload that ended
             try:
                 outcome = await asyncio.to_thread(
-                    self._guarded,
+                    self.guarded,
                     "retention after an upload",
                     self._retention,
                     self.retention_keeps(),
