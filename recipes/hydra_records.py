@@ -5,7 +5,7 @@ overrides.yaml, hydra.yaml) before the recipe's main() runs. Credentials given a
 `+checkpoint.remote.storage_options.*` overrides would stay there verbatim, in a directory
 the job's logs and metrics are shared from. The recipe rewrites those files first thing,
 each secret value (what verl_ckpt.protocol.redaction hides: every storage option but the
-endpoint and region, and any secret-looking key) replaced by `<redacted>`.
+endpoint and region, any secret-looking key, and a URL's password) replaced by `<redacted>`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_ckpt.protocol.redaction import REDACTED, redacted
+from verl_ckpt.protocol.redaction import REDACTED, has_password, redacted
 from verl_ckpt.store.fsio import atomic_write_bytes
 
 __all__ = ["redact_hydra_records", "secret_values"]
@@ -36,6 +37,10 @@ def secret_values(settings: Any, shown: Any = None) -> list[str]:
         return [v for item, s in zip(settings, shown) for v in secret_values(item, s)]
     if shown == REDACTED and settings is not None and len(str(settings)) >= _MIN_SECRET_CHARS:
         return [str(settings)]
+    if isinstance(settings, str) and has_password(settings):
+        # A URL's password, as it is written in the URL (and so in the records).
+        password = urlsplit(settings).password or ""
+        return [password] if len(password) >= _MIN_SECRET_CHARS else [settings]
     return []
 
 

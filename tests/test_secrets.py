@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from tests.test_recipe import finish, recipe_env, start_recipe
+from verl_ckpt.cli.main import main as verl_ckpt_cli
 from verl_ckpt.commit.client import start_finalizer
 from verl_ckpt.commit.finalizer import CheckpointFinalizer, finalizer_settings
 from verl_ckpt.protocol.errors import CheckpointError
@@ -75,6 +76,57 @@ def test_redacted_keeps_keys_and_where_the_store_is_never_who():
     other = {**settings, "storage_options": {**settings["storage_options"], "secret": "x"}}
     assert settings_digest(other) != settings_digest(settings)
     assert redacted(other) == shown
+
+
+PASSWORD = "verlckptPASSWORDq4w8"
+
+
+def test_a_urls_password_is_redacted_wherever_it_is():
+    """Found by review: fsspec takes credentials from a URL's user information
+    (ftp://user:password@host), and redaction kept URLs as they were, password included."""
+    settings = {
+        "url": f"ftp://alice:{PASSWORD}@127.0.0.1:9/ckpt",
+        "storage_options": {"endpoint_url": f"http://bob:{PASSWORD}@127.0.0.1:9000"},
+        "notes": [f"s3://carol:{PASSWORD}@bucket/x", "ftp://alice@127.0.0.1/no-password"],
+    }
+    shown = redacted(settings)
+    assert shown == {
+        "url": f"ftp://{REDACTED}@127.0.0.1:9/ckpt",
+        "storage_options": {"endpoint_url": f"http://{REDACTED}@127.0.0.1:9000"},
+        "notes": [f"s3://{REDACTED}@bucket/x", "ftp://alice@127.0.0.1/no-password"],
+    }
+    assert PASSWORD not in repr(shown)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"checkpoint.remote.url=ftp://alice:{PASSWORD}@127.0.0.1:9/ckpt",
+        f"+checkpoint.remote.storage_options.endpoint_url=http://bob:{PASSWORD}@127.0.0.1:9",
+    ],
+)
+def test_a_password_in_a_remote_url_is_refused_before_ray_and_never_shown(
+    tmp_path, capsys, override
+):
+    """The front door refuses it in one line naming the key, with the password redacted, and
+    the run's records (Hydra's .hydra/ files) keep no trace of it; `verl-ckpt ls` of such a
+    URL likewise."""
+    run = tmp_path / "run"
+    extra = () if "remote.url" in override else ("checkpoint.remote.url=s3://bucket/run",)
+    proc = start_recipe(run, f"checkpoint.root_dir={tmp_path / 'ckpt'}", override, *extra)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("ppo_toy: invalid config:")]
+    assert len(errors) == 1 and "holds a password" in errors[0], output[-3000:]
+    assert "Traceback" not in output and "embedded Ray" not in output
+    assert PASSWORD not in output
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert PASSWORD not in path.read_text(errors="replace"), path
+    code = verl_ckpt_cli(["ls", f"ftp://alice:{PASSWORD}@127.0.0.1:9/ckpt"])
+    shown = capsys.readouterr()
+    assert code != 0 and "holds a password" in shown.err, shown
+    assert PASSWORD not in shown.out + shown.err
 
 
 def test_the_finalizers_describe_never_shows_storage_options(s3_server, tmp_path):

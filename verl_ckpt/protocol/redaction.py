@@ -13,8 +13,9 @@ import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["REDACTED", "redacted", "settings_digest"]
+__all__ = ["REDACTED", "has_password", "redacted", "settings_digest", "without_password"]
 
 REDACTED = "<redacted>"
 # Under storage_options every value is redacted but these: where the store is, never who.
@@ -39,6 +40,25 @@ def _secret_key(key: object) -> bool:
     return any(word in name for word in _SECRET_WORDS)
 
 
+def has_password(url: str) -> bool:
+    """Whether `url` carries a password in its user information (`ftp://user:pw@host`),
+    which fsspec would use and every message naming the URL would show."""
+    if "://" not in url or "@" not in url:
+        return False
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:  # a malformed port or netloc: not ours to judge here
+        return False
+
+
+def without_password(url: str) -> str:
+    """`url` with the user information of a URL that has a password replaced by REDACTED."""
+    if not has_password(url):
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{REDACTED}@{parts.netloc.rpartition('@')[2]}"))
+
+
 def redacted(value: Any, under_options: bool = False) -> Any:
     """A copy of `value` (mappings, lists and scalars, as settings are) whose keys are all
     kept and whose secrets are replaced by REDACTED: the values of secret-looking keys
@@ -48,7 +68,7 @@ def redacted(value: Any, under_options: bool = False) -> Any:
         shown = {}
         for key, item in value.items():
             if under_options and key in _SHOWN_OPTIONS and not isinstance(item, Mapping):
-                shown[key] = item
+                shown[key] = without_password(item) if isinstance(item, str) else item
             elif key == "storage_options":
                 shown[key] = redacted(item, under_options=True)
             elif _secret_key(key) and item is not None and not isinstance(item, Mapping):
@@ -60,6 +80,8 @@ def redacted(value: Any, under_options: bool = False) -> Any:
         return type(value)(redacted(item, under_options) for item in value)
     if under_options and value is not None:
         return REDACTED
+    if isinstance(value, str):
+        return without_password(value)  # a URL's password, wherever it is
     return value
 
 

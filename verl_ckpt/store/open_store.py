@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from verl_ckpt.protocol.errors import CheckpointConfigError
+from verl_ckpt.protocol.redaction import has_password, without_password
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
 
@@ -29,6 +31,12 @@ def open_store(
     text = os.fspath(path_or_url)
     if not is_remote_url(text):
         return LocalStore(text)
+    if has_password(text):
+        # Refused, not used: the URL is named by every message about the store.
+        raise CheckpointConfigError(
+            f"{without_password(text)}: the URL holds a password (user:password@); give "
+            "credentials as storage options or in the environment, never in a URL"
+        )
     # Imported here: fsspec (and s3fs) only where a URL is used.
     from verl_ckpt.store.fsspec_store import FsspecStore
 
