@@ -5,6 +5,7 @@ megatron-core directory needs completing."""
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def test_I1_a_record_renamed_in_place_but_not_made_durable_is_withdrawn_or_kept_
     unlink fails, the commit goes on and the tracker names it. A failing directory fsync and
     a failing unlink cannot be produced for real here (they need a failing device):
     injected, EIO on the fsync while the record exists, EIO on the record's unlink."""
-    real_fsync_dir, real_unlink = fsio.fsync_dir, Path.unlink
+    real_fsync_dir, real_unlink = fsio.fsync_dir, os.unlink
     step_path = step_dir(tmp_path, 1)
     failures = []
 
@@ -222,14 +223,16 @@ def test_I1_a_record_renamed_in_place_but_not_made_durable_is_withdrawn_or_kept_
             raise OSError(errno.EIO, "Input/output error")
         real_fsync_dir(path)
 
-    def unlink_failing_for_the_record(path, missing_ok=False):
-        if unlink == "fails" and path == step_path / COMMIT_RECORD_FILENAME:
+    def unlink_failing_for_the_record(path, *, dir_fd=None):
+        # The store removes a file by name in its directory, held by descriptor.
+        at = Path(os.readlink(f"/proc/self/fd/{dir_fd}")) / path if dir_fd is not None else path
+        if unlink == "fails" and at == step_path / COMMIT_RECORD_FILENAME:
             raise OSError(errno.EIO, "Input/output error")
-        real_unlink(path, missing_ok=missing_ok)
+        real_unlink(path, dir_fd=dir_fd)
 
     monkeypatch.setattr(fsio, "fsync_dir", fsync_dir_failing_while_the_record_exists)
     monkeypatch.setattr(commit_module, "fsync_dir", fsync_dir_failing_while_the_record_exists)
-    monkeypatch.setattr(Path, "unlink", unlink_failing_for_the_record)
+    monkeypatch.setattr(os, "unlink", unlink_failing_for_the_record)
     report = driver_report(tmp_path, 1)
     if unlink == "works":
         with pytest.raises(CommitPhaseError, match="Input/output error"):

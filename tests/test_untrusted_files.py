@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,8 @@ from verl_ckpt.hf.record import (
     verify_export,
     write_export_record,
 )
-from verl_ckpt.protocol.errors import CommitRecordError, TrackerError
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, TrackerError
+from verl_ckpt.protocol.faults import ENV_VAR
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import (
@@ -56,6 +58,7 @@ from verl_ckpt.store.layout import (
 )
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.recovery import recover_root
+from verl_ckpt.store.retention import delete_step
 from verl_ckpt.store.rollback import ROLLED_BACK_FILENAME, RollbackError, read_rolled_back
 from verl_ckpt.store.tracker import read_tracker, write_tracker
 from verl_ckpt.store.verification import check_step_files
@@ -159,6 +162,105 @@ def test_a_link_planted_at_a_rank_file_is_not_followed(tmp_path):
     with pytest.raises(OSError, match="__0_0.distcp"):
         write_checksummed(path, lambda stream: stream.write(b"rank bytes"))
     assert victim.read_bytes() == PRECIOUS
+
+
+def swap_for_a_link(path: Path, to: Path) -> None:
+    """What a writer of the root does between two calls: the directory moves away, and a link
+    to anywhere takes its name."""
+    os.rename(path, path.with_name(f"{path.name}.moved"))
+    path.symlink_to(to)
+
+
+@pytest.mark.timeout(30)
+def test_a_pulled_step_is_never_written_through_a_staging_directory_swapped_for_a_link(
+    tmp_path, monkeypatch
+):
+    """Found by review: a pull writes its step into `.pulling_global_step_<N>/` for the whole
+    download, each file by a path whose directories were followed: swapped for a link to a
+    home directory, it had a planted record's `.bashrc` written there. Now every name below
+    the root is reached without following a link, and the download fails. The swap is placed
+    right before the copy (the pull has no pause of its own to race with)."""
+    from verl_ckpt.remote import pull as pull_module
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_bytes(PRECIOUS)
+    bucket = tmp_path / "bucket"
+    step = step_dir(bucket, 7)
+    step.mkdir(parents=True)
+    payload = b"echo pwned\n"
+    (step / ".bashrc").write_bytes(payload)
+    entry = FileEntry(".bashrc", *file_checksum(step / ".bashrc"))
+    write_commit_record(step, CommitRecord(7, {"driver": 1}, [entry]))
+    real_copy = pull_module.copy_files
+
+    def copy_after_the_swap(dest, *args, **kwargs):
+        swap_for_a_link(Path(dest), home)
+        return real_copy(dest, *args, **kwargs)
+
+    monkeypatch.setattr(pull_module, "copy_files", copy_after_the_swap)
+    root = tmp_path / "root"
+    with pytest.raises(Exception, match="not followed"):
+        pull_step(LocalStore(bucket), 7, root, 2, 20)
+    assert (home / ".bashrc").read_bytes() == PRECIOUS
+    assert sorted(p.name for p in home.iterdir()) == [".bashrc"]
+    assert not step_dir(root, 7).exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_staging_directory_replaced_before_its_install_is_not_installed(tmp_path):
+    """The staged step takes its step name by one rename of whatever is at the staging name:
+    a directory (or a link) put there by a writer of the root after the download is not
+    installed as the pulled step; it goes again, and the pull fails."""
+    from verl_ckpt.remote.pull import install_staged, stage_step
+
+    bucket = tmp_path / "bucket"
+    committed_step(bucket, 4)
+    root = tmp_path / "root"
+    root.mkdir()
+    staged = stage_step(LocalStore(bucket), 4, root, 2, 20)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    swap_for_a_link(staged.staging, planted)
+    with pytest.raises(CheckpointError, match="was replaced while step 4 was pulled"):
+        install_staged(staged)
+    assert not os.path.lexists(step_dir(root, 4))
+    assert planted.is_dir()
+
+
+@pytest.mark.timeout(30)
+def test_retention_never_deletes_through_a_deleting_directory_swapped_for_a_link(
+    tmp_path, monkeypatch
+):
+    """Found by review: a deletion renames the step to `.deleting_global_step_<N>`, then
+    removes its commit record by a path whose directory was followed: swapped for a link to
+    another run's step meanwhile, that run lost its record (its step uncommitted). The swap
+    happens for real, during the documented hook's pause between the two."""
+    root = tmp_path / "ckpt"
+    committed_step(root, 1)
+    other = tmp_path / "other_run" / "global_step_3"
+    other.mkdir(parents=True)
+    (other / COMMIT_RECORD_FILENAME).write_bytes(b"the other run's record")
+    monkeypatch.setenv(ENV_VAR, "delete=sleep=1")
+    doomed = root / ".deleting_global_step_1"
+    swapped = threading.Event()
+
+    def attacker() -> None:
+        deadline = time.monotonic() + 20
+        while not doomed.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        swap_for_a_link(doomed, other)
+        swapped.set()
+
+    racer = threading.Thread(target=attacker)
+    racer.start()
+    try:
+        with pytest.raises(OSError, match="not followed"):
+            delete_step(LocalStore(root), 1)
+    finally:
+        racer.join()
+    assert swapped.is_set()
+    assert (other / COMMIT_RECORD_FILENAME).read_bytes() == b"the other run's record"
 
 
 @pytest.mark.timeout(30)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,9 @@ class StagedStep:
     staging: Path
     target: Path
     summary: PullSummary
+    # The staging directory's (st_dev, st_ino) when it was made: the directory that must
+    # take the step's name, not whatever a writer of the root put at its name since.
+    identity: tuple[int, int]
 
 
 def pull_step(
@@ -119,6 +123,10 @@ def stage_step(
     elif staging.exists():
         shutil.rmtree(staging)  # an earlier pull interrupted: never mixed with this one
     make_dir(staging, parents=True)
+    made = os.lstat(staging)
+    # Every file goes below the root by names no link redirects (LocalStore of the root,
+    # fsio.open_dir_beneath): a writer of the root who swaps the staging directory for a
+    # link to anywhere makes the download fail, never write there.
     outcome = copy_files(
         staging,
         store,
@@ -138,9 +146,9 @@ def stage_step(
     for directory in {staging / Path(e.path).parent for e in record.files} | {staging}:
         fsync_dir(directory)
     # The record last: a staging directory without it is never mistaken for a step.
-    LocalStore(staging).put_bytes(COMMIT_RECORD_FILENAME, data)
+    LocalStore(root).put_bytes(f"{staging.name}/{COMMIT_RECORD_FILENAME}", data)
     summary = PullSummary(step, target, len(record.files), outcome.nbytes, outcome.seconds)
-    return StagedStep(staging, target, summary)
+    return StagedStep(staging, target, summary, (made.st_dev, made.st_ino))
 
 
 def install_staged(staged: StagedStep) -> PullSummary:
@@ -152,4 +160,17 @@ def install_staged(staged: StagedStep) -> PullSummary:
         delete_step(target)
     os.replace(staged.staging, target)
     fsync_dir(target.parent)
+    now = os.lstat(target)
+    if not stat.S_ISDIR(now.st_mode) or (now.st_dev, now.st_ino) != staged.identity:
+        # Something a writer of the root put at the staging name took the step's name:
+        # it goes again (a link: only the link), and the pull fails.
+        if stat.S_ISDIR(now.st_mode):
+            delete_step(target)
+        else:
+            target.unlink()
+            fsync_dir(target.parent)
+        raise CheckpointError(
+            f"{staged.staging} was replaced while step {staged.summary.step} was pulled into it "
+            "(another writer of the root?); the pulled step is not installed"
+        )
     return staged.summary

@@ -13,6 +13,7 @@ up to a bound.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -56,6 +57,7 @@ __all__ = [
     "fsync_dir",
     "make_dir",
     "new_hasher",
+    "open_dir_beneath",
     "open_no_follow",
     "open_regular",
     "read_regular",
@@ -208,6 +210,47 @@ def make_dir(path: str | os.PathLike, parents: bool = False, exist_ok: bool = Fa
             raise
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def open_dir_beneath(root: str | os.PathLike, rel: str, create: bool = False) -> int:
+    """A descriptor of the directory `rel` below `root`, reached one name at a time without
+    following a link: a link (or anything but a directory) at any name of `rel` is refused
+    with NotARegularFile, never followed. A writer of the root could otherwise swap one of
+    its directories for a link to anywhere (a home directory) between two calls, and the
+    next file written or removed by name would be there. `root` itself is opened as given
+    (a root configured as a link to a larger disk is the user's own). With `create`, missing
+    directories are made, `root` included (DIR_MODE). The caller closes the descriptor."""
+    names = [name for name in rel.split("/") if name not in ("", ".")]
+    if ".." in names:
+        raise ValueError(f"{rel!r} leaves {root}")
+    if create:
+        make_dir(root, parents=True, exist_ok=True)
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in names:
+            if create:
+                try:
+                    os.mkdir(name, DIR_MODE, dir_fd=fd)
+                except FileExistsError:
+                    pass  # a link there is refused just below
+            try:
+                child = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                where = os.path.join(os.fspath(root), *names[: names.index(name) + 1])
+                raise NotARegularFile(
+                    exc.errno, "a symbolic link or no directory, not followed", where
+                ) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_regular(path: str | os.PathLike) -> int:
     """A read-only descriptor of the regular file at `path`, never of anything else.
 
@@ -271,6 +314,7 @@ def atomic_write_bytes(
     data: bytes,
     before_replace: Callable[[], None] | None = None,
     tmp_tag: str | None = None,
+    beneath: str | os.PathLike | None = None,
 ) -> None:
     """Replace `path` with `data` so that a reader sees the old or the new content, never less.
 
@@ -279,26 +323,38 @@ def atomic_write_bytes(
     (else the rename itself may be lost and the old content come back). The temporary file
     is created new under a random name (temporary_name, with `tmp_tag` in it), so that a
     link planted in advance is never followed; one left by a crash is cleared by
-    `remove_stale_temporaries`. An error after the rename is raised as RenameNotDurable:
-    callers whose protocol hinges on the rename (the tracker: nothing un-commits a step
-    after it) tell the two apart.
+    `remove_stale_temporaries`. With `beneath` (a directory above `path`: a store's root),
+    the directory of `path` is reached below it without following a link (open_dir_beneath),
+    and the temporary file and the rename happen in that directory, held by descriptor. An
+    error after the rename is raised as RenameNotDurable: callers whose protocol hinges on
+    the rename (the tracker: nothing un-commits a step after it) tell the two apart.
     """
     path = Path(path)
-    tmp = temporary_name(path, tmp_tag)
-    fd = create_new_file(tmp)
+    if beneath is None:
+        directory = os.open(path.parent, _DIR_FLAGS)
+    else:
+        parent = os.path.relpath(path.parent, beneath)
+        directory = open_dir_beneath(beneath, "" if parent == "." else parent)
     try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_replace is not None:
-            before_replace()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        tmp = temporary_name(path, tmp_tag).name
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, FILE_MODE, dir_fd=directory)
+        try:
+            with open(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if before_replace is not None:
+                before_replace()
+            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)
     try:
-        fsync_dir(path.parent)
+        fsync_dir(path.parent)  # by name: what it syncs is only durability
     except OSError as exc:
         raise RenameNotDurable(exc.errno, exc.strerror or str(exc), str(path.parent)) from exc
 

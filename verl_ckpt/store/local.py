@@ -15,11 +15,11 @@ from typing import BinaryIO
 
 from verl_ckpt.store.base import PartPool, Publisher, Store
 from verl_ckpt.store.fsio import (
+    FILE_MODE,
     RenameNotDurable,
     atomic_write_bytes,
-    create_new_file,
     fsync_dir,
-    make_dir,
+    open_dir_beneath,
     open_regular,
     read_regular,
     remove_stale_temporaries,
@@ -90,25 +90,40 @@ class LocalStore(Store):
 
     # ---- writing -------------------------------------------------------------------------
 
+    # Every name written or removed is reached below the root without following a link
+    # (fsio.open_dir_beneath): a writer of the root cannot redirect it by swapping one of
+    # its directories for a link between two calls.
+
     def put_bytes(
         self, rel: str, data: bytes, before_replace: Callable[[], None] | None = None
     ) -> None:
-        atomic_write_bytes(self.path(rel), data, before_replace=before_replace)
+        atomic_write_bytes(self.path(rel), data, before_replace=before_replace, beneath=self.root)
 
     def open_publish(
         self, rel: str, size: int, part_size: int, parts: PartPool | None = None
     ) -> Publisher:
-        return _RenamedIntoPlace(self.path(rel))
+        return _RenamedIntoPlace(self.root, rel)
 
     def remove(self, rel: str) -> None:
-        path = self.path(rel)
-        path.unlink(missing_ok=True)
+        parent, _, name = rel.rpartition("/")
         try:
-            fsync_dir(path.parent)
+            directory = open_dir_beneath(self.root, parent)
         except FileNotFoundError:
-            pass  # its directory went too: nothing to make durable here
-        except OSError as exc:
-            raise RenameNotDurable(exc.errno, exc.strerror or str(exc), str(path.parent)) from exc
+            return  # its directory went too: nothing to remove or make durable here
+        try:
+            try:
+                os.unlink(name, dir_fd=directory)
+            except FileNotFoundError:
+                pass
+            try:
+                fsync_dir(self.path(parent))  # by name: only durability is at stake
+            except FileNotFoundError:
+                pass  # its directory went too: nothing to make durable here
+            except OSError as exc:
+                where = str(self.path(parent))
+                raise RenameNotDurable(exc.errno, exc.strerror or str(exc), where) from exc
+        finally:
+            os.close(directory)
 
     def remove_tree(self, rel: str) -> None:
         path = self.path(rel)
@@ -144,14 +159,22 @@ class LocalStore(Store):
 
 
 class _RenamedIntoPlace(Publisher):
-    """A temporary file beside the target, fsynced and renamed into place on publish."""
+    """A temporary file beside `rel` under `root`, fsynced and renamed into place on publish;
+    its directory reached and held by descriptor (fsio.open_dir_beneath), made if missing.
+    The descriptor is closed once, by whichever of publish() and discard() ends it."""
 
-    def __init__(self, target: Path) -> None:
-        make_dir(target.parent, parents=True, exist_ok=True)
-        self._target = target
-        # Created new under a random name: a link planted beside the target is never followed.
-        self._tmp = temporary_name(target)
-        self._file = open(create_new_file(self._tmp), "wb")
+    def __init__(self, root: Path, rel: str) -> None:
+        parent, _, self._name = rel.rpartition("/")
+        self._dir: int | None = open_dir_beneath(root, parent, create=True)
+        try:
+            # Created new under a random name: a link planted beside the target is never
+            # followed.
+            self._tmp = temporary_name(self._name).name
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._file = open(os.open(self._tmp, flags, FILE_MODE, dir_fd=self._dir), "wb")
+        except BaseException:
+            self._close_dir()
+            raise
 
     def write(self, data: bytes) -> None:
         self._file.write(data)
@@ -161,15 +184,27 @@ class _RenamedIntoPlace(Publisher):
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            os.replace(self._tmp, self._target)
+            os.replace(self._tmp, self._name, src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except BaseException:
             self.discard()
             raise
+        self._close_dir()
 
     def discard(self) -> None:
+        if self._dir is None:
+            return  # published or discarded already
         try:
             self._file.close()  # flushes again: a full disk raises here once more
         except OSError:
             pass
+        try:
+            os.unlink(self._tmp, dir_fd=self._dir)
+        except FileNotFoundError:
+            pass
         finally:
-            self._tmp.unlink(missing_ok=True)
+            self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
