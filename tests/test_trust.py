@@ -6,6 +6,7 @@ write); the documented hook VERL_CKPT_FAULT only places a pause at an exact mome
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -16,9 +17,22 @@ import ray
 import torch
 
 from tests.conftest import ROLES
-from tests.helpers import close_all, every_rank, open_all, save_everyone
+from tests.helpers import (
+    close_all,
+    every_rank,
+    open_all,
+    open_with_step_1_committed,
+    save_everyone,
+)
 from tests.test_faults import faulty_coordinator, lone_rank  # noqa: F401 - a fixture
-from verl_ckpt import CheckpointCoordinator, CommitTimeoutError, read_tracker, step_dir
+from verl_ckpt import (
+    CheckpointCoordinator,
+    CheckpointWriteError,
+    CommitTimeoutError,
+    StepNotCommittedError,
+    read_tracker,
+    step_dir,
+)
 from verl_ckpt.cli.main import main as verl_ckpt_cli
 from verl_ckpt.protocol import Failure, Phase
 from verl_ckpt.protocol.faults import ENV_VAR
@@ -54,6 +68,39 @@ def test_I1_duplicate_reports_during_a_commit_change_nothing(ranks, tmp_path):
     assert coordinator.wait_for_commit(1)["tracker"] == 1
     record = read_commit_record(step_dir(cfg["root_dir"], 1))
     assert "driver_state.pt" in {f.path for f in record.files}
+    close_all(ranks, coordinator)
+
+
+def test_a_rank_never_writes_through_a_role_directory_swapped_for_a_link(ranks, tmp_path):
+    """Found by review: a rank wrote its files by paths whose directories were followed: a
+    writer of the root who swapped `global_step_2/critic` for a link to another directory
+    had the rank's files land there, and the step committed with them. Now the rank reaches
+    its directory below the root without following a link: its write fails naming it, the
+    step fails, and nothing lands where the link points. The swap is real, during the
+    documented hook's pause before the write."""
+    cfg = config(tmp_path)
+    coordinator = open_with_step_1_committed(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=sleep=3"))
+    others = [w.save.remote(2) for w in every_rank(ranks) if w is not critic]
+    ray.get(critic.save.remote(2))
+    role = step_dir(cfg["root_dir"], 2) / "critic"
+    wait_for(role.is_dir, 30, "the critic's directory of step 2 made")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rename(role, role.with_name("critic.moved"))
+    role.symlink_to(elsewhere)
+    ray.get(critic.set_env.remote(ENV_VAR, None))
+    coordinator.save_driver_state(2, {"step": 2})
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write") as failed:
+        coordinator.wait_for_commit(2, timeout_s=60)
+    assert "not followed" in str(failed.value), failed.value
+    assert list(elsewhere.iterdir()) == []
+    for outcome in others:
+        ray.get(outcome)
+    with pytest.raises(CheckpointWriteError, match="not followed"):
+        ray.get(critic.wait.remote())  # the rank's own failure, raised once
+    assert read_tracker(cfg["root_dir"]) == 1
     close_all(ranks, coordinator)
 
 

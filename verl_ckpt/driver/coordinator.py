@@ -30,6 +30,7 @@ from verl_ckpt.startup.prepare import StartPlan, prepare_start
 from verl_ckpt.startup.resume_fit import check_participants_fit
 from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.commit_record import FileEntry, read_commit_record
+from verl_ckpt.store.fsio import WriteOptions
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
     DRIVER_ROLE,
@@ -156,7 +157,8 @@ class CheckpointCoordinator:
             # Checked to load back with weights_only=True (load_driver_state) now: a state
             # that could not be resumed fails its own save, not the resume that needs it.
             data = safe_state_bytes(state, f"the driver state of step {step}")
-            written = write_checksummed(path, lambda stream: stream.write(data))
+            below = WriteOptions(beneath=str(self.root))  # no link redirects it (fsio)
+            written = write_checksummed(path, lambda stream: stream.write(data), options=below)
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
         except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
             report.failure = self._link.failure(Phase.WRITE, exc)

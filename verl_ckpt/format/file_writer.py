@@ -55,7 +55,11 @@ def serialize_common(common_state_dict: dict) -> bytes:
     return buffer.getvalue()
 
 
-def write_common(data: bytes, checkpoint_dir: Path) -> WrittenFile:
+def write_common(
+    data: bytes, checkpoint_dir: Path, options: WriteOptions = DEFAULT_WRITES
+) -> WrittenFile:
     """Write common.pt (the non-sharded part, as megatron-core's torch common strategy lays
-    it out), fsynced, with its checksum."""
-    return write_checksummed(checkpoint_dir / COMMON_FILENAME, lambda stream: stream.write(data))
+    it out), fsynced, with its checksum (`options.beneath`: the root it is written below)."""
+    return write_checksummed(
+        checkpoint_dir / COMMON_FILENAME, lambda stream: stream.write(data), options=options
+    )

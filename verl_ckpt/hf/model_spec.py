@@ -113,11 +113,17 @@ def encode_model_spec(spec: dict[str, Any]) -> bytes:
         raise ModelSpecError(f"model_spec is not JSON data: {exc}") from None
 
 
-def write_model_spec(data: bytes, role_dir: Path) -> Any:
-    """Write the description into the role's directory (fsynced, checksummed, step 3)."""
+def write_model_spec(data: bytes, role_dir: Path, beneath: str | None = None) -> Any:
+    """Write the description into the role's directory (fsynced, checksummed, step 3);
+    `beneath`: the root it is written below (fsio.open_dir_beneath)."""
     from verl_ckpt.store.checksummed_file import write_checksummed
+    from verl_ckpt.store.fsio import WriteOptions
 
-    return write_checksummed(role_dir / MODEL_SPEC_FILENAME, lambda stream: stream.write(data))
+    return write_checksummed(
+        role_dir / MODEL_SPEC_FILENAME,
+        lambda stream: stream.write(data),
+        options=WriteOptions(beneath=beneath),
+    )
 
 
 def read_model_spec(role_dir: Path) -> dict[str, Any]:

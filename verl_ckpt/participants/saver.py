@@ -26,6 +26,7 @@ from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.store.checksummed_file import write_checksummed
+from verl_ckpt.store.fsio import WriteOptions
 from verl_ckpt.store.layout import participant_state_file
 
 __all__ = ["StateParticipant"]
@@ -160,7 +161,10 @@ class StateParticipant:
         try:
             faults.inject(Phase.WRITE, self.name, self.index)
             written = write_checksummed(
-                directory / Path(rel).name, lambda stream: torch.save(state, stream)
+                directory / Path(rel).name,
+                lambda stream: torch.save(state, stream),
+                # Below the root by names no link redirects, as the ranks' files (fsio).
+                options=WriteOptions(beneath=str(self.handle.root)),
             )
             report.files.append(FileEntry(rel, written.size, written.checksum))
         except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once

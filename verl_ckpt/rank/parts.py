@@ -79,7 +79,7 @@ def open_parts(
             settings.threads,
             f"verl_ckpt_{role}{rank}",
             settings.nice,
-            WriteOptions(settings.writeback_every, settings.direct_io),
+            WriteOptions(settings.writeback_every, settings.direct_io, beneath=str(root)),
             settings.idle_class,
         )
         started.callback(_stop_quietly, writer.close)

@@ -39,6 +39,7 @@ from verl_ckpt.rank.snapshotter import Snapshotter
 from verl_ckpt.rank.staging import StagingSlot
 from verl_ckpt.rank.writers import Writer, WriteTimeout
 from verl_ckpt.store.commit_record import FileEntry
+from verl_ckpt.store.fsio import WriteOptions
 
 if TYPE_CHECKING:
     from verl_ckpt.remote.rank_uploader import RankUploader
@@ -238,10 +239,13 @@ class SaveRunner:
         """The rank's files (rank 0's common.pt and model spec written now), the DCP write
         results, and rank 0's global metadata."""
         files = [written for _, written in outcomes]
+        # Below the root by names no link redirects, as the bucket files (fsio.WriteOptions).
+        beneath = str(self._root)
         if job.common is not None:
-            files.append(write_common(serialize_common(job.common), job.directory))
+            common = serialize_common(job.common)
+            files.append(write_common(common, job.directory, WriteOptions(beneath=beneath)))
         if job.model_spec_bytes is not None:
-            files.append(write_model_spec(job.model_spec_bytes, job.directory))
+            files.append(write_model_spec(job.model_spec_bytes, job.directory, beneath))
         for results, _ in outcomes:
             report.write_results.extend(results)
         report.files = [FileEntry(f"{self._role}/{f.name}", f.size, f.checksum) for f in files]

@@ -56,7 +56,7 @@ def write_checksummed(
     # Opened in place without following a link, with the project's file mode; a regular
     # file with another name (a hard link planted there) is refused before it is truncated:
     # either would redirect a rank's bytes into another file (fsio.open_for_rewrite).
-    fd = open_for_rewrite(path)
+    fd = open_for_rewrite(path, beneath=options.beneath)
     direct = open_direct(fd) if options.direct_io else None
     with direct if direct is not None else open(fd, "wb") as raw:
         # Around the page cache there are no dirty pages to hand to the disk early.

@@ -166,12 +166,27 @@ def create_replacing(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
         return create_new_file(path, mode)
 
 
-def open_for_rewrite(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
+def open_for_rewrite(
+    path: str | os.PathLike, mode: int = FILE_MODE, beneath: str | os.PathLike | None = None
+) -> int:
     """A descriptor, open for writing, of `path` emptied: created if absent, opened without
     following a symbolic link (ELOOP), and refused when it is a regular file with another
     name (a hard link planted at the name: truncating it would empty that other file). Not
-    a regular file (a FIFO) is opened as it is, as rank files always were."""
-    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT, mode)
+    a regular file (a FIFO) is opened as it is, as rank files always were. With `beneath`
+    (the store's root, above `path`), the directory of `path` is reached below it without
+    following a link (open_dir_beneath)."""
+    flags = os.O_WRONLY | os.O_CREAT
+    parent = None if beneath is None else os.path.relpath(Path(path).parent, beneath)
+    if parent is None or parent.startswith(".."):
+        fd = open_no_follow(path, flags, mode)
+    else:
+        directory = open_dir_beneath(beneath, "" if parent == "." else parent)
+        try:
+            fd = os.open(
+                Path(path).name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=directory
+            )
+        finally:
+            os.close(directory)
     try:
         status = os.fstat(fd)
         if stat.S_ISREG(status.st_mode):
@@ -392,6 +407,9 @@ class WriteOptions:
 
     writeback_every: int = WRITEBACK_EVERY
     direct_io: bool = False
+    # The store's root above every file written: each file's directory is reached below it
+    # without following a link (open_dir_beneath). None: the path is opened as it is.
+    beneath: str | None = None
 
 
 # Small files (records, common.pt, a driver's state): through the page cache.
