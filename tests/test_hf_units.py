@@ -131,3 +131,27 @@ def test_a_model_description_must_be_versioned_json():
         encode_model_spec({"vocab_size": 3})
     with pytest.raises(ModelSpecError, match="not JSON data"):
         encode_model_spec({"format_version": MODEL_SPEC_VERSION, "dtype": torch.float32})
+
+
+def test_I5_the_export_queue_keeps_a_bounded_number_of_ended_outcomes(tmp_path):
+    """Found by review: the finalizer kept the outcome of every export of every committed
+    step, for the life of the job (status() and wait_for_exports() returned all of it). The
+    exports of 1,000 steps committed back to back (each waiting one superseded by the next)
+    leave OUTCOMES_KEPT ended outcomes, the newest, and the one still queued."""
+    import asyncio
+
+    from verl_ckpt.hf.scheduler import OUTCOMES_KEPT, ExportPlan, ExportQueue
+
+    async def run() -> list[dict]:
+        queue = ExportQueue(tmp_path, ExportPlan({"actor": "GPT2LMHeadModel"}, 1 << 30, 60.0))
+        for step in range(1, 1001):
+            queue.submit(step)  # the worker has not run yet: each supersedes the one before
+        outcomes = queue.outcomes()
+        queue.cancel()
+        await asyncio.sleep(0)
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert len(outcomes) == OUTCOMES_KEPT + 1
+    assert [o["step"] for o in outcomes] == list(range(1000 - OUTCOMES_KEPT, 1001))
+    assert outcomes[-1]["state"] == "queued"

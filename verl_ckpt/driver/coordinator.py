@@ -203,7 +203,8 @@ class CheckpointCoordinator:
         Raises CommitTimeoutError naming the steps still exporting at the deadline."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         outcomes = self._client.wait_for_exports(timeout)
-        self._exports_seen.update((o["step"], o["role"]) for o in outcomes)
+        # Those the finalizer still keeps (hf/scheduler.py OUTCOMES_KEPT): a set as flat.
+        self._exports_seen = {(o["step"], o["role"]) for o in outcomes}
         return outcomes
 
     def wait_for_uploads(self, timeout_s: float | None = None) -> dict[str, Any]:

@@ -88,6 +88,11 @@ def plan_exports(config: CheckpointConfig, roles: list[str]) -> ExportPlan | Non
     return ExportPlan(architectures, config.hf_export.max_shard_mb << 20, float(config.timeout_s))
 
 
+# Outcomes of exports that ended (done, failed, skipped) kept for status() and
+# wait_for_exports(), newest first: the finalizer's memory stays flat over a long run.
+OUTCOMES_KEPT = 256
+
+
 class ExportQueue:
     """The finalizer's exports: one at a time, in a Ray task (in a thread without Ray).
     Lives on the finalizer's event loop: `submit` and `protected` never await."""
@@ -117,8 +122,14 @@ class ExportQueue:
         self._waiting.append(step)
         for role in self._plan.architectures:
             self._outcomes[(step, role)] = ExportOutcome(step, role, "queued")
+        self._forget_oldest_ended()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def _forget_oldest_ended(self) -> None:
+        ended = [key for key, o in self._outcomes.items() if o.state not in ("queued", "running")]
+        for key in sorted(ended)[: max(0, len(ended) - OUTCOMES_KEPT)]:
+            del self._outcomes[key]
 
     def protected(self) -> set[int]:
         """Steps retention must keep: queued or under export."""
