@@ -141,6 +141,27 @@ def test_a_save_that_raises_an_earlier_failure_on_one_rank_leaves_the_next_steps
     close_all(ranks, coordinator)
 
 
+def test_I5_a_close_that_leaves_an_agreement_waiting_for_a_peer_names_it(ranks, tmp_path):
+    """Found by review: rank 1's save(3) raises an earlier failure and still states, on its
+    agreement thread, that it does not save step 3; its peer never saves step 3, so that
+    statement waits in the group's collective (up to timeout_s). close() then returned as if
+    everything had stopped, though its docstring and I5 say it names what did not stop."""
+    cfg, coordinator = _step_one_committed(ranks, tmp_path, timeout_s=20.0)
+    first, second = ranks["actor"]
+    ray.get(second.set_env.remote(ENV_VAR, "write:actor:1=enospc"))
+    save_everyone(ranks, coordinator, 2)
+    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
+        coordinator.wait_for_commit(2)
+    ray.get(second.set_env.remote(ENV_VAR, None))
+    with pytest.raises(CheckpointWriteError, match=r"step 2.*No space left"):
+        ray.get(second.save.remote(3), timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CommitTimeoutError, match="agreement") as stuck:
+        ray.get(second.close.remote(1.0), timeout=RETURNS_WITHIN_S)
+    assert "still running" in str(stuck.value), stuck.value
+    ray.get([first.close.remote(), ranks["critic"][0].close.remote()])
+    coordinator.close()
+
+
 def test_I5_a_close_past_its_deadline_leaves_no_writer_process_behind(ranks, tmp_path):
     """writer.mode=process. Actor rank 0's save(2) goes ahead and waits for its peer; its
     close() ends at its deadline with the save in flight, and stops the writer process. When

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from verl_ckpt.commit.participant import ParticipantLink
 from verl_ckpt.protocol.config import CheckpointConfig
 from verl_ckpt.protocol.deadlines import time_left
+from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.rank.agreement import SaveAgreement
 from verl_ckpt.rank.planner import StepPlanner
@@ -42,13 +43,21 @@ class RankParts:
     def close(self, deadline: float) -> None:
         """Stop every part within `deadline`: the uploads and the save thread first (their
         work uses the others), the agreement, the writer; the staging pool is freed last,
-        whatever failed."""
+        whatever failed. Raises CommitTimeoutError naming the threads still running."""
         try:
-            self.runner.close(deadline)
-            self.agreement.close(time_left(deadline))
+            stuck = [f"the save thread ({task})" for task in self.runner.close(deadline)]
+            stuck += [
+                f"the save group's agreement ({task}: a statement waiting for a peer)"
+                for task in self.agreement.close(time_left(deadline))
+            ]
             self.writer.close(time_left(deadline))
         finally:
             self.snapshotter.pool.clear()
+        if stuck:
+            raise CommitTimeoutError(
+                f"still running at close()'s deadline: {', '.join(stuck)}; left behind as "
+                "daemon threads (they end at their own deadline and hold up nothing else)"
+            )
 
 
 def open_parts(

@@ -275,12 +275,14 @@ class SaveRunner:
         self._pending.raise_pending()
         return self._pending.take_completed()
 
-    def close(self, deadline: float) -> None:
-        """Stop the uploads (pending ones go on until `deadline`), then the save thread."""
+    def close(self, deadline: float) -> list[str]:
+        """Stop the uploads (pending ones go on until `deadline`), then the save thread;
+        returns what the save thread still ran at the deadline."""
         if self._uploads is not None:
             self._uploads.close(deadline)
         if self._thread is not None:
-            self._thread.close(time_left(deadline))
+            return self._thread.close(time_left(deadline))
+        return []
 
 
 def _done_future() -> Future:
