@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import verl_ckpt
+from verl_ckpt.startup.resume_fit import saved_parts
 
 __all__ = ["PART_NAMES", "dropped_state", "nothing_to_do"]
 
@@ -25,11 +26,6 @@ PART_NAMES = {
     "optimizer": ("optimizer state", "the optimizer starts fresh"),
     "extra": ("extra state (RNG)", "its random streams start from trainer.seed"),
 }
-# Key prefixes of a role's torch_dist directory: the per-rank extra state (CheckpointManager)
-# and the optimizer (megatron-core's optimizers and this recipe's name theirs so); every
-# other key is the model's.
-_EXTRA_PREFIX = "verl_ckpt.extra_state/"
-_OPTIMIZER_PREFIX = "optimizer."
 
 
 def nothing_to_do(start: verl_ckpt.StartPlan, total_steps: int) -> int | None:
@@ -54,7 +50,7 @@ def dropped_state(
     lines = []
     for role, ranks in roles.items():
         saved_ranks = record.role_world_size(role)
-        for part in sorted(_saved_parts(path / role) - set(wanted)):
+        for part in sorted(saved_parts(path / role) - set(wanted)):
             what, consequence = PART_NAMES[part]
             why = f"checkpoint.load_contents={wanted} leaves it out"
             if part == "extra" and saved_ranks not in (None, ranks):
@@ -66,26 +62,3 @@ def dropped_state(
                 f"resume from step {record.step}: {role}: {what} not loaded ({why}); {consequence}"
             )
     return lines
-
-
-def _saved_parts(role_dir: Path) -> set[str]:
-    """The parts (model, optimizer, extra) whose keys the role's `.metadata` holds. A
-    damaged one names none: the ranks' load() then fails on it, naming the file. One that
-    asks for more than DCP's metadata is refused here, before Ray starts."""
-    from verl_ckpt.format.safe_load import load_dcp_metadata
-
-    try:
-        keys = load_dcp_metadata(role_dir / ".metadata").state_dict_metadata
-    except verl_ckpt.UnsafeCheckpointError:
-        raise
-    except (verl_ckpt.CheckpointError, OSError):
-        return set()
-    parts = set()
-    for key in keys:
-        if key.startswith(_EXTRA_PREFIX):
-            parts.add("extra")
-        elif key.startswith(_OPTIMIZER_PREFIX):
-            parts.add("optimizer")
-        else:
-            parts.add("model")
-    return parts

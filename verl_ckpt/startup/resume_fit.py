@@ -6,7 +6,9 @@ optimizer, but a rank's own state has no counterpart in a world of another size.
 `prepare_start(config, roles=...)` makes the same checks before Ray starts, from the commit
 record's rank counts and, only when a role's rank count changed, the names in its DCP
 `.metadata`: a run started with another world size then fails in one line naming the step
-and the key, instead of in every rank's load once the workers are up.
+and the key, instead of in every rank's load once the workers are up. So does a run whose
+`checkpoint.load_contents` asks for a part (model, optimizer, extra) the step was saved
+without (`checkpoint.save_contents`), found from each role's `.metadata` (saved_parts).
 
 The participants declared to the coordinator (a rollout worker, a replay buffer) are
 checked the same way (check_participants_fit): a step holding a participant the run does
@@ -29,10 +31,14 @@ __all__ = [
     "check_resume_fits",
     "extra_reshard_error",
     "missing_role_error",
+    "saved_parts",
 ]
 
 # The megatron-core key of each rank's extra state (a ShardedObject per rank).
 EXTRA_STATE_KEY = "verl_ckpt.extra_state"
+# The optimizer's keys (megatron-core's optimizers name theirs so); every other key that is
+# not extra state is the model's.
+OPTIMIZER_KEY_PREFIX = "optimizer."
 
 
 def missing_role_error(path: Path, role: str, record: CommitRecord) -> CommitRecordError:
@@ -62,12 +68,21 @@ def check_resume_fits(
     record = read_commit_record(path)
     if participants is not None:
         _check_participants(path, record, participants)
-    wants_extra = "extra" in load_contents
+    wanted = set(load_contents)
     for role, ranks in roles.items():
         saved = record.role_world_size(role)
         if saved is None:
             raise missing_role_error(path, role, record)
-        if saved != ranks and wants_extra and _holds_extra_state(path / role):
+        held = saved_parts(path / role)
+        # A damaged `.metadata` names no part: the ranks' load fails on it, naming the file.
+        missing = sorted(wanted - held) if held else []
+        if missing:
+            raise CheckpointError(
+                f"{path}: role {role} holds no {' or '.join(missing)} (the step was saved "
+                f"without it: checkpoint.save_contents); load what it holds with "
+                f"checkpoint.load_contents=[{','.join(sorted(wanted & held))}]"
+            )
+        if saved != ranks and "extra" in wanted and _holds_extra_state(path / role):
             raise extra_reshard_error(path, role, saved, ranks)
 
 
@@ -94,8 +109,35 @@ def _check_participants(path: Path, record: CommitRecord, participants: Mapping[
             )
 
 
+def saved_parts(role_dir: Path) -> set[str]:
+    """The parts of `checkpoint.load_contents` (model, optimizer, extra) whose keys the
+    role's `.metadata` holds; none for a `.metadata` that is missing or damaged (the ranks'
+    load then fails on it, naming the file). One that asks for more than DCP's metadata
+    classes is refused (UnsafeCheckpointError, naming it)."""
+    # Imported here: the restricted unpickler, only where a start reads a `.metadata`.
+    from verl_ckpt.format.safe_load import load_dcp_metadata
+
+    try:
+        keys = load_dcp_metadata(role_dir / ".metadata").state_dict_metadata
+    except UnsafeCheckpointError:
+        raise
+    except (CheckpointError, OSError):
+        return set()
+    parts = set()
+    for key in keys:
+        # megatron-core names each rank's object "<key>/shard_<rank>_<ranks>".
+        if key.startswith(EXTRA_STATE_KEY + "/"):
+            parts.add("extra")
+        elif key.startswith(OPTIMIZER_KEY_PREFIX):
+            parts.add("optimizer")
+        else:
+            parts.add("model")
+    return parts
+
+
 def _holds_extra_state(role_dir: Path) -> bool:
-    # Imported here: only a start with a changed rank count reads a `.metadata`.
+    # As saved_parts, for a role whose rank count changed: a damaged `.metadata` is refused
+    # here, naming the file, since the extra state it may hold cannot be loaded anyway.
     from verl_ckpt.format.safe_load import load_dcp_metadata
 
     path = role_dir / ".metadata"
