@@ -103,6 +103,7 @@ def test_a_urls_password_is_redacted_wherever_it_is():
     [
         f"checkpoint.remote.url=ftp://alice:{PASSWORD}@127.0.0.1:9/ckpt",
         f"+checkpoint.remote.storage_options.endpoint_url=http://bob:{PASSWORD}@127.0.0.1:9",
+        f"+checkpoint.remote.storage_options.client_kwargs.endpoint_url=http://b:{PASSWORD}@h:9",
     ],
 )
 def test_a_password_in_a_remote_url_is_refused_before_ray_and_never_shown(
@@ -126,6 +127,11 @@ def test_a_password_in_a_remote_url_is_refused_before_ray_and_never_shown(
     code = verl_ckpt_cli(["ls", f"ftp://alice:{PASSWORD}@127.0.0.1:9/ckpt"])
     shown = capsys.readouterr()
     assert code != 0 and "holds a password" in shown.err, shown
+    assert PASSWORD not in shown.out + shown.err
+    options = f'{{"client_kwargs": {{"endpoint_url": "http://b:{PASSWORD}@127.0.0.1:9"}}}}'
+    code = verl_ckpt_cli(["ls", "s3://bucket/run", "--storage-options", options])
+    shown = capsys.readouterr()
+    assert code != 0 and "client_kwargs.endpoint_url" in shown.err, shown
     assert PASSWORD not in shown.out + shown.err
 
 

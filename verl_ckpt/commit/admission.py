@@ -345,8 +345,9 @@ def steps_lost_in_a_restart(root: Path, uncommitted: list[int], run_id: str | No
 
 def _mark_run(path: Path, run_id: str) -> None:
     """Mark a step directory as opened by this job (a hint for a restart, not fsynced: a
-    crash that loses it takes the whole job with it)."""
-    write_in_place(path / RUN_MARKER_FILENAME, run_id.encode())
+    crash that loses it takes the whole job with it); the step directory is reached below
+    the root (its parent) without following a link."""
+    write_in_place(path / RUN_MARKER_FILENAME, run_id.encode(), beneath=path.parent)
 
 
 def _run_of(path: Path) -> str | None:

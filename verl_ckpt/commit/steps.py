@@ -25,7 +25,7 @@ from verl_ckpt.store.commit_record import (
     sign_record,
     write_commit_record,
 )
-from verl_ckpt.store.fsio import RenameNotDurable, file_checksum
+from verl_ckpt.store.fsio import RenameNotDurable, file_checksum, unlink_beneath
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
     DRIVER_ROLE,
@@ -94,10 +94,10 @@ def commit_step(
         for role in sorted(participants):
             if role != DRIVER_ROLE:
                 made = (metadata_files or {}).get(role)
-                files.extend(_complete_role(path, role, step, reports, made))
+                files.extend(_complete_role(root, path, role, step, reports, made))
         # The finalizer's mark of the job that opened the step goes: a committed step holds
         # exactly the files its record names (and the record).
-        (path / RUN_MARKER_FILENAME).unlink(missing_ok=True)
+        unlink_beneath(root, f"{step_name(step)}/{RUN_MARKER_FILENAME}")  # synced below
         # A declared participant's files have no .metadata whose write syncs their
         # directory: synced here, or a crash after the commit could keep the record and
         # lose the directory entry of a file it names.
@@ -197,7 +197,12 @@ def reported_files_problem(path: Path | str, report: RankReport) -> str:
 
 
 def _complete_role(
-    path: Path, role: str, step: int, reports: list[RankReport], metadata_file: bytes | None
+    root: Path,
+    path: Path,
+    role: str,
+    step: int,
+    reports: list[RankReport],
+    metadata_file: bytes | None,
 ) -> list[FileEntry]:
     # Imported here: it imports torch, which the CLI's commands that read roots do not need.
     from verl_ckpt.format.torch_dist_dir import (
@@ -217,7 +222,7 @@ def _complete_role(
     if metadata_file is None:  # no forecast of it (metadata_forecast) fits these reports
         results = [r.unpacked_write_results() for r in mine]
         metadata_file = metadata_file_bytes(directory, metadata[0], results)
-    complete_role_dir(directory, metadata_file)
+    complete_role_dir(directory, metadata_file, beneath=root)
     entries = []
     for name in METADATA_FILENAMES:
         size, checksum = file_checksum(directory / name)

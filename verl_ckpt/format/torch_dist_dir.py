@@ -67,18 +67,20 @@ def metadata_file_bytes(checkpoint_dir: Path, global_metadata: Any, write_result
     return capture.streams[0]
 
 
-def complete_role_dir(checkpoint_dir: Path, metadata_file: bytes) -> None:
+def complete_role_dir(
+    checkpoint_dir: Path, metadata_file: bytes, beneath: Path | None = None
+) -> None:
     """Write `.metadata` (made by metadata_file_bytes) and `metadata.json`, the files that
-    make a torch_dist directory whole.
+    make a torch_dist directory whole; with `beneath` (the root), into a directory reached
+    below it without following a link (fsio.open_dir_beneath).
 
     `metadata.json` goes last: megatron-core refuses a directory without it, so until it is
     durable the directory is not loadable even by code that ignores our commit record.
     """
     # Temporary file, fsync, rename, directory fsync: as DCP's finish writes it, and durable.
-    atomic_write_bytes(checkpoint_dir / ".metadata", metadata_file)
-    write_in_place(
-        checkpoint_dir / "metadata.json", json.dumps(CHECKPOINTING_CONFIG).encode(), fsync=True
-    )
+    atomic_write_bytes(checkpoint_dir / ".metadata", metadata_file, beneath=beneath)
+    config = json.dumps(CHECKPOINTING_CONFIG).encode()
+    write_in_place(checkpoint_dir / "metadata.json", config, fsync=True, beneath=beneath)
     fsync_dir(checkpoint_dir)
 
 

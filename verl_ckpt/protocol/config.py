@@ -14,7 +14,7 @@ from typing import Any
 
 from verl_ckpt.protocol.config_keys import build_config
 from verl_ckpt.protocol.errors import CheckpointConfigError
-from verl_ckpt.protocol.redaction import has_password, without_password
+from verl_ckpt.protocol.redaction import has_password, password_url_key
 
 __all__ = [
     "CONTENTS",
@@ -220,17 +220,15 @@ class RemoteConfig:
         if self.url is not None and (not isinstance(self.url, str) or "://" not in self.url):
             _fail("remote.url", self.url, "must be an fsspec URL such as s3://bucket/prefix")
         # Refused, not used: a URL is shown in logs, errors and records, its password with it.
-        urls = {
-            "remote.url": self.url,
-            "remote.storage_options.endpoint_url": (self.storage_options or {}).get("endpoint_url"),
-        }
-        for key, url in urls.items():
-            if isinstance(url, str) and has_password(url):
-                raise CheckpointConfigError(
-                    f"checkpoint.{key}={without_password(url)!r} is invalid: it holds a password "
-                    "(user:password@); give credentials in checkpoint.remote.storage_options or "
-                    "the environment, never in a URL"
-                )
+        option = password_url_key(self.storage_options or {})
+        key = "remote.url" if isinstance(self.url, str) and has_password(self.url) else None
+        key = key or (f"remote.storage_options.{option}" if option is not None else None)
+        if key is not None:
+            raise CheckpointConfigError(
+                f"checkpoint.{key} is invalid: a URL that holds a password (user:password@); "
+                "give credentials in checkpoint.remote.storage_options or the environment, "
+                "never in a URL"
+            )
         if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
             _fail("remote.keep", self.keep, "must be null (keep all) or >= 1")
         for key in ("every", "max_in_flight", "threads"):

@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["REDACTED", "has_password", "redacted", "settings_digest", "without_password"]
+__all__ = [
+    "REDACTED",
+    "has_password",
+    "password_url_key",
+    "redacted",
+    "settings_digest",
+    "without_password",
+]
 
 REDACTED = "<redacted>"
 # Under storage_options every value is redacted but these: where the store is, never who.
@@ -49,6 +56,21 @@ def has_password(url: str) -> bool:
         return urlsplit(url).password is not None
     except ValueError:  # a malformed port or netloc: not ours to judge here
         return False
+
+
+def password_url_key(value: Any, key: str = "") -> str | None:
+    """The dotted key of the first URL with a password in `value` (mappings and lists, as
+    settings are; e.g. storage_options' `client_kwargs.endpoint_url`), or None."""
+    if isinstance(value, str):
+        return key if has_password(value) else None
+    items = value.items() if isinstance(value, Mapping) else None
+    if items is None and isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    for name, item in items or ():
+        found = password_url_key(item, f"{key}.{name}" if key else str(name))
+        if found is not None:
+            return found
+    return None
 
 
 def without_password(url: str) -> str:

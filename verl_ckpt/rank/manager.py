@@ -17,6 +17,7 @@ participant link to the finalizer (commit/participant.py).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,11 @@ from verl_ckpt.format.load_stats import LoadStats, PhaseClock
 from verl_ckpt.protocol import Phase, faults
 from verl_ckpt.protocol.config import CheckpointConfig, to_checkpoint_config
 from verl_ckpt.protocol.deadlines import deadline_in
-from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError
+from verl_ckpt.protocol.errors import (
+    CheckpointConfigError,
+    CheckpointError,
+    CommitTimeoutError,
+)
 from verl_ckpt.rank.copy_progress import CopyProgress
 from verl_ckpt.rank.loader import RankLoader
 from verl_ckpt.rank.parts import open_parts
@@ -39,6 +44,8 @@ from verl_ckpt.rank.save_job import SaveJob, SavePath, SaveStats, wants_deferred
 from verl_ckpt.rank.snapshot_plan import bind_buffers, freeze_objects
 from verl_ckpt.rank.state_dict import compose_state, model_spec_bytes
 from verl_ckpt.store.layout import role_name_problem
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "SaveStats"]
 
@@ -240,9 +247,17 @@ class CheckpointManager:
         self._closed = True
         try:
             self._runner.finished(deadline)
-        finally:
-            self._snapshotter.forget_unfenced()  # drained: every snapshot was taken or failed
-            self._parts.close(deadline)
+        except BaseException:
+            # The writes' failure (or their deadline) is what the caller must see: what did
+            # not stop is logged, never raised in its place.
+            self._snapshotter.forget_unfenced()
+            try:
+                self._parts.close(deadline)
+            except CommitTimeoutError as stuck:
+                logger.warning("%s rank %d: close(): %s", self.role, self.rank, stuck)
+            raise
+        self._snapshotter.forget_unfenced()  # drained: every snapshot was taken or failed
+        self._parts.close(deadline)
 
     @property
     def writer_pid(self) -> int | None:

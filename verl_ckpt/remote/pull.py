@@ -158,6 +158,13 @@ def install_staged(staged: StagedStep) -> PullSummary:
         # An uncommitted leftover of the same step (a save that never finished).
         logger.warning("replacing uncommitted leftover %s by the remote tier's step", target)
         delete_step(target)
+    # Checked before the rename and again after it (a swap can land between the two).
+    before = os.lstat(staged.staging)
+    if not stat.S_ISDIR(before.st_mode) or (before.st_dev, before.st_ino) != staged.identity:
+        raise CheckpointError(
+            f"{staged.staging} was replaced while step {staged.summary.step} was pulled into it "
+            "(another writer of the root?); the pulled step is not installed"
+        )
     os.replace(staged.staging, target)
     fsync_dir(target.parent)
     now = os.lstat(target)

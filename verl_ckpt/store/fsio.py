@@ -64,6 +64,7 @@ __all__ = [
     "remove_stale_temporaries",
     "start_writeback",
     "temporary_name",
+    "unlink_beneath",
     "write_in_place",
 ]
 
@@ -154,6 +155,16 @@ def create_new_file(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
     return open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
 
 
+def _create_replacing_in(directory: int, name: str, mode: int = FILE_MODE) -> int:
+    """create_replacing of `name` in the directory open as `directory`."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(name, flags, mode, dir_fd=directory)
+    except FileExistsError:
+        os.unlink(name, dir_fd=directory)
+        return os.open(name, flags, mode, dir_fd=directory)
+
+
 def create_replacing(path: str | os.PathLike, mode: int = FILE_MODE) -> int:
     """A descriptor, open for writing, of a file created new at `path`, whatever was there
     unlinked first. Never opened in place: neither a symbolic link nor a hard link planted
@@ -176,8 +187,8 @@ def open_for_rewrite(
     (the store's root, above `path`), the directory of `path` is reached below it without
     following a link (open_dir_beneath)."""
     flags = os.O_WRONLY | os.O_CREAT
-    parent = None if beneath is None else os.path.relpath(Path(path).parent, beneath)
-    if parent is None or parent.startswith(".."):
+    parent = _below(Path(path).parent, beneath)
+    if parent is None:
         fd = open_no_follow(path, flags, mode)
     else:
         directory = open_dir_beneath(beneath, "" if parent == "." else parent)
@@ -201,11 +212,26 @@ def open_for_rewrite(
     return fd
 
 
-def write_in_place(path: str | os.PathLike, data: bytes, fsync: bool = False) -> None:
+def write_in_place(
+    path: str | os.PathLike,
+    data: bytes,
+    fsync: bool = False,
+    beneath: str | os.PathLike | None = None,
+) -> None:
     """Write `data` as the whole file `path`, created new under its own name (not a temp
     and a rename: for small files whose readers tolerate a partial one, markers and
-    metadata.json); fsynced with `fsync`."""
-    with open(create_replacing(path), "wb") as f:
+    metadata.json); fsynced with `fsync`. With `beneath` (the store's root, above `path`),
+    its directory is reached below it without following a link (open_dir_beneath)."""
+    parent = _below(Path(path).parent, beneath)
+    if parent is None:
+        fd = create_replacing(path)
+    else:
+        directory = open_dir_beneath(beneath, parent)
+        try:
+            fd = _create_replacing_in(directory, Path(path).name)
+        finally:
+            os.close(directory)
+    with open(fd, "wb") as f:
         f.write(data)
         if fsync:
             f.flush()
@@ -228,6 +254,18 @@ def make_dir(path: str | os.PathLike, parents: bool = False, exist_ok: bool = Fa
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
+def _below(directory: Path, beneath: str | os.PathLike | None) -> str | None:
+    """`directory` relative to `beneath` ("" for `beneath` itself); None without `beneath`
+    or where `directory` is not below it (then it is opened by its path, as it was before
+    `beneath` existed: a caller's path outside its root is its own)."""
+    if beneath is None:
+        return None
+    rel = os.path.relpath(directory, beneath)
+    if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+        return None
+    return "" if rel == "." else rel
+
+
 def open_dir_beneath(root: str | os.PathLike, rel: str, create: bool = False) -> int:
     """A descriptor of the directory `rel` below `root`, reached one name at a time without
     following a link: a link (or anything but a directory) at any name of `rel` is refused
@@ -238,7 +276,7 @@ def open_dir_beneath(root: str | os.PathLike, rel: str, create: bool = False) ->
     directories are made, `root` included (DIR_MODE). The caller closes the descriptor."""
     names = [name for name in rel.split("/") if name not in ("", ".")]
     if ".." in names:
-        raise ValueError(f"{rel!r} leaves {root}")
+        raise OSError(errno.EINVAL, "a name that leaves the root", os.path.join(root, rel))
     if create:
         make_dir(root, parents=True, exist_ok=True)
     fd = os.open(root, _DIR_FLAGS)
@@ -264,6 +302,23 @@ def open_dir_beneath(root: str | os.PathLike, rel: str, create: bool = False) ->
         os.close(fd)
         raise
     return fd
+
+
+def unlink_beneath(root: str | os.PathLike, rel: str) -> None:
+    """Remove the file `rel` below `root` (nothing when it or its directory is absent), its
+    directory reached without following a link (open_dir_beneath). Not made durable: the
+    caller syncs the directory when it must."""
+    parent, _, name = rel.rpartition("/")
+    try:
+        directory = open_dir_beneath(root, parent)
+    except FileNotFoundError:
+        return
+    try:
+        os.unlink(name, dir_fd=directory)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(directory)
 
 
 def open_regular(path: str | os.PathLike) -> int:
@@ -345,11 +400,11 @@ def atomic_write_bytes(
     the rename (the tracker: nothing un-commits a step after it) tell the two apart.
     """
     path = Path(path)
-    if beneath is None:
+    parent = _below(path.parent, beneath)
+    if parent is None:
         directory = os.open(path.parent, _DIR_FLAGS)
     else:
-        parent = os.path.relpath(path.parent, beneath)
-        directory = open_dir_beneath(beneath, "" if parent == "." else parent)
+        directory = open_dir_beneath(beneath, parent)
     try:
         tmp = temporary_name(path, tmp_tag).name
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

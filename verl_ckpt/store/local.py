@@ -24,6 +24,7 @@ from verl_ckpt.store.fsio import (
     read_regular,
     remove_stale_temporaries,
     temporary_name,
+    unlink_beneath,
 )
 from verl_ckpt.store.layout import DELETING_PREFIX, list_step_dirs, step_name
 
@@ -105,25 +106,15 @@ class LocalStore(Store):
         return _RenamedIntoPlace(self.root, rel)
 
     def remove(self, rel: str) -> None:
-        parent, _, name = rel.rpartition("/")
+        unlink_beneath(self.root, rel)
+        parent = rel.rpartition("/")[0]
         try:
-            directory = open_dir_beneath(self.root, parent)
+            fsync_dir(self.path(parent))  # by name: only durability is at stake
         except FileNotFoundError:
-            return  # its directory went too: nothing to remove or make durable here
-        try:
-            try:
-                os.unlink(name, dir_fd=directory)
-            except FileNotFoundError:
-                pass
-            try:
-                fsync_dir(self.path(parent))  # by name: only durability is at stake
-            except FileNotFoundError:
-                pass  # its directory went too: nothing to make durable here
-            except OSError as exc:
-                where = str(self.path(parent))
-                raise RenameNotDurable(exc.errno, exc.strerror or str(exc), where) from exc
-        finally:
-            os.close(directory)
+            pass  # its directory went too: nothing to make durable here
+        except OSError as exc:
+            where = str(self.path(parent))
+            raise RenameNotDurable(exc.errno, exc.strerror or str(exc), where) from exc
 
     def remove_tree(self, rel: str) -> None:
         path = self.path(rel)

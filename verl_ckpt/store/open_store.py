@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from verl_ckpt.protocol.errors import CheckpointConfigError
-from verl_ckpt.protocol.redaction import has_password, without_password
+from verl_ckpt.protocol.redaction import has_password, password_url_key, without_password
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
 
@@ -31,11 +31,13 @@ def open_store(
     text = os.fspath(path_or_url)
     if not is_remote_url(text):
         return LocalStore(text)
-    if has_password(text):
-        # Refused, not used: the URL is named by every message about the store.
+    option = password_url_key(storage_options or {})
+    if has_password(text) or option is not None:
+        # Refused, not used: a URL is named by messages about the store.
+        where = without_password(text) if option is None else f"storage option {option}"
         raise CheckpointConfigError(
-            f"{without_password(text)}: the URL holds a password (user:password@); give "
-            "credentials as storage options or in the environment, never in a URL"
+            f"{where}: a URL that holds a password (user:password@); give credentials as "
+            "storage options or in the environment, never in a URL"
         )
     # Imported here: fsspec (and s3fs) only where a URL is used.
     from verl_ckpt.store.fsspec_store import FsspecStore
