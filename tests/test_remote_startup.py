@@ -102,6 +102,33 @@ def test_resume_path_after_a_local_rollback_names_the_remote_rollback_not_prune(
     assert start(config) == step_dir(root, 20)
 
 
+@pytest.mark.parametrize("how", ["a link to it", "a path through it"])
+def test_a_resume_path_that_reaches_an_older_step_indirectly_is_still_refused(
+    both, tmp_path, capsys, how
+):
+    """Found by review: the local check resolves checkpoint.resume_from_path (a link `best`
+    to global_step_20, or `.../global_step_20/actor/..`) and accepts it, while the remote
+    tier's check read the step from the path as written, found none, and let the start go
+    on: this run's uploads then replaced the remote tier's committed step 30 of another
+    lineage, with a warning only. Both checks now read the resolved path."""
+    root, tier = both
+    assert cli(capsys, "rollback", root, "--to", 20)[0] == 0  # the local root: 10 and 20
+    if how == "a link to it":
+        path = tmp_path / "best"
+        path.symlink_to(step_dir(root, 20))
+    else:
+        path = step_dir(root, 20) / "actor" / ".."
+        (step_dir(root, 20) / "actor").mkdir(exist_ok=True)
+    config = {
+        "root_dir": str(root),
+        "remote": {"url": tier.url},
+        "resume_mode": "resume_path",
+        "resume_from_path": str(path),
+    }
+    with pytest.raises(ResumeConflictError, match=f"step 20, but .*{tier.url} holds .* 30"):
+        start(config)
+
+
 def test_a_resume_path_that_is_no_step_directory_is_named_as_such_with_a_remote_tier(both):
     """A resume_from_path that names no global_step_<N> directory was refused by the remote
     tier's check as "resumes from step None, but ... holds committed step 30": now the local

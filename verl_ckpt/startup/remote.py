@@ -169,7 +169,9 @@ def check_remote_start(config: CheckpointConfig, keyring: Keyring | None = None)
         if config.resume_mode == "disable":
             start, what = None, "checkpoint.resume_mode=disable starts from step 0"
         else:
-            start = step_of_dir(config.resume_from_path)
+            # Resolved, as the local check reads it (prepare._checked_resume_path): a link
+            # to a step directory, or a path through one, resumes from that step.
+            start = step_of_dir(Path(config.resume_from_path).resolve())
             if start is None:
                 # No global_step_<N> directory: the local check says so in its own words
                 # (resume_check), rather than this one calling it "step None".
