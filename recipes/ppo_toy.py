@@ -64,8 +64,10 @@ from recipes.ppo_config import (
 )
 from recipes.resume_plan import dropped_state, nothing_to_do
 from recipes.rollout import declared_participants
-from recipes.trainer import PPOToyTrainer
+from recipes.trainer import PPOToyTrainer, check_driver_state
 from recipes.workers import WorkerStartupError
+from verl_ckpt.format.safe_load import load_state_file
+from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
 log = logging.getLogger("ppo_toy")
 
@@ -150,6 +152,19 @@ def before_ray(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> bool:
     roles = {name: cfg.role(name).world_size for name in ROLES}
     for line in dropped_state(start.resume_dir, roles, cfg.checkpoint.load_contents):
         log.warning("%s", line)
+    if start.resume_dir is not None:
+        # The driver's state of the resume step, read as the resume reads it (nothing of it
+        # run), and its format checked: a state this recipe cannot resume from is one line
+        # here, not a traceback once Ray and the workers are up.
+        path = Path(start.resume_dir)
+        try:
+            state = load_state_file(path / DRIVER_STATE_FILENAME)
+        except OSError as exc:
+            raise verl_ckpt.CheckpointError(
+                f"{path / DRIVER_STATE_FILENAME}: the driver's state cannot be read: "
+                f"{exc.strerror or exc}"
+            ) from None
+        check_driver_state(state, path)
     return False
 
 

@@ -24,13 +24,25 @@ from recipes.rollout import RolloutGroup, declared_participants
 from recipes.rollout_worker import ROLLOUT_PARTICIPANT
 from recipes.trainer_end import RunEnd
 from recipes.trainer_startup import WorkerStartup
+from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
-__all__ = ["DRIVER_STATE_FORMAT", "PPOToyTrainer"]
+__all__ = ["DRIVER_STATE_FORMAT", "PPOToyTrainer", "check_driver_state"]
 
 log = logging.getLogger("ppo_toy")
 
 # 2: the data cursor at the trained frontier (1 held the generator of random prompts).
 DRIVER_STATE_FORMAT = 2
+
+
+def check_driver_state(state: dict[str, Any], step_path: Any) -> dict[str, Any]:
+    """`state` (the driver's state of the committed step `step_path`), if this recipe can
+    resume from it; else CheckpointError, one line naming the file and the format."""
+    if state.get("format") != DRIVER_STATE_FORMAT:
+        raise verl_ckpt.CheckpointError(
+            f"{step_path}/{DRIVER_STATE_FILENAME}: driver state of format "
+            f"{state.get('format')!r}, this recipe resumes format {DRIVER_STATE_FORMAT} only"
+        )
+    return state
 
 
 class PPOToyTrainer(WorkerStartup, RunEnd):
@@ -93,9 +105,7 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
             return 0
         start = time.perf_counter()
         ray.get(self._call_all("load", str(path)))
-        state = self.coordinator.load_driver_state(path)
-        if state.get("format") != DRIVER_STATE_FORMAT:
-            raise RuntimeError(f"{path}: driver state of unknown format {state.get('format')!r}")
+        state = check_driver_state(self.coordinator.load_driver_state(path), path)
         step = state["step"]
         self.trained = self.drawn = DataCursor.from_state(state["data_cursor"])
         if self.rollout is not None:

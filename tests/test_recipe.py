@@ -5,6 +5,7 @@ gloo, real checkpoint files; and as a Ray job submitted to a separately started 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +31,9 @@ from recipes.metrics import read_metrics
 from recipes.ppo_config import RecipeConfigError, to_recipe_config
 from recipes.ppo_math import gae, policy_loss, token_rewards
 from verl_ckpt import read_commit_record, read_tracker, step_dir
+from verl_ckpt.store.commit_record import FileEntry, write_commit_record
+from verl_ckpt.store.fsio import file_checksum
+from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPARED = ("reward", "actor_loss", "critic_loss")
@@ -196,6 +200,31 @@ def test_I1_I4_resumed_run_continues_exactly_like_an_uninterrupted_one(
 
 
 @pytest.mark.slow
+def test_a_driver_state_this_recipe_cannot_resume_is_one_line_before_ray(tmp_path, four_step_run):
+    """Found by review: the driver state's format was checked once Ray, the workers and every
+    rank's load had run, and failed with a RuntimeError: the recipe printed its traceback.
+    A step written by an older recipe (format 1 held the prompt generator) is now refused
+    before Ray starts, in one line naming the file and both formats."""
+    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
+    state_file = step_dir(root, 4) / DRIVER_STATE_FILENAME
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "format": 1}, state_file)
+    # Its commit record as that recipe wrote it: the file's size and checksum in it.
+    record = read_commit_record(step_dir(root, 4))
+    files = [
+        FileEntry(f.path, *file_checksum(state_file)) if f.path == DRIVER_STATE_FILENAME else f
+        for f in record.files
+    ]
+    write_commit_record(step_dir(root, 4), dataclasses.replace(record, files=files))
+    proc = start_recipe(tmp_path / "run", f"checkpoint.root_dir={root}", "trainer.total_steps=6")
+    output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("ppo_toy:")]
+    assert len(errors) == 1 and str(state_file) in errors[0], output[-3000:]
+    assert "driver state of format 1, this recipe resumes format 2 only" in errors[0]
+    assert "Traceback" not in output and "embedded Ray" not in output, output[-3000:]
+
+
 def test_I3_readme_rollback_then_resume_path_continues_from_the_older_step(tmp_path, four_step_run):
     """The README's way back to an older step: resume_path at step 2 of a root that
     committed step 4 is refused at start-up; `verl-ckpt rollback ROOT --to 2` moves step 4
