@@ -40,6 +40,16 @@ def _step_one_committed(ranks: dict, tmp_path, **config) -> tuple[dict, Checkpoi
     return cfg, coordinator
 
 
+def _fail_the_write_of_step_2_on(rank, ranks: dict, coordinator) -> None:
+    """Everyone saves step 2; `rank`'s write fails (a full disk at that moment, injected), so
+    the step fails naming actor rank 1, and the failure waits to be raised by its next save."""
+    ray.get(rank.set_env.remote(ENV_VAR, "write:actor:1=enospc"))
+    save_everyone(ranks, coordinator, 2)
+    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
+        coordinator.wait_for_commit(2)
+    ray.get(rank.set_env.remote(ENV_VAR, None))
+
+
 def test_I5_a_save_on_a_cached_plan_returns_before_its_peer_arrives(ranks, tmp_path):
     cfg, coordinator = _step_one_committed(ranks, tmp_path)
     first, second = ranks["actor"]
@@ -115,11 +125,7 @@ def test_a_save_that_raises_an_earlier_failure_on_one_rank_leaves_the_next_steps
     next save() raised that failure in turn, and no later step of the role ever committed."""
     cfg, coordinator = _step_one_committed(ranks, tmp_path, timeout_s=20.0)
     first, second = ranks["actor"]
-    ray.get(second.set_env.remote(ENV_VAR, "write:actor:1=enospc"))
-    save_everyone(ranks, coordinator, 2)
-    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
-        coordinator.wait_for_commit(2)
-    ray.get(second.set_env.remote(ENV_VAR, None))
+    _fail_the_write_of_step_2_on(second, ranks, coordinator)
     ahead = first.save.remote(3)
     with pytest.raises(CheckpointWriteError, match=r"step 2.*No space left"):
         ray.get(second.save.remote(3), timeout=RETURNS_WITHIN_S)
@@ -148,11 +154,7 @@ def test_I5_a_close_that_leaves_an_agreement_waiting_for_a_peer_names_it(ranks, 
     everything had stopped, though its docstring and I5 say it names what did not stop."""
     cfg, coordinator = _step_one_committed(ranks, tmp_path, timeout_s=20.0)
     first, second = ranks["actor"]
-    ray.get(second.set_env.remote(ENV_VAR, "write:actor:1=enospc"))
-    save_everyone(ranks, coordinator, 2)
-    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
-        coordinator.wait_for_commit(2)
-    ray.get(second.set_env.remote(ENV_VAR, None))
+    _fail_the_write_of_step_2_on(second, ranks, coordinator)
     with pytest.raises(CheckpointWriteError, match=r"step 2.*No space left"):
         ray.get(second.save.remote(3), timeout=RETURNS_WITHIN_S)
     with pytest.raises(CommitTimeoutError, match="agreement") as stuck:

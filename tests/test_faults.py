@@ -145,6 +145,16 @@ def test_I5_hung_rank_is_named_and_training_is_not_blocked(lone_rank, tmp_path):
     coordinator.close()
 
 
+def saved_or_refused(outcomes: list, step: int) -> None:
+    """The other ranks' saves of `step`: each saved, or was refused because the step had
+    already failed (a race of their begin with the failure)."""
+    for outcome in outcomes:
+        try:
+            ray.get(outcome)
+        except CheckpointError as exc:
+            assert f"step {step}" in str(exc)
+
+
 def test_I5_a_rank_whose_save_raises_instead_of_saving_fails_that_step_at_once(ranks, tmp_path):
     """The critic's write of step 2 fails; its save(3) raises that failure (once) instead of
     saving step 3, which the other participants save. Step 3 then waited for the critic's
@@ -228,11 +238,7 @@ def test_I4_I5_a_copy_that_fails_after_the_save_thread_took_the_save_over_fails_
     with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\].*copy"):
         coordinator.wait_for_commit(2, timeout_s=30)
     assert time.monotonic() - started < 20  # at once, not at the step's deadline (60 s)
-    for outcome in others:
-        try:
-            ray.get(outcome)
-        except CheckpointError as exc:  # refused: step 2 had already failed
-            assert "step 2" in str(exc)
+    saved_or_refused(others, 2)
     for rank in every_rank(ranks):
         try:
             ray.get(rank.wait.remote())
@@ -271,11 +277,7 @@ def test_I5_a_save_whose_copy_failed_is_waited_for_while_its_save_thread_holds_t
     ray.get(critic.set_env.remote(ENV_VAR, None))
     with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\]"):
         coordinator.wait_for_commit(2, timeout_s=30)
-    for outcome in others:
-        try:
-            ray.get(outcome)
-        except CheckpointError as exc:  # refused: step 2 had already failed
-            assert "step 2" in str(exc)
+    saved_or_refused(others, 2)
     ray.get([w.save.remote(3) for w in every_rank(ranks) if w is not critic])
     coordinator.save_driver_state(3, {"step": 3})
     coordinator.wait_for_commit(3)
@@ -302,11 +304,7 @@ def test_I5_ctrl_c_during_a_first_save_frees_its_buffers_and_fails_the_step_at_o
     ray.get(critic.set_env.remote(ENV_VAR, None))
     with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\]"):
         coordinator.wait_for_commit(1, timeout_s=30)
-    for outcome in others:
-        try:
-            ray.get(outcome)
-        except CheckpointError as exc:  # refused: step 1 had already failed
-            assert "step 1" in str(exc)
+    saved_or_refused(others, 1)
     save_everyone(ranks, coordinator, 2)
     coordinator.wait_for_commit(2, timeout_s=60)
     assert read_tracker(cfg["root_dir"]) == 2
