@@ -23,7 +23,7 @@ from tests.test_recipe_trust import snapshot
 from verl_ckpt import CheckpointError, CommitRecordError, prepare_start
 from verl_ckpt.startup.resume_fit import EXTRA_STATE_KEY
 from verl_ckpt.store.commit_record import CommitRecord, write_commit_record
-from verl_ckpt.store.layout import step_dir
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, step_dir
 from verl_ckpt.store.tracker import write_tracker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -140,6 +140,26 @@ def test_an_unreadable_metadata_file_is_one_line_naming_it(root):
     with pytest.raises(CommitRecordError) as refused:
         start(root, {"actor": 4, "critic": 1})
     assert str(metadata) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_fallback_step_the_roles_cannot_load_is_refused_before_anything_moves(root):
+    """Found by review: with resume_fallback=previous, the tracker's step 6 unusable (its
+    record gone), start-up moved step 6 to quarantine and wrote the tracker back to step 5,
+    and only then found that 4 actor ranks cannot load step 5's per-rank extra state of 2:
+    the start was refused, the root changed all the same. Now the fallback's step is checked
+    first, and the refusal leaves the root as it was."""
+    shutil.copytree(step_dir(root, 5), step_dir(root, 6))
+    (step_dir(root, 6) / COMMIT_RECORD_FILENAME).unlink()  # the tracker's step is unusable
+    write_tracker(root, 6)
+
+    def files() -> list:  # the root lock's own files aside (a start under the lock makes them)
+        return [entry for entry in snapshot(root) if ".verl_ckpt.lock" not in entry[0]]
+
+    before = files()
+    with pytest.raises(CheckpointError, match="saved with 2 ranks, loading with 4"):
+        start(root, {"actor": 4}, resume_fallback="previous")
+    assert files() == before
+    assert start(root, {"actor": 2}, resume_fallback="previous").resume_dir == step_dir(root, 5)
 
 
 def test_without_roles_the_start_is_as_before(root):

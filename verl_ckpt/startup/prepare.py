@@ -146,7 +146,13 @@ def _prepare_start(
         if remote is not None and _fetched(config, remote, state):
             state = read_root_state(root, keyring)  # the tracker names the downloaded step
         copies = RemoteCopiesForResume(config, remote, root) if remote is not None else None
-        resume = settle_resume_step(config, state, choose_resume_dir, copies)
+        fits = None
+        if roles is not None or participants is not None:
+
+            def fits(path: Path) -> None:
+                check_resume_fits(path, roles or {}, config.load_contents, participants)
+
+        resume = settle_resume_step(config, state, choose_resume_dir, copies, fits)
         if resume is not None and state.tracker != step_of_dir(resume):
             state = read_root_state(root, keyring)  # the fallback moved steps and the tracker
         # Again on the step settled: recovery, a download or a fallback may have changed it.

@@ -113,12 +113,14 @@ def settle_resume_step(
     state: RootState,
     choose: ChooseResumeDir,
     remote: RemoteCopies | None = None,
+    fits: Callable[[Path], None] | None = None,
 ) -> Path | None:
     """The verified step to resume from (None: a fresh start), after recovery, under the
-    lock. `choose` is startup.choose_resume_dir; `remote` the remote tier, if any. Raises
-    ResumeVerificationError naming the file when the step fails and there is no fallback,
-    ResumeConflictError when the fallback would start below the remote tier's newest step
-    (see the module docstring)."""
+    lock. `choose` is startup.choose_resume_dir; `remote` the remote tier, if any; `fits`
+    raises for a step the run cannot load (resume_fit.check_resume_fits), called on a
+    fallback before anything moves. Raises ResumeVerificationError naming the file when the
+    step fails and there is no fallback, ResumeConflictError when the fallback would start
+    below the remote tier's newest step (see the module docstring)."""
     try:
         resume = choose(config, state)
     except TrackerError as exc:
@@ -126,7 +128,7 @@ def settle_resume_step(
         if not _falls_back(config) or state.effective_tracker is None:
             raise
         bad = _BadStep(state.effective_tracker, str(exc))
-        return _fall_back(config, state, bad, remote)
+        return _fall_back(config, state, bad, remote, fits)
     if resume is None:
         return None
     problem = step_problem(resume, config.resume_verify, state.keyring)
@@ -144,7 +146,7 @@ def settle_resume_step(
             f"checkpoint.resume_verify={config.resume_verify}: resume step {step} fails "
             f"verification: {problem}. Nothing was moved; {hint}"
         )
-    return _fall_back(config, state, _BadStep(step, problem), remote)
+    return _fall_back(config, state, _BadStep(step, problem), remote, fits)
 
 
 def step_problem(path: Path, mode: str, keyring: Keyring | None = None) -> str | None:
@@ -200,7 +202,11 @@ def _falls_back(config: CheckpointConfig) -> bool:
 
 
 def _fall_back(
-    config: CheckpointConfig, state: RootState, bad: _BadStep, remote: RemoteCopies | None
+    config: CheckpointConfig,
+    state: RootState,
+    bad: _BadStep,
+    remote: RemoteCopies | None,
+    fits: Callable[[Path], None] | None = None,
 ) -> Path:
     if remote is not None:
         replaced = _replace_from_remote(state, bad, remote)
@@ -221,6 +227,10 @@ def _fall_back(
             f"checkpoint.resume_verify={config.resume_verify}; resume step {bad.step}: "
             f"{bad.problem}. Nothing was moved"
         )
+    if fits is not None:
+        # Before anything moves: a step the run's ranks cannot load refuses the start with
+        # the root as it was (the tracker's step not quarantined, the tracker unchanged).
+        fits(step_dir(root, fallback))
     if remote is not None:
         # Before anything moves: the run's saves from `fallback` on would be uploaded over
         # the remote tier's newer committed steps.
