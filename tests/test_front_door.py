@@ -147,7 +147,7 @@ def test_recipe_refuses_an_unknown_key_in_one_line_with_exit_2_before_ray(tmp_pa
 @pytest.fixture
 def step5_root(saved_root, tmp_path) -> Path:  # noqa: F811 - the fixture imported above
     """A copy of test_resume_fit's root: the tracker names step 5, whose actor was saved by
-    2 ranks with model and extra state, its critic by 1 rank with model only."""
+    2 ranks with model, optimizer and extra state, its critic by 1 rank without extra."""
     copy = tmp_path / "ckpt"
     shutil.copytree(saved_root, copy)
     return copy
@@ -155,9 +155,16 @@ def step5_root(saved_root, tmp_path) -> Path:  # noqa: F811 - the fixture import
 
 def test_recipe_with_nothing_to_do_says_so_in_one_line_and_exits_0_before_ray(step5_root):
     """The tracker names step 5 and trainer.total_steps=5: no Ray, no workers (the step's
-    shards are not even real: a worker's load would fail)."""
+    shards are not even real: a worker's load would fail). Its critic was saved without
+    extra state: a run loads model and optimizer only (start-up refuses a load_contents
+    asking for a part the step lacks, test_resume_fit)."""
     root = step5_root
-    proc = start_recipe(root.parent / "run", f"checkpoint.root_dir={root}", "trainer.total_steps=5")
+    proc = start_recipe(
+        root.parent / "run",
+        f"checkpoint.root_dir={root}",
+        "trainer.total_steps=5",
+        "checkpoint.load_contents=[model,optimizer]",
+    )
     output, _ = proc.communicate(timeout=BEFORE_RAY_DEADLINE_S)
     assert proc.returncode == 0, output
     said = "step 5 already reaches trainer.total_steps=5: nothing to do"
