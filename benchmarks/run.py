@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.workdir is not None:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)  # as --out-dir: made if missing
     workdir = Path(tempfile.mkdtemp(prefix="verl_ckpt_bench_", dir=args.workdir))
     import ray
 
