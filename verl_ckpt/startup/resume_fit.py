@@ -82,8 +82,12 @@ def check_resume_fits(
                 f"without it: checkpoint.save_contents); load what it holds with "
                 f"checkpoint.load_contents=[{','.join(sorted(wanted & held))}]"
             )
-        if saved != ranks and "extra" in wanted and _holds_extra_state(path / role):
-            raise extra_reshard_error(path, role, saved, ranks)
+        if saved != ranks and "extra" in wanted:
+            # The parts read above answer it; only a `.metadata` that named none is read
+            # again, to be refused naming the file (_holds_extra_state).
+            holds_extra = ("extra" in held) if held else _holds_extra_state(path / role)
+            if holds_extra:
+                raise extra_reshard_error(path, role, saved, ranks)
 
 
 def check_participants_fit(path: Path, participants: Mapping[str, int]) -> None:
