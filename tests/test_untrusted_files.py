@@ -43,6 +43,7 @@ from verl_ckpt.store.commit_record import (
 from verl_ckpt.store.fsio import (
     DIR_MODE,
     FILE_MODE,
+    WriteOptions,
     atomic_write_bytes,
     file_checksum,
     make_dir,
@@ -261,6 +262,23 @@ def test_retention_never_deletes_through_a_deleting_directory_swapped_for_a_link
         racer.join()
     assert swapped.is_set()
     assert (other / COMMIT_RECORD_FILENAME).read_bytes() == b"the other run's record"
+
+
+@pytest.mark.timeout(30)
+def test_a_link_planted_at_a_rank_file_below_its_root_is_refused_naming_its_whole_path(tmp_path):
+    """Found by the read-through: a rank's file opened in its directory held by descriptor
+    (WriteOptions.beneath) was refused naming only `__0_0.distcp`; opened by path it names
+    the whole path, and so it does again."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(PRECIOUS)
+    path = step_dir(tmp_path / "root", 1) / "actor" / "__0_0.distcp"
+    path.parent.mkdir(parents=True)
+    path.symlink_to(victim)
+    below = WriteOptions(beneath=str(tmp_path / "root"))
+    with pytest.raises(OSError) as refused:
+        write_checksummed(path, lambda stream: stream.write(b"rank bytes"), options=below)
+    assert refused.value.filename == str(path), refused.value
+    assert victim.read_bytes() == PRECIOUS
 
 
 @pytest.mark.timeout(30)

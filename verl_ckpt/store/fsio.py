@@ -24,7 +24,7 @@ import stat
 import sys
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -191,11 +191,12 @@ def open_for_rewrite(
     if parent is None:
         fd = open_no_follow(path, flags, mode)
     else:
-        directory = open_dir_beneath(beneath, "" if parent == "." else parent)
+        directory = open_dir_beneath(beneath, parent)
         try:
-            fd = os.open(
-                Path(path).name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=directory
-            )
+            with _naming_in(Path(path).parent):
+                fd = os.open(
+                    Path(path).name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=directory
+                )
         finally:
             os.close(directory)
     try:
@@ -228,7 +229,8 @@ def write_in_place(
     else:
         directory = open_dir_beneath(beneath, parent)
         try:
-            fd = _create_replacing_in(directory, Path(path).name)
+            with _naming_in(Path(path).parent):
+                fd = _create_replacing_in(directory, Path(path).name)
         finally:
             os.close(directory)
     with open(fd, "wb") as f:
@@ -264,6 +266,18 @@ def _below(directory: Path, beneath: str | os.PathLike | None) -> str | None:
     if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
         return None
     return "" if rel == "." else rel
+
+
+@contextlib.contextmanager
+def _naming_in(directory: str | os.PathLike) -> Iterator[None]:
+    """An OSError of a call made by name in a directory held by descriptor names the file
+    by its path in `directory`, as the same call made by path does (errors name the file)."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc.filename, str) and not os.path.isabs(exc.filename):
+            exc.filename = os.path.join(directory, exc.filename)
+        raise
 
 
 def open_dir_beneath(root: str | os.PathLike, rel: str, create: bool = False) -> int:
@@ -408,7 +422,8 @@ def atomic_write_bytes(
     try:
         tmp = temporary_name(path, tmp_tag).name
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, FILE_MODE, dir_fd=directory)
+        with _naming_in(path.parent):
+            fd = os.open(tmp, flags, FILE_MODE, dir_fd=directory)
         try:
             with open(fd, "wb") as f:
                 f.write(data)
@@ -416,7 +431,8 @@ def atomic_write_bytes(
                 os.fsync(f.fileno())
             if before_replace is not None:
                 before_replace()
-            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+            with _naming_in(path.parent):
+                os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp, dir_fd=directory)
