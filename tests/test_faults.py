@@ -311,6 +311,38 @@ def test_I5_ctrl_c_during_a_first_save_frees_its_buffers_and_fails_the_step_at_o
     close_all(ranks, coordinator)
 
 
+def test_I5_a_rank_failing_before_the_first_plan_leaves_no_peer_in_its_collective(ranks, tmp_path):
+    """Found by CI (stop 62, in the test above): in a save that plans over the group (the
+    first one), a rank whose begin_step was refused (the step had failed) or whose copy
+    failed never joined the plan's gather on the trainer's group. Its peer, admitted, waited
+    in that gather for the group's own timeout (minutes on gloo, longer on NCCL) and then
+    raised a collective error instead of the step's failure. Now every rank states it is
+    ready just before that collective, and the peer of a rank that failed ends at once with
+    StepNotCommittedError naming it."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    peer, failing = ranks["actor"]
+    # Fails once its peer began the step and is in the plan's gather (both were admitted).
+    late_failure = "stage:actor:1=sleep=5,stage:actor:1=raise"
+    ray.get(failing.set_env.remote(ENV_VAR, late_failure))
+    critic_saved = ranks["critic"][0].save.remote(1)
+    peer_saved = peer.save.remote(1)
+    with pytest.raises(InjectedFault):
+        ray.get(failing.save.remote(1))
+    ray.get(failing.set_env.remote(ENV_VAR, None))
+    will_not_commit = r"step 1 will not commit: rank\(s\) \[1\] of the save group"
+    with pytest.raises(StepNotCommittedError, match=will_not_commit):
+        ray.get(peer_saved, timeout=30)  # the old code: still in the gather
+    ray.get(critic_saved)
+    with pytest.raises(StepNotCommittedError, match=r"actor rank 1 \[stage\]"):
+        coordinator.wait_for_commit(1, timeout_s=30)
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2, timeout_s=60)
+    assert read_tracker(cfg["root_dir"]) == 2
+    close_all(ranks, coordinator)
+
+
 @pytest.mark.parametrize("phase", ["commit", "tracker"])
 def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
     """Killed after every report arrived but before the commit record (the step is lost),

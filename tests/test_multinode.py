@@ -36,6 +36,10 @@ def start_node(args: list[str], root: Path | None, env: dict) -> None:
 
 def stop_cluster(gcs_port: int) -> None:
     """Kill the processes of this cluster only: Ray's processes naming its GCS port."""
+    kill_all(cluster_processes(gcs_port))
+
+
+def cluster_processes(gcs_port: int) -> list[psutil.Process]:
     mine = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
@@ -43,9 +47,32 @@ def stop_cluster(gcs_port: int) -> None:
             f":{gcs_port} " in f"{cmdline} " or f"--gcs_server_port={gcs_port}" in cmdline
         ):
             mine.append(proc)
-    for proc in mine:
-        proc.kill()
-    psutil.wait_procs(mine, timeout=30)
+    return mine
+
+
+def kill_all(processes: list[psutil.Process]) -> None:
+    """Kill each process still running. One that exited since it was listed (a Ray worker
+    ending as its raylet goes) is skipped: psutil refuses to signal it, by its PID or by the
+    PID's next owner."""
+    for proc in processes:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(processes, timeout=30)
+
+
+def test_stopping_a_cluster_skips_a_process_that_exited_since_it_was_listed():
+    """Found by CI (stop 62): a Ray process of the cluster exited between the listing and
+    its kill, and the fixture's teardown raised psutil.NoSuchProcess (its PID reused),
+    erroring a test that had passed. A process of this test stands in for it."""
+    port = free_port()
+    script = "import sys, time; time.sleep(float(sys.argv[1]))"
+    child = subprocess.Popen([sys.executable, "-c", script, "0.2", "ray", f"127.0.0.2:{port}"])
+    listed = cluster_processes(port)
+    assert [proc.pid for proc in listed] == [child.pid]
+    child.wait(timeout=30)  # exited and reaped: no such process any more
+    kill_all(listed)
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ actions: `hang` (sleep for an hour: a hung participant), `sleep=<seconds>` (a sl
 `raise` (raise InjectedFault), `enospc` (raise OSError ENOSPC, a full disk at that exact
 moment), `exit` (the process exits at once with status 17, a crash), `interrupt` (raise
 KeyboardInterrupt, as Ctrl-C does on a trainer's main thread).
+Every entry that matches runs, in order: `stage:actor:1=sleep=5,stage:actor:1=raise` is a
+rank that fails late, once its peers are past the phase.
 With VERL_CKPT_FAULT_ONCE=<path>, a fault fires only if <path> does not exist, and creates
 it first: a restarted process then runs normally.
 The variables are read when the phase runs, in the process running it.
@@ -33,7 +35,8 @@ class InjectedFault(RuntimeError):
 _PHASES = {phase.value for phase in Phase}
 
 
-def _matching_action(spec: str, phase: Phase, role: str | None, rank: int | None) -> str | None:
+def _matching_actions(spec: str, phase: Phase, role: str | None, rank: int | None) -> list[str]:
+    actions = []
     for entry in filter(None, (part.strip() for part in spec.split(","))):
         where, _, action = entry.partition("=")
         parts = where.split(":")
@@ -46,17 +49,17 @@ def _matching_action(spec: str, phase: Phase, role: str | None, rank: int | None
             continue
         if len(parts) > 2 and parts[2] and str(rank) != parts[2]:
             continue
-        return action
-    return None
+        actions.append(action)
+    return actions
 
 
 def inject(phase: Phase, role: str | None = None, rank: int | None = None) -> None:
-    """Run the action configured for this phase (and role, rank), if any."""
+    """Run the actions configured for this phase (and role, rank), in order, if any."""
     spec = os.environ.get(ENV_VAR)
     if not spec:
         return
-    action = _matching_action(spec, phase, role, rank)
-    if action is None:
+    actions = _matching_actions(spec, phase, role, rank)
+    if not actions:
         return
     once = os.environ.get(ONCE_ENV_VAR)
     if once:
@@ -65,6 +68,11 @@ def inject(phase: Phase, role: str | None = None, rank: int | None = None) -> No
                 pass
         except FileExistsError:
             return
+    for action in actions:
+        _run(action, phase, role, rank)
+
+
+def _run(action: str, phase: Phase, role: str | None, rank: int | None) -> None:
     if action == "hang":
         time.sleep(3600)
     elif action.startswith("sleep="):

@@ -129,12 +129,16 @@ class CheckpointManager:
         self._check_open()
         state = compose_state(self.config, self.world_size, self.rank, model, optimizer, extra)
         layout = self._planner.layout(_PREPARE, state, go_ahead=False)
-        copy = self._snapshotter.acquire(layout)
         try:
-            self._runner.warm_up(copy.slot, deadline_in(self._timeout_s))
-            self._planner.plan_ahead(layout)
-        finally:
-            self._snapshotter.release(copy.slot)
+            copy = self._snapshotter.acquire(layout)
+            try:
+                self._runner.warm_up(copy.slot, deadline_in(self._timeout_s))
+                self._planner.plan_ahead(layout)
+            finally:
+                self._snapshotter.release(copy.slot)
+        except BaseException:
+            self._planner.withdraw_from_plan(layout)  # its peers do not plan without it
+            raise
 
     def save(
         self,
@@ -283,6 +287,7 @@ class CheckpointManager:
         """Step 1's collectives (the agreement, and the sharding's validation unless the
         plan is cached), the save's path, and what must be read now (SaveJob)."""
         statements_before = self._planner.statements_made
+        layout = None
         try:
             # A lost lease on the root (another job took it over): this save is refused,
             # and withdrawn below like any other failure, so that no peer waits for it.
@@ -314,6 +319,8 @@ class CheckpointManager:
                 # Whether it failed before its layout (raising an earlier failure, say) or
                 # after it, before its statement went out.
                 self._planner.state_withdrawn(step)
+            else:
+                self._planner.withdraw_from_plan(layout)  # its peers will not plan without it
             raise
         job.model_spec_bytes = spec_bytes
         return job
@@ -351,6 +358,9 @@ class CheckpointManager:
                 self._runner.abandon(job, Phase.STAGE, exc)
             else:
                 self._runner.hand_over_failed(job)
+            # After the failure is reported: its peers, freed by this statement, find the
+            # step failed, as the finalizer does.
+            self._planner.withdraw_from_plan(job.layout)
             raise
 
     def _before_change(self) -> None:

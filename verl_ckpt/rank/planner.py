@@ -71,9 +71,12 @@ class StepPlanner:
         if not reuse:
             megatron_compat.validate_sharding(items, self._group)
         seconds = time.perf_counter() - started
-        return Layout(
+        layout = Layout(
             step, sharded, common, items, structure, reuse, distribution, seconds, statement
         )
+        # Every rank reaches the same verdict on `reuse`: all of them owe it, or none.
+        layout.ready_owed = not reuse
+        return layout
 
     def _agree_with_group(
         self, step: int, structure: Structure, go_ahead: bool
@@ -106,10 +109,30 @@ class StepPlanner:
         step, and every later step of the role would fail."""
         self._agreement.start(Statement(step, self._root_id, False, False, withdrawn=True))
 
+    def ready_to_plan(self, layout: Layout) -> None:
+        """Just before the plan's gather on the trainer's group: state that this rank began
+        the step and copied its state, and wait until every rank of the group did. Between
+        the agreement and this point a rank may fail (begin_step refused, the copy failed,
+        Ctrl-C): it states that it withdraws (withdraw_from_plan), and its peers end here with
+        StepNotCommittedError, instead of waiting in a collective it never joins until the
+        trainer group's own timeout (and then raising that instead of the step's failure)."""
+        if layout.ready_owed:
+            layout.ready_owed = False
+            ready = Statement(layout.step, self._root_id, plan_cached=False)
+            self._agreement.outcome(self._agreement.start(ready))
+
+    def withdraw_from_plan(self, layout: Layout | None) -> None:
+        """This rank's save failed before ready_to_plan: state that it withdraws, without
+        waiting (its peers wait for the statement; rank/agreement.py)."""
+        if layout is not None and layout.ready_owed:
+            layout.ready_owed = False
+            self.state_withdrawn(layout.step)
+
     def plan_ahead(self, layout: Layout) -> None:
         """prepare(): the plan depends on the structure only: planned over the live tensors,
         nothing is written, and the first save reuses it. DCP's planning makes the directory
         it plans for: a scratch one, not a stray entry in the checkpoint root."""
+        self.ready_to_plan(layout)
         with tempfile.TemporaryDirectory(prefix="verl_ckpt_plan_") as scratch:
             prepared = megatron_compat.plan_save(
                 layout.sharded,
@@ -147,6 +170,7 @@ class StepPlanner:
         """Step 1's plan over the copies, into the step's directory: gathered over the group
         (training thread only) unless the cached plan is reused (no collective)."""
         started = time.perf_counter()
+        self.ready_to_plan(job.layout)
         job.prepared = megatron_compat.plan_save(
             job.layout.sharded,
             job.directory,
