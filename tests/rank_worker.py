@@ -302,6 +302,22 @@ class RankWorker:
         self._conversion_hold = state
         return None
 
+    def fail_the_next_plan_after_its_gather(self) -> None:
+        """Fault injection (a fault that cannot be produced at that moment for real: memory
+        running out on one rank after the plan's gather, say): this rank's next plan over
+        the group raises once the gather is over, its peers' plans having succeeded."""
+        from verl_ckpt.format import megatron_compat
+
+        original = megatron_compat.WriteResolution
+
+        class FailsOnce:
+            @staticmethod
+            def learn(*args: Any, **kwargs: Any) -> Any:
+                megatron_compat.WriteResolution = original
+                raise MemoryError("injected after the plan's gather")
+
+        megatron_compat.WriteResolution = FailsOnce
+
     def save_through_ctrl_c(self, step: int) -> str:
         """save(step) in a trainer that catches Ctrl-C (KeyboardInterrupt) and goes on; the
         interrupt itself comes from VERL_CKPT_FAULT's `interrupt` (a SIGINT does not reach
@@ -361,10 +377,12 @@ class RankWorker:
     def wait(self, timeout_s: float | None = None) -> list[dict]:
         return [vars(s) for s in self.manager.wait(timeout_s)]
 
-    def prepare(self) -> None:
+    def prepare(self, without_optimizer: bool = False) -> None:
+        """prepare(); `without_optimizer`: a trainer's mistake (the optimizer is saved)."""
+        optimizer = self.mc.optimizer_sharded_state_dict(self.model, self.optimizer)
         self.manager.prepare(
             model=self.model.sharded_state_dict(),
-            optimizer=self.mc.optimizer_sharded_state_dict(self.model, self.optimizer),
+            optimizer=None if without_optimizer else optimizer,
             extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
         )
 

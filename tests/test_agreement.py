@@ -11,6 +11,7 @@ import signal
 import psutil
 import pytest
 import ray
+from megatron.core.dist_checkpointing.core import CheckpointingException
 
 from tests.conftest import ROLES
 from tests.helpers import ckpt_config, close_all, open_all, save_everyone
@@ -88,6 +89,85 @@ def test_a_structure_change_on_one_rank_only_fails_every_rank_at_once(ranks, tmp
         ray.get(changed, timeout=RETURNS_WITHIN_S)
     with pytest.raises(CheckpointWriteError, match=r"changed on ranks \[1\]"):
         ray.get(first.wait.remote())
+    assert read_tracker(cfg["root_dir"]) == 1
+    close_all(ranks, coordinator)
+
+
+def test_a_sharding_refused_on_rank_0_only_ends_its_peers_save_at_once(ranks, tmp_path):
+    """Found by review: megatron-core's sharding check gathers on rank 0, and only rank 0
+    raises. Its peer went on to begin the step, copy, and state that it was ready to plan,
+    then waited for rank 0's statement until the agreement's deadline (or, refused by
+    begin_step, stated its withdrawal): either way one statement ahead of rank 0's, so rank
+    0's next save paired with this one and failed a step nobody failed. Now a rank owes that
+    statement from the agreement's verdict on, and rank 0 withdraws."""
+    cfg = ckpt_config(tmp_path)  # a one-minute deadline: the old code's peer waits it out
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first, second = ranks["actor"]
+    # A first save in which both ranks claim the whole of one more tensor as its main
+    # replica: rank 0, which gathers the shardings, refuses it.
+    refused, peer = first.save_another_structure.remote(1), second.save_another_structure.remote(1)
+    with pytest.raises(CheckpointingException, match="Invalid access pattern"):
+        ray.get(refused, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointError, match="step 1"):  # withdrawn, or refused at begin_step
+        ray.get(peer, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(StepNotCommittedError, match="actor rank 0"):
+        coordinator.wait_for_commit(1)
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2)
+    assert read_tracker(cfg["root_dir"]) == 2
+    close_all(ranks, coordinator)
+
+
+def test_a_plan_that_failed_on_one_rank_after_its_gather_costs_one_more_step_only(ranks, tmp_path):
+    """Found by review: a plan over the group that fails on one rank after its gather (the
+    fault is injected: RankWorker.fail_the_next_plan_after_its_gather) left the peer with a
+    cached plan and that rank with none. At every later save the peer went ahead and that
+    rank did not, and each failed as a structure changed on one rank only, until the
+    processes restarted. Now the mixed verdict drops the cache on every rank: the next save
+    plans over the group again, and commits."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first, second = ranks["actor"]
+    ray.get(second.fail_the_next_plan_after_its_gather.remote())
+    planned, failed = first.save.remote(1), second.save.remote(1)
+    with pytest.raises(MemoryError, match="after the plan's gather"):
+        ray.get(failed, timeout=RETURNS_WITHIN_S)
+    ray.get(planned, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
+        coordinator.wait_for_commit(1)
+    ahead, behind = first.save.remote(2), second.save.remote(2)
+    ray.get(ahead, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointError, match=r"changed on ranks \[1\] but not on ranks \[0\]"):
+        ray.get(behind, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointWriteError, match=r"changed on ranks \[1\]"):
+        ray.get(first.wait.remote())
+    save_everyone(ranks, coordinator, 3)
+    coordinator.wait_for_commit(3)
+    assert read_tracker(cfg["root_dir"]) == 3
+    close_all(ranks, coordinator)
+
+
+def test_a_prepare_that_fails_on_one_rank_before_its_statement_ends_its_peers_at_once(
+    ranks, tmp_path
+):
+    """Found by review: prepare() lacked save()'s rule for a rank that fails before it states
+    anything (here a trainer's mistake: no optimizer given). Its peer waited in the agreement
+    until the deadline; and a trainer going on to save(1) paired that save's statement with
+    its peer's of prepare(). Now the rank states that it withdraws: its peer stops at once,
+    naming it, and the first save commits."""
+    cfg = ckpt_config(tmp_path)  # a one-minute deadline: the old code's peer waits it out
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first, second = ranks["actor"]
+    waiting = first.prepare.remote()
+    with pytest.raises(CheckpointError, match="save_contents includes 'optimizer'"):
+        ray.get(second.prepare.remote(without_optimizer=True), timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointError, match=r"prepare\(\) stopped: rank\(s\) \[1\]"):
+        ray.get(waiting, timeout=RETURNS_WITHIN_S)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
     assert read_tracker(cfg["root_dir"]) == 1
     close_all(ranks, coordinator)
 

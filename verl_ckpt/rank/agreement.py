@@ -40,12 +40,16 @@ from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.rank.gloo_group import StoreUnreachable, open_private_group, reserve_group_key
 
 __all__ = [
+    "PREPARE",
     "SaveAgreement",
     "Statement",
     "agree_on_save",
     "check_went_ahead",
     "plan_reusable",
 ]
+
+# The step number of prepare()'s statements: it saves no step.
+PREPARE = -1
 
 # Beyond the agreement's own deadline (the monitored barrier's), before a wait for its
 # outcome gives up: the collective normally ends or fails well within it.
@@ -234,6 +238,11 @@ def agree_on_save(
     ]
     withdrawn = [i for i, s in enumerate(statements) if s.withdrawn]
     if withdrawn:
+        if step == PREPARE:
+            raise CheckpointError(
+                f"{who}: prepare() stopped: rank(s) {withdrawn} of the save group failed in "
+                "theirs (their own error says why)"
+            )
         raise StepNotCommittedError(
             f"{who}: step {step} will not commit: rank(s) {withdrawn} of the save group do not "
             "save it (their save() failed; their own error says why)"
@@ -256,6 +265,7 @@ def _monitored_barrier(group: Any, timeout_s: float, who: str, step: int) -> Non
     except RuntimeError as exc:
         # gloo's message names the ranks that did not reach the barrier.
         raise CommitTimeoutError(
-            f"{who}: not every rank of the save group called save({step}) within "
+            f"{who}: not every rank of the save group called "
+            f"{'prepare()' if step == PREPARE else f'save({step})'} within "
             f"{timeout_s:g}s: {exc}"
         ) from None

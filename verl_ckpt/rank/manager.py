@@ -37,6 +37,7 @@ from verl_ckpt.protocol.errors import (
     CheckpointError,
     CommitTimeoutError,
 )
+from verl_ckpt.rank.agreement import PREPARE
 from verl_ckpt.rank.copy_progress import CopyProgress
 from verl_ckpt.rank.loader import RankLoader
 from verl_ckpt.rank.parts import open_parts
@@ -48,10 +49,6 @@ from verl_ckpt.store.layout import role_name_problem
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "SaveStats"]
-
-
-# The "step" every rank agrees on in prepare(): no step directory is involved.
-_PREPARE = -1
 
 
 class CheckpointManager:
@@ -127,9 +124,10 @@ class CheckpointManager:
         save group calls it (it runs the planning collectives). Optional: a save without it
         does the same work itself."""
         self._check_open()
-        state = compose_state(self.config, self.world_size, self.rank, model, optimizer, extra)
-        layout = self._planner.layout(_PREPARE, state, go_ahead=False)
+        statements_before = self._planner.statements_made
         try:
+            state = compose_state(self.config, self.world_size, self.rank, model, optimizer, extra)
+            layout = self._planner.layout(PREPARE, state, go_ahead=False)
             copy = self._snapshotter.acquire(layout)
             try:
                 self._runner.warm_up(copy.slot, deadline_in(self._timeout_s))
@@ -137,7 +135,11 @@ class CheckpointManager:
             finally:
                 self._snapshotter.release(copy.slot)
         except BaseException:
-            self._planner.withdraw_from_plan(layout)  # its peers do not plan without it
+            # As in save(): its peers wait for its statements (rank/agreement.py).
+            if self._planner.statements_made == statements_before:
+                self._planner.state_withdrawn(PREPARE)
+            else:
+                self._planner.withdraw_from_plan()
             raise
 
     def save(
@@ -287,7 +289,6 @@ class CheckpointManager:
         """Step 1's collectives (the agreement, and the sharding's validation unless the
         plan is cached), the save's path, and what must be read now (SaveJob)."""
         statements_before = self._planner.statements_made
-        layout = None
         try:
             # A lost lease on the root (another job took it over): this save is refused,
             # and withdrawn below like any other failure, so that no peer waits for it.
@@ -309,7 +310,7 @@ class CheckpointManager:
                 freeze_objects(layout.items)  # their bytes are made when the plan runs, later
             job = self._snapshotter.new_job(layout, path)
             self._planner.state_went_ahead(layout)
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C included
             # The other participants save this step: tell the finalizer now that this rank
             # will not, or the step would wait for this report until its deadline. Told
             # first, so that the step has failed before a peer, freed by the statement
@@ -320,7 +321,7 @@ class CheckpointManager:
                 # after it, before its statement went out.
                 self._planner.state_withdrawn(step)
             else:
-                self._planner.withdraw_from_plan(layout)  # its peers will not plan without it
+                self._planner.withdraw_from_plan()  # its peers will not plan without it
             raise
         job.model_spec_bytes = spec_bytes
         return job
@@ -360,7 +361,7 @@ class CheckpointManager:
                 self._runner.hand_over_failed(job)
             # After the failure is reported: its peers, freed by this statement, find the
             # step failed, as the finalizer does.
-            self._planner.withdraw_from_plan(job.layout)
+            self._planner.withdraw_from_plan()
             raise
 
     def _before_change(self) -> None:

@@ -19,6 +19,7 @@ from verl_ckpt.commit.participant import ParticipantLink
 from verl_ckpt.format import megatron_compat
 from verl_ckpt.format.structure import Structure, describe_structure
 from verl_ckpt.protocol.config import CheckpointConfig
+from verl_ckpt.protocol.errors import CheckpointError
 from verl_ckpt.rank.agreement import SaveAgreement, Statement, check_went_ahead, plan_reusable
 from verl_ckpt.rank.copy_progress import write_order
 from verl_ckpt.rank.save_job import DOING_AGREEMENT, DOING_BEGIN, Layout, SaveJob
@@ -48,6 +49,10 @@ class StepPlanner:
         self._link = link
         self._goes_ahead = goes_ahead
         self._plan_cache: megatron_compat.SavePlanCache | None = None
+        # The step for which this rank owes its save group a second statement (ready_to_plan,
+        # or withdraw_from_plan if it failed first): set once the agreement's verdict is that
+        # the plan gathers over the trainer's group, which every rank reaches alike.
+        self._ready_owed: int | None = None
 
     @property
     def statements_made(self) -> int:
@@ -71,12 +76,9 @@ class StepPlanner:
         if not reuse:
             megatron_compat.validate_sharding(items, self._group)
         seconds = time.perf_counter() - started
-        layout = Layout(
+        return Layout(
             step, sharded, common, items, structure, reuse, distribution, seconds, statement
         )
-        # Every rank reaches the same verdict on `reuse`: all of them owe it, or none.
-        layout.ready_owed = not reuse
-        return layout
 
     def _agree_with_group(
         self, step: int, structure: Structure, go_ahead: bool
@@ -91,8 +93,17 @@ class StepPlanner:
         if ahead:
             return True, statement
         statements = self._agreement.outcome(self._agreement.start(statement))
-        reusable = plan_reusable(statements, self._link.role)
-        return self._config.assume_constant_structure and reusable, None
+        try:
+            reusable = plan_reusable(statements, self._link.role)
+        except CheckpointError:
+            self._plan_cache = None  # as in agree_and_begin
+            raise
+        reuse = self._config.assume_constant_structure and reusable
+        if not reuse:
+            # Owed from here on: the collectives that follow (the sharding's validation, on
+            # rank 0 only) may fail on one rank and not on its peers.
+            self._ready_owed = step
+        return reuse, None
 
     def state_went_ahead(self, layout: Layout) -> None:
         """Make the statement of a rank that went ahead, once (rank/agreement.py). Made last in
@@ -109,31 +120,31 @@ class StepPlanner:
         step, and every later step of the role would fail."""
         self._agreement.start(Statement(step, self._root_id, False, False, withdrawn=True))
 
-    def ready_to_plan(self, layout: Layout) -> None:
+    def ready_to_plan(self) -> None:
         """Just before the plan's gather on the trainer's group: state that this rank began
         the step and copied its state, and wait until every rank of the group did. Between
         the agreement and this point a rank may fail (begin_step refused, the copy failed,
         Ctrl-C): it states that it withdraws (withdraw_from_plan), and its peers end here with
         StepNotCommittedError, instead of waiting in a collective it never joins until the
         trainer group's own timeout (and then raising that instead of the step's failure)."""
-        if layout.ready_owed:
-            layout.ready_owed = False
-            ready = Statement(layout.step, self._root_id, plan_cached=False)
+        step, self._ready_owed = self._ready_owed, None
+        if step is not None:
+            ready = Statement(step, self._root_id, plan_cached=False)
             self._agreement.outcome(self._agreement.start(ready))
 
-    def withdraw_from_plan(self, layout: Layout | None) -> None:
-        """This rank's save failed before ready_to_plan: state that it withdraws, without
-        waiting (its peers wait for the statement; rank/agreement.py)."""
-        if layout is not None and layout.ready_owed:
-            layout.ready_owed = False
-            self.state_withdrawn(layout.step)
+    def withdraw_from_plan(self) -> None:
+        """This rank's save failed after the agreement and before ready_to_plan: state that
+        it withdraws, without waiting (its peers wait for the statement; rank/agreement.py)."""
+        step, self._ready_owed = self._ready_owed, None
+        if step is not None:
+            self.state_withdrawn(step)
 
     def plan_ahead(self, layout: Layout) -> None:
         """prepare(): the plan depends on the structure only: planned over the live tensors,
         nothing is written, and the first save reuses it. DCP's planning makes the directory
         it plans for: a scratch one, not a stray entry in the checkpoint root."""
-        self.ready_to_plan(layout)
         with tempfile.TemporaryDirectory(prefix="verl_ckpt_plan_") as scratch:
+            self.ready_to_plan()  # once nothing but the plan is left to fail on this rank
             prepared = megatron_compat.plan_save(
                 layout.sharded,
                 Path(scratch) / "plan",
@@ -155,7 +166,14 @@ class StepPlanner:
         if job.layout.agreement is not None:
             job.stats.doing = DOING_AGREEMENT
             waited = time.perf_counter()
-            check_went_ahead(self._agreement.outcome(job.layout.agreement), self._link.role)
+            statements = self._agreement.outcome(job.layout.agreement)
+            try:
+                check_went_ahead(statements, self._link.role)
+            except CheckpointError:
+                # The next save then plans over the group on every rank, instead of failing
+                # again wherever one rank's cache (a plan that failed there) differs.
+                self._plan_cache = None
+                raise
             job.stats.agree_s = time.perf_counter() - waited
         job.stats.doing = DOING_BEGIN
         self.begin(job)
@@ -170,7 +188,7 @@ class StepPlanner:
         """Step 1's plan over the copies, into the step's directory: gathered over the group
         (training thread only) unless the cached plan is reused (no collective)."""
         started = time.perf_counter()
-        self.ready_to_plan(job.layout)
+        self.ready_to_plan()
         job.prepared = megatron_compat.plan_save(
             job.layout.sharded,
             job.directory,

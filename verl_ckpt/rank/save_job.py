@@ -147,10 +147,6 @@ class Layout:
     # which the save thread checks before begin_step (rank/agreement.py).
     statement: Statement | None = None
     agreement: Future | None = None
-    # Set when the plan is not reused: it gathers over the trainer's group, and just before
-    # that collective this rank owes its save group a second statement, that it is ready
-    # (StepPlanner.ready_to_plan) or, having failed since, that it withdraws.
-    ready_owed: bool = False
 
     @functools.cached_property
     def tensors(self) -> list[ShardedTensor]:
