@@ -135,6 +135,18 @@ def test_a_password_in_a_remote_url_is_refused_before_ray_and_never_shown(
     assert PASSWORD not in shown.out + shown.err
 
 
+@pytest.mark.parametrize("command", ["ls", "prune", "rollback"])
+def test_the_cli_verbose_line_never_shows_a_urls_password(command, capsys):
+    """Found by review: `verl-ckpt -v` logged the URL it ran on, password included, before
+    the URL's check refused it (redacted)."""
+    url = f"s3://AKIA:{PASSWORD}@127.0.0.1:9/bucket"
+    extra = {"ls": [], "prune": ["--keep", "1"], "rollback": ["--to", "1"]}[command]
+    code = verl_ckpt_cli(["-v", command, url, *extra])
+    shown = capsys.readouterr()
+    assert code != 0 and "holds a password" in shown.err, shown
+    assert "running" in shown.err and PASSWORD not in shown.out + shown.err
+
+
 def test_the_finalizers_describe_never_shows_storage_options(s3_server, tmp_path):
     remote = remote_settings(s3_server, s3_server.new_bucket())
     # Before the finalizer opens its store: botocore rewrites nested options in place.

@@ -32,6 +32,7 @@ from verl_ckpt.cli.commands_read import cmd_inspect, cmd_ls, cmd_verify
 from verl_ckpt.cli.common import EXIT_BAD_CHECKPOINT, EXIT_USAGE, CliError, open_root
 from verl_ckpt.cli.output import escaped
 from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.protocol.redaction import without_password
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.signing import keyring_from
@@ -316,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     _configure_logging(args.verbose)
-    logger.debug("running %s on %s", args.command, args.root)
+    # Before the URL's check (open_root), which refuses one holding a password.
+    logger.debug("running %s on %s", args.command, without_password(str(args.root)))
     try:
         _keyring(args)
         store = open_root(args.root, args)
