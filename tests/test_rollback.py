@@ -347,3 +347,30 @@ def test_rollback_records_each_moved_committed_step_with_its_record_hash(root, c
     got = sorted((e.step, e.record_sha256, e.to) for e in read_rolled_back(root))
     assert got == sorted([(30, hashes[30], 20), (20, hashes[20], 10), (30, new30, 10)])
     assert json.loads((root / ROLLED_BACK_FILENAME).read_text())["format_version"] == 1
+
+
+def test_pull_never_brings_back_a_step_a_rollback_moved_out_nor_runs_beside_one(
+    root, tmp_path, capsys
+):
+    """Found by review: `verl-ckpt pull` read neither the record of rolled-back steps nor a
+    pending rollback's intent. A pull from a remote tier holding the very save of step 30
+    that `rollback --to 20` moved out put it back (exit 0, no word), and the next start
+    moved the tracker forward to it: the rollback undone. A pull during an interrupted
+    rollback put back a step it had already moved, and the rollback could not finish."""
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(root, remote)  # the remote tier holds the same saves (file:// URL)
+    url = f"file://{remote}"
+    assert run_cli(capsys, "rollback", root, "--to", 20)[0] == 0
+    code, _, err = run_cli(capsys, "pull", url, root)
+    assert code == 1 and "would undo that rollback" in err and "rollback" in err, err
+    assert not is_committed(step_dir(root, 30)) and read_tracker(root) == 20
+    # Into another directory it is pulled as usual.
+    assert run_cli(capsys, "pull", url, tmp_path / "elsewhere")[0] == 0
+    assert is_committed(step_dir(tmp_path / "elsewhere", 30))
+
+    crash_during_rollback(root, 10)
+    code, _, err = run_cli(capsys, "pull", url, root, "--step", 20)
+    assert code == 1 and "was interrupted" in err, err
+    assert run_cli(capsys, "rollback", root, "--to", 10)[0] == 0  # and it can finish

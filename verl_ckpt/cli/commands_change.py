@@ -15,12 +15,20 @@ from verl_ckpt.hf.record import describe_context_length
 from verl_ckpt.protocol.errors import CheckpointConfigError, TrackerError
 from verl_ckpt.remote.pull import pull_step
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import is_committed, newest_committed, read_commit_record
+from verl_ckpt.store.commit_record import (
+    is_committed,
+    newest_committed,
+    read_commit_record,
+    read_record_bytes,
+)
 from verl_ckpt.store.fsio import make_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.rollback import (
+    ROLLED_BACK_FILENAME,
+    RollbackError,
     execute_rollback,
+    find_rolled_back,
     intent_path,
     plan_rollback,
     read_rollback_intent,
@@ -168,6 +176,11 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
     make_dir(root, parents=True, exist_ok=True)
     destination = LocalStore(root)
     with locked(destination, "verl-ckpt pull"):
+        # As a job's start refuses it (startup/remote.py): a step put back beside a pending
+        # rollback could not be moved again, and the very save a rollback moved out would
+        # become the newest committed step, undoing the rollback without a word.
+        refuse_while_rollback_pending(destination)
+        _refuse_undoing_a_rollback(store, step, root)
         summary = pull_step(store, step, root, _THREADS, _TIMEOUT_S, keyring=args.keyring)
     if not summary.downloaded:
         print(f"step {step} is committed in {root} already: nothing pulled")
@@ -177,3 +190,14 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
             f"{summary.bytes} bytes verified in {summary.seconds:.2f} s"
         )
     return 0
+
+
+def _refuse_undoing_a_rollback(store: Store, step: int, root: Path) -> None:
+    data = read_record_bytes(store, step)
+    moved = find_rolled_back(root, step, data) if data is not None else None
+    if moved is not None:
+        raise RollbackError(
+            f"step {step} of {store.url} is the save that `verl-ckpt rollback {root} --to "
+            f"{moved.to}` moved out of {root} (recorded in {root / ROLLED_BACK_FILENAME}): "
+            "pulling it there would undo that rollback; pull it into another directory"
+        )
