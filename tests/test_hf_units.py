@@ -133,6 +133,42 @@ def test_a_model_description_must_be_versioned_json():
         encode_model_spec({"format_version": MODEL_SPEC_VERSION, "dtype": torch.float32})
 
 
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"transformer": "x"}, "transformer"),
+        ({"vocab_size": "64"}, "vocab_size"),
+        ({"max_sequence_length": True}, "max_sequence_length"),
+        ({"share_embeddings_and_output_weights": None}, "share_embeddings_and_output_weights"),
+        ({"head": "policy"}, "head"),
+        ({"transformer": {"num_layers": 2}}, "transformer.hidden_size"),
+        (
+            {"transformer": {**gpt2_spec()["transformer"], "num_layers": [2]}},
+            "transformer.num_layers",
+        ),
+        (
+            {"transformer": {**gpt2_spec()["transformer"], "normalization": {}}},
+            "transformer.normalization",
+        ),
+    ],
+)
+def test_a_malformed_model_description_is_refused_naming_the_file_and_the_field(
+    tmp_path, change, named
+):
+    """Found by review: read_model_spec checked the version only, and a description of
+    another shape ({"transformer": "x"}, a missing field) failed later in the export with an
+    AttributeError's or KeyError's traceback. A description is data from the checkpoint."""
+    import json
+
+    from verl_ckpt.hf.model_spec import MODEL_SPEC_FILENAME, read_model_spec
+
+    (tmp_path / MODEL_SPEC_FILENAME).write_text(json.dumps(gpt2_spec()))
+    assert read_model_spec(tmp_path)["vocab_size"] == 64
+    (tmp_path / MODEL_SPEC_FILENAME).write_text(json.dumps({**gpt2_spec(), **change}))
+    with pytest.raises(ModelSpecError, match=rf"{MODEL_SPEC_FILENAME} is malformed: {named}\b"):
+        read_model_spec(tmp_path)
+
+
 def test_I5_the_export_queue_keeps_a_bounded_number_of_ended_outcomes(tmp_path):
     """Found by review: the finalizer kept the outcome of every export of every committed
     step, for the life of the job (status() and wait_for_exports() returned all of it). The

@@ -141,7 +141,59 @@ def read_model_spec(role_dir: Path) -> dict[str, Any]:
         ) from None
     except OSError as exc:
         raise ModelSpecError(f"{path} is unreadable: {exc}") from None
-    return parse_versioned_json(data, str(path), MODEL_SPEC_VERSION, ModelSpecError)
+    spec = parse_versioned_json(data, str(path), MODEL_SPEC_VERSION, ModelSpecError)
+    problem = _shape_problem(spec)
+    if problem is not None:
+        raise ModelSpecError(f"{path} is malformed: {problem}")
+    return spec
+
+
+# The fields a mapping reads (describe_gpt_model writes them all), and their JSON types: a
+# description is data from the checkpoint, checked before a mapping indexes into it.
+_POSITIVE_INT = "a positive integer"
+_SPEC_FIELDS = {
+    "model_class": str,
+    "vocab_size": _POSITIVE_INT,
+    "max_sequence_length": _POSITIVE_INT,
+    "position_embedding_type": str,
+    "share_embeddings_and_output_weights": bool,
+}
+_REQUIRED_TRANSFORMER_FIELDS = {
+    "num_layers": _POSITIVE_INT,
+    "hidden_size": _POSITIVE_INT,
+    "num_attention_heads": _POSITIVE_INT,
+}
+
+
+def _shape_problem(spec: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a parsed description (None: nothing)."""
+    for name, kind in _SPEC_FIELDS.items():
+        problem = _field_problem(name, spec.get(name), kind)
+        if problem:
+            return problem
+    if spec.get("head", LM_HEAD) not in HEADS:
+        return f"head must be one of {', '.join(HEADS)}, not {spec.get('head')!r:.80}"
+    transformer = spec.get("transformer")
+    if not isinstance(transformer, dict):
+        return f"transformer must be an object, not {transformer!r:.80}"
+    for name, kind in _REQUIRED_TRANSFORMER_FIELDS.items():
+        problem = _field_problem(f"transformer.{name}", transformer.get(name), kind)
+        if problem:
+            return problem
+    for name, value in transformer.items():
+        if value is not None and not isinstance(value, bool | int | float | str):
+            return f"transformer.{name} must be a number, a string or null, not {value!r:.80}"
+    return None
+
+
+def _field_problem(name: str, value: Any, kind: type | str) -> str | None:
+    if kind == _POSITIVE_INT:
+        if type(value) is int and value > 0:
+            return None
+        return f"{name} must be {_POSITIVE_INT}, not {value!r:.80}"
+    if isinstance(value, kind):  # type: ignore[arg-type]
+        return None
+    return f"{name} must be a {kind.__name__}, not {value!r:.80}"  # type: ignore[union-attr]
 
 
 def _plain(value: Any) -> Any:
