@@ -458,3 +458,42 @@ def test_the_finalizer_replaces_an_unreadable_remote_tracker_at_its_start(tier, 
         roll_tracker_forward(tier)
     RemoteTier({"url": tier.url, "timeout_s": 60}, root, {"actor": 2}, lambda step: None)
     assert read_tracker(tier) == 3
+
+
+def test_a_discarded_streamed_upload_never_publishes_its_bytes():
+    """Found by review: a file too large for one PUT on a store that is neither S3 nor
+    file:// is streamed through an fsspec file (StreamedObject). Discarded (its bytes did not
+    match, or its deadline passed), fsspec's AbstractBufferedFile.discard() does nothing, and
+    the file's __del__ closes it, which uploads what it buffered: the partial, unverified
+    object was published at garbage collection. The backend here is the least fsspec
+    AbstractBufferedFile that uploads (gcsfs, adlfs and the like are not installed)."""
+    import gc
+
+    from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
+
+    from verl_ckpt.store.fsspec_publish import StreamedObject
+
+    published: dict[str, bytes] = {}
+
+    class UploadingFile(AbstractBufferedFile):
+        def _initiate_upload(self) -> None:
+            self.parts: list[bytes] = []
+
+        def _upload_chunk(self, final: bool = False) -> bool:
+            self.parts.append(self.buffer.getvalue())
+            if final:
+                published[self.path] = b"".join(self.parts)
+            return True
+
+    fs = AbstractFileSystem()
+    whole = StreamedObject(UploadingFile(fs, "bucket/whole", mode="wb", block_size=1 << 20))
+    whole.write(b"all of the bytes")
+    whole.publish()
+    assert published == {"bucket/whole": b"all of the bytes"}  # the backend uploads
+
+    cut = StreamedObject(UploadingFile(fs, "bucket/cut", mode="wb", block_size=1 << 20))
+    cut.write(b"half of the bytes")
+    cut.discard()
+    del cut
+    gc.collect()
+    assert "bucket/cut" not in published

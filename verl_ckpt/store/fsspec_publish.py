@@ -52,6 +52,12 @@ class StreamedObject(Publisher):
             self._target.discard()
         except Exception:  # noqa: BLE001 - best effort: the store may be what failed
             pass
+        # fsspec's AbstractBufferedFile.discard() does nothing, and its __del__ closes the
+        # file, which would upload what it buffered: marked closed, it never does.
+        try:
+            self._target.closed = True
+        except AttributeError:  # a file whose `closed` is read-only (io's)
+            pass
 
 
 class S3PartPool(PartPool):
