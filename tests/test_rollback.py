@@ -374,3 +374,19 @@ def test_pull_never_brings_back_a_step_a_rollback_moved_out_nor_runs_beside_one(
     code, _, err = run_cli(capsys, "pull", url, root, "--step", 20)
     assert code == 1 and "was interrupted" in err, err
     assert run_cli(capsys, "rollback", root, "--to", 10)[0] == 0  # and it can finish
+
+
+@pytest.mark.parametrize("below", ["global_step_20", "global_step_20/actor"])
+def test_pull_refuses_a_destination_in_a_step_directory(root, tmp_path, capsys, below):
+    """Found by review: `verl-ckpt pull URL ROOT/global_step_20` pulled into the committed
+    step 20, writing a lock file and a nested global_step_10 into it; ROOT was not checked
+    as every other command's is."""
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(root, remote)
+    before = tree(step_dir(root, 20))
+    code, out, err = run_cli(capsys, "pull", f"file://{remote}", root / below, "--step", 10)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert f"ROOT {root / below} is" in err and "step directory" in err, err
+    assert tree(step_dir(root, 20)) == before

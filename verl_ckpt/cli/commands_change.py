@@ -22,6 +22,7 @@ from verl_ckpt.store.commit_record import (
     read_record_bytes,
 )
 from verl_ckpt.store.fsio import make_dir
+from verl_ckpt.store.layout import step_of_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.rollback import (
@@ -172,7 +173,7 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
         if newest is None:
             raise CliError(f"{store.url} holds no committed step", EXIT_BAD_CHECKPOINT)
         step = newest[0]
-    root = Path(args.dest).resolve()
+    root = _pull_destination(Path(args.dest))
     make_dir(root, parents=True, exist_ok=True)
     destination = LocalStore(root)
     with locked(destination, "verl-ckpt pull"):
@@ -190,6 +191,21 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
             f"{summary.bytes} bytes verified in {summary.seconds:.2f} s"
         )
     return 0
+
+
+def _pull_destination(given: Path) -> Path:
+    """The root to pull into, checked as every command's ROOT is: never a step directory or
+    a directory inside one (a pull would write a lock and a step into a committed step)."""
+    root = given.resolve()
+    inside = next((p for p in (root, *root.parents) if step_of_dir(p) is not None), None)
+    if inside is not None:
+        where = "a step directory" if inside == root else f"inside the step directory {inside}"
+        raise CliError(
+            f"ROOT {given} is {where}; pass the root that holds it ({inside.parent})", EXIT_USAGE
+        )
+    if root.exists() and not root.is_dir():
+        raise CliError(f"ROOT {given} is not a directory", EXIT_USAGE)
+    return root
 
 
 def _refuse_undoing_a_rollback(store: Store, step: int, root: Path) -> None:
