@@ -482,3 +482,21 @@ def test_verified_records_serve_only_the_keyring_they_were_made_with(tmp_path):
     with pytest.raises(ValueError, match="other signing keys"):
         apply_retention(tmp_path, 5, verified=VerifiedRecords(Keyring([KEY])))
     assert apply_retention(tmp_path, 5, keyring=Keyring([KEY])).unreadable == [1]
+
+
+def test_cli_rollback_completing_an_interrupted_one_still_refuses_an_unsigned_target(
+    signed_root, key_file, capsys
+):
+    """Found by review: rollback --to N with a signing key returned the journaled rollback
+    to N before the target's record was read, so completing an interrupted rollback moved the
+    tracker to an unsigned step (here planted, and a keyless rollback to it interrupted)."""
+    from tests.test_rollback import crash_during_rollback
+    from verl_ckpt.store.tracker import read_tracker as tracker_of
+
+    plant(signed_root, 2, 99)
+    signed_step(signed_root, 100, Keyring([KEY]))
+    write_tracker(signed_root, 100)
+    crash_during_rollback(signed_root, 99)  # keyless: step 100 moved, then the process died
+    code, _, err = cli(capsys, "rollback", signed_root, "--to", 99, "--signing-key-file", key_file)
+    assert code == 1 and "cannot roll back to step 99" in err and "unsigned" in err, err
+    assert tracker_of(signed_root) == 100

@@ -41,7 +41,6 @@ then refuses, naming it, and the same command run again completes the rollback.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -57,7 +56,12 @@ from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, Tracke
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import is_committed, read_commit_record, read_record_bytes
+from verl_ckpt.store.commit_record import (
+    is_committed,
+    read_commit_record,
+    read_record_bytes,
+    record_digest,
+)
 from verl_ckpt.store.fsio import FileTooLarge, fsync_dir, make_dir
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, checked_relative_path, step_dir
 from verl_ckpt.store.local import LocalStore
@@ -124,11 +128,6 @@ class RolledBackStep:
     record_sha256: str  # of the step's commit record bytes: which save of `step` it was
     to: int  # the step that rollback went back to
     archive: str  # where it was moved (deleted afterwards with `delete`)
-
-
-def record_digest(data: bytes) -> str:
-    """The hash a rollback keeps of a commit record's bytes (compared with a remote copy)."""
-    return hashlib.sha256(data).hexdigest()
 
 
 def read_rolled_back(where: Where) -> tuple[RolledBackStep, ...]:
@@ -250,22 +249,16 @@ def plan_rollback(
     if pending is not None:
         if pending.to != to_step:
             refuse_while_rollback_pending(store)
+        if keyring is not None:
+            # Completing it moves the tracker to its target: signed, as for a new rollback.
+            _read_target(store, to_step, keyring)
         return pending
     if not store.can_rename and not delete:
         raise RollbackError(
             f"rollback of {store.url} needs --delete: this store has no cheap archive (a move "
             "is a copy), so the steps newer than --to are deleted (--dry-run lists them)"
         )
-    where_text = store.uri(store.step_rel(to_step))
-    try:
-        record = read_commit_record(store, to_step, keyring)
-    except CommitRecordError as exc:
-        raise CommitRecordError(f"cannot roll back to step {to_step}: {exc}") from None
-    if record.step != to_step:
-        raise CommitRecordError(
-            f"cannot roll back to step {to_step}: the commit record of {where_text} names step "
-            f"{record.step}"
-        )
+    _read_target(store, to_step, keyring)
     try:
         read_tracker(store)
     except TrackerError as exc:
@@ -336,6 +329,20 @@ def complete_interrupted_rollback(where: Where) -> RollbackIntent | None:
     )
     _finish(root, intent)
     return intent
+
+
+def _read_target(store: Store, to_step: int, keyring: Keyring | None) -> None:
+    """Refuse (naming it) a target whose commit record does not read, does not verify
+    against the keyring, or names another step."""
+    try:
+        record = read_commit_record(store, to_step, keyring)
+    except CommitRecordError as exc:
+        raise CommitRecordError(f"cannot roll back to step {to_step}: {exc}") from None
+    if record.step != to_step:
+        raise CommitRecordError(
+            f"cannot roll back to step {to_step}: the commit record of "
+            f"{store.uri(store.step_rel(to_step))} names step {record.step}"
+        )
 
 
 def _new_archive_name(root: Path) -> str:
