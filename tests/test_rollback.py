@@ -390,3 +390,24 @@ def test_pull_refuses_a_destination_in_a_step_directory(root, tmp_path, capsys, 
     assert (code, out) == (2, "") and err.count("\n") == 1, err
     assert f"ROOT {root / below} is" in err and "step directory" in err, err
     assert tree(step_dir(root, 20)) == before
+
+
+def test_export_into_the_root_holds_its_lock_and_stays_out_of_its_step_namespace(
+    root, holders, capsys
+):
+    """Found by review: `export ROOT --role actor OUT` took the root's lock only without OUT:
+    with OUT in the root (a new global_step_99, or a directory inside a committed step) it
+    ran beside the job holding the root, and wrote a step of its own. Now OUT in the step
+    namespace is refused, and OUT elsewhere in the root takes the lock."""
+    before = tree(root)
+    for out in (root / "global_step_99", root / "global_step_20" / "weights"):
+        code, out_text, err = run_cli(capsys, "export", root, "--step", 20, "--role", "actor", out)
+        assert (code, out_text) == (2, "") and err.count("\n") == 1, err
+        assert "is in the step directory" in err, err
+    proc = holders.start(root)
+    code, out_text, err = run_cli(
+        capsys, "export", root, "--step", 20, "--role", "actor", root / "hf"
+    )
+    assert (code, out_text) == (2, "") and "is in use by job" in err, err
+    holders.kill(proc)
+    assert tree(root) == before

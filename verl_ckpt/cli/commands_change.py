@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from verl_ckpt.cli.commands_read import step_rows
@@ -129,6 +130,7 @@ def cmd_rollback(store: Store, args: argparse.Namespace) -> int:
 def cmd_export(store: Store, args: argparse.Namespace) -> int:
     if not isinstance(store, LocalStore):
         raise CliError(f"export works on a local ROOT only, not on {store.url}", EXIT_USAGE)
+    changes_root = args.out is None or _inside_root(store, Path(args.out))
     step = pick_step(store, args.step)
     if args.keyring is not None:
         read_commit_record(store, step, args.keyring)  # refused before any file is read
@@ -142,9 +144,9 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
         except CheckpointConfigError as exc:  # a role, architecture or OUT the user typed
             raise CliError(str(exc), EXIT_USAGE) from None
 
-    if args.out is None:
-        # Into the step itself: the root changes, so not beside a job (its retention could
-        # delete the step midway) nor beside another command.
+    if changes_root:
+        # Into the step itself, or elsewhere in the root: the root changes, so not beside a
+        # job (its retention could delete the step midway) nor beside another command.
         with locked(store, "verl-ckpt export"):
             summary = export()
     else:
@@ -191,6 +193,22 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
             f"{summary.bytes} bytes verified in {summary.seconds:.2f} s"
         )
     return 0
+
+
+def _inside_root(store: LocalStore, out: Path) -> bool:
+    """Whether OUT lies in the root; refused in its step namespace (a `global_step_<N>` of
+    the root, or anything inside one), which belongs to the protocol's steps."""
+    root, target = store.path("").resolve(), Path(os.path.abspath(out))
+    if not target.is_relative_to(root):
+        return False
+    parts = target.relative_to(root).parts
+    if parts and step_of_dir(root / parts[0]) is not None:
+        raise CliError(
+            f"OUT {out} is in the step directory {root / parts[0]} of ROOT: omit OUT to export "
+            "into the step itself, or choose a directory outside the step namespace",
+            EXIT_USAGE,
+        )
+    return True
 
 
 def _pull_destination(given: Path) -> Path:
