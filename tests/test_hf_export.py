@@ -137,7 +137,9 @@ def test_step8_tied_embeddings_export_as_gpt2_ties_them_tp2(ray_local, tmp_path)
             ray.kill(worker)
 
 
-def test_verl_ckpt_export_writes_a_step_saved_without_hf_model(ranks, tmp_path, capsys):
+def test_verl_ckpt_export_writes_a_step_saved_without_hf_model(
+    ranks, tmp_path, capsys, monkeypatch
+):
     """A step saved without hf_model has no export, but its model description is committed:
     `verl-ckpt export ROOT --step N --role actor OUT` writes one that transformers loads
     with step N's logits; a second run finds it and keeps it; the in-place export (no OUT)
@@ -167,6 +169,27 @@ def test_verl_ckpt_export_writes_a_step_saved_without_hf_model(ranks, tmp_path, 
 
     code, out, _ = run_cli(capsys, "export", root, "--step", 1, "--role", "actor", out_dir)
     assert code == 0 and "already exported" in out
+    # Found by review: step 1 of another run (other weights) took the export at OUT for its
+    # own ("already exported", exit 0) and left the first run's weights there. The export
+    # record now names the save it came from (its commit record's hash).
+    other = config(tmp_path / "other", hf_model=False)
+    other_coordinator = CheckpointCoordinator(other, ROLES)
+    open_all(ranks, other)
+    ray.get([w.train.remote(1) for w in every_rank(ranks)])
+    save_everyone(ranks, other_coordinator, 1)
+    other_coordinator.wait_for_commit(1)
+    close_all(ranks, other_coordinator)
+    other_root = other["root_dir"]
+    code, out, err = run_cli(capsys, "export", other_root, "--step", 1, "--role", "actor", out_dir)
+    assert code == 2 and "is not an export of" in err and "already" not in out, out + err
+    torch.testing.assert_close(hf_logits(out_dir, tokens), expected, atol=1e-5, rtol=0)
+    # Found by review: OUT "." (an empty current directory) was a ValueError's traceback.
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    code, out, err = run_cli(capsys, "export", root, "--step", 1, "--role", "actor", ".")
+    assert code == 0 and f"to {here}:" in out, out + err
+    torch.testing.assert_close(hf_logits(here, tokens), expected, atol=1e-5, rtol=0)
 
     code, out, err = run_cli(capsys, "export", root, "--role", "actor")  # the tracker's step
     assert code == 0, err

@@ -43,7 +43,12 @@ from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError, CommitRecordError
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.store.checksummed_file import write_checksummed
-from verl_ckpt.store.commit_record import FileEntry, read_commit_record
+from verl_ckpt.store.commit_record import (
+    FileEntry,
+    read_commit_record,
+    read_record_bytes,
+    record_digest,
+)
 from verl_ckpt.store.fsio import fsync_dir, make_dir
 from verl_ckpt.store.layout import DRIVER_ROLE
 from verl_ckpt.store.verification import verify_files
@@ -91,13 +96,15 @@ def export_role(
     step_path = Path(step_path)
     record = read_commit_record(step_path)
     step = record.step
+    source = record_digest(read_record_bytes(step_path) or b"")
     role_dir = _committed_role_dir(step_path, role, record)
     spec = read_model_spec(role_dir)
     _refuse_value_model(spec, role, role_dir)
     mapping = choose_mapping(spec, architecture, role_dir)
     context = spec.get("max_sequence_length")
-    target = Path(out_dir) if out_dir is not None else export_dir(step_path, role)
-    existing = _existing_export(target, step, role)
+    # Absolute: "." has no name to put the temporary directory beside.
+    target = Path(os.path.abspath(out_dir)) if out_dir is not None else export_dir(step_path, role)
+    existing = _existing_export(target, step, role, mapping.name, source)
     if existing is not None:
         files = existing.files
         return ExportSummary(
@@ -107,7 +114,8 @@ def export_role(
         )  # fmt: skip
     if out_dir is not None and target.exists() and any(target.iterdir()):
         raise CheckpointConfigError(
-            f"OUT {target} exists and is not an export of step {step} role {role}: "
+            f"OUT {target} exists and is not an export of this save of step {step} role {role} "
+            f"({mapping.name}): "
             "remove it or choose another directory"
         )
     tensors = _model_tensors(role_dir)
@@ -124,7 +132,8 @@ def export_role(
         files.append(_write_file(tmp, CONFIG_FILENAME, config))
         fsync_dir(tmp)
         # The record goes last: a directory holding it holds every file it names, durable.
-        write_export_record(tmp, ExportRecord(step, role, mapping.name, files, context))
+        exported = ExportRecord(step, role, mapping.name, files, context, source)
+        write_export_record(tmp, exported)
         _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -212,15 +221,20 @@ def _refuse_value_model(spec: dict[str, Any], role: str, role_dir: Path) -> None
         )
 
 
-def _existing_export(target: Path, step: int, role: str) -> ExportRecord | None:
-    """A complete export of this step and role already at `target` that verifies."""
+def _existing_export(
+    target: Path, step: int, role: str, architecture: str, source: str
+) -> ExportRecord | None:
+    """A complete export of this save of the step (`source`: its record_digest), of this
+    role and architecture, already at `target`, that verifies."""
     if not target.is_dir():
         return None
     try:
         record = read_export_record(target)
     except CheckpointError:
         return None
-    if record.step != step or record.role != role:
+    if (record.step, record.role, record.architecture) != (step, role, architecture):
+        return None
+    if record.source_record_sha256 != source:
         return None
     _, problems = verify_export(target)
     if problems:

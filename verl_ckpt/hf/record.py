@@ -57,6 +57,10 @@ class ExportRecord:
     # Positions the model was built for (the model description's max_sequence_length;
     # config.json's n_positions for GPT-2): generating past it fails. None: an older record.
     context_length: int | None = None
+    # The save it came from: the sha256 of the step's commit record (record_digest). Another
+    # save of the same step number (another run, a rollback then more training) is another
+    # export. None: an older record, never taken for any save's export.
+    source_record_sha256: str | None = None
     format_version: int = EXPORT_FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     exported_at: float = field(default_factory=time.time)
@@ -123,6 +127,8 @@ def _check_names(record: ExportRecord, path: Path) -> None:
     checked_relative_path(
         record.role, f"export record {path} is malformed: the role name", CommitRecordError
     )
+    if not isinstance(record.source_record_sha256, str | None):
+        raise CommitRecordError(f"export record {path} is malformed: source_record_sha256")
 
 
 def verify_export(directory: Path) -> tuple[ExportRecord | None, list[str]]:

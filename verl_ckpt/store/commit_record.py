@@ -12,6 +12,7 @@ path and a step number.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ __all__ = [
     "read_commit_record",
     "read_record_bytes",
     "read_step_states",
+    "record_digest",
     "record_object",
     "sign_record",
     "write_commit_record",
@@ -133,6 +135,12 @@ def encode_commit_record(record: CommitRecord) -> bytes:
     )
     body = json.dumps(head, indent=1)[:-2]  # without the closing "\n}"
     return f'{body},\n "files": [\n {files}\n ]\n}}\n'.encode()
+
+
+def record_digest(data: bytes) -> str:
+    """The hash that names one save of a step (its commit record's bytes): a rollback keeps
+    it of each step it moves out, an export of the step it came from."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def read_record_bytes(where: Where, step: int | None = None) -> bytes | None:
