@@ -436,6 +436,35 @@ def test_I5_a_save_waits_beyond_max_in_flight_uploads_then_names_step_and_url(
         coordinator.close()
 
 
+@pytest.mark.slow
+def test_I5_a_save_behind_an_upload_cut_off_at_its_deadline_goes_on(ranks, own_s3_server, tmp_path):
+    """Found by review: with remote.max_in_flight=1 (the default), the next save waited for
+    the previous step's upload until exactly that upload's own deadline, and gave up at the
+    instant the upload ended by itself (its copy cut off at the deadline, then its report):
+    with S3 stalled, save() raised "still running" although an outage of the remote tier
+    stops no training (docs/remote-tier.md). The server is stopped for real (SIGSTOP)."""
+    server = own_s3_server
+    cfg = remote_config(
+        tmp_path, server, server.new_bucket(), remote={"max_in_flight": 1}, timeout_s=10.0
+    )
+    cfg["remote"]["storage_options"] = server.storage_options(read_timeout_s=1.0)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    assert coordinator.wait_for_uploads()["tracker"] == 1
+    server.pause()
+    try:
+        save_everyone(ranks, coordinator, 2)
+        coordinator.wait_for_commit(2)
+        save_everyone(ranks, coordinator, 3)  # behind step 2's uploads, which fail
+        coordinator.wait_for_commit(3)
+    finally:
+        server.resume()
+    assert read_tracker(cfg["root_dir"]) == 3
+    close_all(ranks, coordinator)
+
+
 def test_I5_the_finalizers_calls_to_the_remote_tier_end_at_its_deadline(own_s3_server, tmp_path):
     """The finalizer's remote commit and retention call its store (listings, the record,
     the tracker), one remote commit at a time. With the S3 server stopped for real (SIGSTOP:

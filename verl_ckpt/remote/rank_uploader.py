@@ -90,24 +90,34 @@ class RankUploader:
         self._pending.append(upload)
 
     def wait_for_room(self) -> None:
-        """Back-pressure before a save: wait (until the oldest upload's own deadline,
-        counted from when it began) while `remote.max_in_flight` uploads are pending; raise
-        naming the step and the URL."""
+        """Back-pressure before a save: wait while `remote.max_in_flight` uploads are
+        pending, until the oldest one ends by itself (its own deadline, counted from when it
+        began, and its report's slack); raise naming the step and the URL after that."""
         self._collect()
         while len(self._pending) >= self._config.max_in_flight:
             oldest = self._pending[0]
             # The oldest is running or about to (the one before it ended): not yet begun,
             # its deadline counts from now.
             began = oldest.began if oldest.began is not None else time.monotonic()
-            done, _ = wait_for_futures([oldest.future], timeout=time_left(began + self._timeout_s))
+            done, _ = wait_for_futures(
+                [oldest.future], timeout=time_left(began + self._ends_within_s)
+            )
             if not done:
                 step = oldest.step
                 raise CommitTimeoutError(
                     f"{self._who}: the upload of step {step} to {self._config.url} is still "
-                    f"running after checkpoint.timeout_s={self._timeout_s:g}s; not starting "
-                    f"another save (checkpoint.remote.max_in_flight={self._config.max_in_flight})"
+                    f"running {self._ends_within_s:g}s after it began (checkpoint.timeout_s="
+                    f"{self._timeout_s:g}s, and its report's); not starting another save "
+                    f"(checkpoint.remote.max_in_flight={self._config.max_in_flight})"
                 )
             self._collect()
+
+    @property
+    def _ends_within_s(self) -> float:
+        # An upload cut off at its deadline still reports (within RPC_SLACK_S of it): a wait
+        # that ended at the deadline itself lost that race every time, failing the save at
+        # the moment the upload ended by itself (an S3 outage stops no training).
+        return self._timeout_s + 2 * RPC_SLACK_S
 
     def pending_steps(self) -> list[int]:
         self._collect()
