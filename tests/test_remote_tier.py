@@ -528,6 +528,31 @@ def test_I3_an_upload_that_no_commit_of_the_run_waited_for_deletes_no_local_step
     assert read_tracker(str(root)) == 3
 
 
+def test_a_run_that_commits_nothing_reports_the_step_already_in_the_remote_tier_as_committed(
+    s3_server, tmp_path
+):
+    """Found by review: a run (a resumed one, say) that committed nothing new ended with
+    'remote tier ...: step 3 is not uploaded (None); the next run uploads it' although the
+    remote tier held that very save: drain_uploads found nothing to upload and had no outcome
+    to tell. The finalizers run in-process; the driver is the only participant."""
+    root = tmp_path / "ckpt"
+    url = f"s3://{s3_server.new_bucket()}/run"
+    remote = {"url": url, "storage_options": s3_server.storage_options(), "timeout_s": 60.0}
+
+    async def run() -> tuple[dict, dict]:
+        earlier = CheckpointFinalizer(str(root), DRIVER_ONLY, max_ckpt_to_keep=None, remote=remote)
+        for step in (1, 2, 3):
+            await save_driver_step(earlier, step)
+        uploaded = await earlier.drain_uploads(60.0)
+        await earlier.drain(30.0)
+        resumed = CheckpointFinalizer(str(root), DRIVER_ONLY, max_ckpt_to_keep=None, remote=remote)
+        return uploaded, await resumed.drain_uploads(60.0)
+
+    uploaded, summary = asyncio.run(run())
+    assert (uploaded["step"], uploaded["status"]) == (3, "committed"), uploaded
+    assert (summary["step"], summary["status"], summary["tracker"]) == (3, "committed", 3)
+
+
 def test_I5_back_pressure_counts_an_uploads_deadline_from_when_it_began(
     lone_rank,  # noqa: F811 - the fixture
     s3_server,

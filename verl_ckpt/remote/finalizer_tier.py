@@ -180,6 +180,8 @@ class RemoteTier:
         if newest is not None and await self._needs_whole_upload(newest):
             self._ledger.upload_whole(newest)
             self._tasks.spawn(self._commit(newest))
+        elif newest is not None and self._ledger.status(newest) is None:
+            self._ledger.found_committed(newest)  # what the remote record says (no upload)
         # The tasks, not just the ledger: a task ends after its remote retention, which a
         # job that stops right after this must not cut short.
         pending = self._tasks.pending()

@@ -107,6 +107,12 @@ class UploadLedger:
         self._entries.add(UploadEntry(step, status, frozenset(expected) if upload else frozenset()))
         return status
 
+    def found_committed(self, step: int) -> None:
+        """`step` (this very save) is committed in the remote tier already, by an earlier
+        run: nothing to upload, and its outcome is known."""
+        if self._entries.get(step) is None:
+            self._entries.add(UploadEntry(step, UploadStatus.COMMITTED))
+
     def upload_whole(self, step: int) -> None:
         """Upload `step` with no rank's help (the last step of a run, or a catch-up)."""
         self._entries.add(UploadEntry(step, UploadStatus.UPLOADING))
