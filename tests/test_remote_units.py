@@ -497,3 +497,28 @@ def test_a_discarded_streamed_upload_never_publishes_its_bytes():
     del cut
     gc.collect()
     assert "bucket/cut" not in published
+
+
+def test_a_remote_tracker_read_past_its_deadline_after_the_record_leaves_the_step_committed(
+    tmp_path,
+):
+    """Found by review: the remote commit read the tracker (never to move it backwards) after
+    the commit record's PUT. A read past its deadline raised out of the commit, and the
+    finalizer reported the step "not committed in the remote tier", failed, and skipped remote
+    retention, although its record was up. Now the tracker is left (rolled forward at the
+    next start) and the step is committed. A read past its deadline cannot be produced at
+    that exact call for real: this store's tracker read raises what the deadline raises."""
+    from verl_ckpt.protocol.errors import CommitTimeoutError
+
+    class TrackerReadPastItsDeadline(FsspecStore):
+        def read_bytes(self, rel: str, max_bytes: int) -> bytes | None:
+            if rel == TRACKER_FILENAME:
+                raise CommitTimeoutError(f"{self.uri(rel)}: no answer within 2s")
+            return super().read_bytes(rel, max_bytes)
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 1)
+    store = TrackerReadPastItsDeadline(f"file://{tmp_path / 'remote'}")
+    summary = commit_remote_step(store, root, 1, set(), 2, 60)
+    assert summary.tracker is None
+    assert find_commit_record(store, 1) is not None

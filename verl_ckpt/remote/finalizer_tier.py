@@ -322,7 +322,8 @@ class RemoteTier:
             self._changes.notify()
             return False
         self._ledger.finish_commit(step)
-        self._tracker = summary.tracker
+        if summary.tracker is not None:  # None: the tracker could not be read (logged)
+            self._tracker = summary.tracker
         logger.info(
             "step %d committed in the remote tier %s: %d files, %d bytes (%d uploaded by the "
             "finalizer); remote tracker names step %s",

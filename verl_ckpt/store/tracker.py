@@ -124,7 +124,7 @@ def tracker_or_none(where: Where) -> int | None:
 def advance_tracker(where: Where, step: int) -> int | None:
     """Step 6 (10 on a remote tier): point the tracker at the committed `step` unless it
     names a newer one (it never moves backwards: a late commit of an older step leaves it).
-    Returns what the tracker names afterwards.
+    Returns what the tracker names afterwards (None: there is none, or it could not be read).
 
     A failure before the tracker's rename withdraws the commit record, so that the store and
     the reported failure agree (unlinking needs no free space). After the rename nothing
@@ -135,7 +135,20 @@ def advance_tracker(where: Where, step: int) -> int | None:
     to it at the next start.
     """
     store = as_store(where)
-    current = tracker_or_none(store)
+    try:
+        current = tracker_or_none(store)
+    except CheckpointError as exc:
+        # A store call past its deadline (it names the object). The record is there: the
+        # step is committed, and a tracker of unknown content is never written over (it may
+        # name a newer step); the next start rolls it forward.
+        logger.error(
+            "the tracker of %s is not moved to step %d, which stays committed (the tracker is "
+            "rolled forward to it at the next start): %s",
+            store.url,
+            step,
+            exc,
+        )
+        return None
     if current is not None and current >= step:
         return current
     try:
