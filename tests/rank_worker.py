@@ -318,6 +318,20 @@ class RankWorker:
 
         megatron_compat.WriteResolution = FailsOnce
 
+    def fail_the_next_conversion(self) -> None:
+        """Fault injection (a fault that cannot be produced at that moment for real): this
+        rank's next plan over the group raises in its local conversion, before its gather
+        (a shard megatron-core cannot convert on this rank only, say)."""
+        from verl_ckpt.format import megatron_compat
+
+        original = megatron_compat.see_shards
+
+        def fails_once(*args: Any, **kwargs: Any) -> Any:
+            megatron_compat.see_shards = original
+            raise ValueError("injected in the plan's local conversion")
+
+        megatron_compat.see_shards = fails_once
+
     def save_through_ctrl_c(self, step: int) -> str:
         """save(step) in a trainer that catches Ctrl-C (KeyboardInterrupt) and goes on; the
         interrupt itself comes from VERL_CKPT_FAULT's `interrupt` (a SIGINT does not reach

@@ -149,6 +149,31 @@ def test_a_plan_that_failed_on_one_rank_after_its_gather_costs_one_more_step_onl
     close_all(ranks, coordinator)
 
 
+def test_a_plan_that_fails_in_its_local_conversion_on_one_rank_ends_its_peers_save_at_once(
+    ranks, tmp_path
+):
+    """Found by review: a rank stated it was ready to plan before its local conversion, which
+    may fail on one rank only (the fault is injected: RankWorker.fail_the_next_conversion).
+    Its peer, told all were ready, waited in the plan's gather for the trainer group's
+    timeout. Now the statement comes after the conversion, and the failing rank withdraws."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first, second = ranks["actor"]
+    ray.get(second.fail_the_next_conversion.remote())
+    peer, failed = first.save.remote(1), second.save.remote(1)
+    with pytest.raises(ValueError, match="local conversion"):
+        ray.get(failed, timeout=RETURNS_WITHIN_S)
+    with pytest.raises(CheckpointError, match="step 1"):  # withdrawn, or refused at begin_step
+        ray.get(peer, timeout=RETURNS_WITHIN_S)  # the old code: still in the gather
+    with pytest.raises(StepNotCommittedError, match="actor rank 1"):
+        coordinator.wait_for_commit(1)
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2)
+    assert read_tracker(cfg["root_dir"]) == 2
+    close_all(ranks, coordinator)
+
+
 def test_a_prepare_that_fails_on_one_rank_before_its_statement_ends_its_peers_at_once(
     ranks, tmp_path
 ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -305,13 +306,15 @@ def plan_save(
     structure: Structure,
     cache: SavePlanCache | None,
     replica_distribution: Any = None,
+    before_gather: Callable[[], None] | None = None,
 ) -> PreparedSave:
     """Plan the DCP save of `sharded_part` (whose tensors are already staged on the host).
 
     With a valid `cache` no collective runs; otherwise the local plans are gathered on the
     save group's coordinator, which builds the global metadata. With a valid `cache` that
     learned where its write items are, megatron-core's conversion to DCP's state dict is
-    skipped too (write_resolution.py).
+    skipped too (write_resolution.py). `before_gather` runs once the local conversion is
+    done, just before megatron-core's planning (whose gather follows its local plan).
     """
     flat, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
         sharded_part, keep_only_main_replica=True
@@ -331,6 +334,8 @@ def plan_save(
     writer = _PlanOnlyWriter(checkpoint_dir, thread_count=files_per_rank)
     planner = mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False)
     cached = (cache.central_plan, cache.local_plan, True) if cache is not None else None
+    if before_gather is not None:
+        before_gather()
     (_, global_metadata, _), central_plan, local_plan, _, _ = (
         state_dict_saver.save_state_dict_async_plan(
             pyt_state_dict,

@@ -121,8 +121,10 @@ class StepPlanner:
         self._agreement.start(Statement(step, self._root_id, False, False, withdrawn=True))
 
     def ready_to_plan(self) -> None:
-        """Just before the plan's gather on the trainer's group: state that this rank began
-        the step and copied its state, and wait until every rank of the group did. Between
+        """Just before the plan's gather on the trainer's group (plan_save's before_gather,
+        which runs on every path a rank that owes it takes: an owed plan is never cached):
+        state that this rank began the step, copied and converted its state, and wait until
+        every rank of the group did. Between
         the agreement and this point a rank may fail (begin_step refused, the copy failed,
         Ctrl-C): it states that it withdraws (withdraw_from_plan), and its peers end here with
         StepNotCommittedError, instead of waiting in a collective it never joins until the
@@ -144,7 +146,6 @@ class StepPlanner:
         nothing is written, and the first save reuses it. DCP's planning makes the directory
         it plans for: a scratch one, not a stray entry in the checkpoint root."""
         with tempfile.TemporaryDirectory(prefix="verl_ckpt_plan_") as scratch:
-            self.ready_to_plan()  # once nothing but the plan is left to fail on this rank
             prepared = megatron_compat.plan_save(
                 layout.sharded,
                 Path(scratch) / "plan",
@@ -153,6 +154,7 @@ class StepPlanner:
                 layout.structure,
                 self._plan_cache if layout.reuse_plan else None,
                 layout.distribution,
+                before_gather=self.ready_to_plan,
             )
         if self._config.assume_constant_structure:
             self._plan_cache = prepared.plan_cache
@@ -188,7 +190,6 @@ class StepPlanner:
         """Step 1's plan over the copies, into the step's directory: gathered over the group
         (training thread only) unless the cached plan is reused (no collective)."""
         started = time.perf_counter()
-        self.ready_to_plan()
         job.prepared = megatron_compat.plan_save(
             job.layout.sharded,
             job.directory,
@@ -197,6 +198,8 @@ class StepPlanner:
             job.layout.structure,
             self._plan_cache if job.layout.reuse_plan else None,
             job.layout.distribution,
+            # Once the local conversion is done: a rank that fails in it withdraws instead.
+            before_gather=self.ready_to_plan,
         )
         job.stats.plan_converted = job.prepared.converted
         if self._config.assume_constant_structure:
