@@ -59,6 +59,10 @@ class UploadFinalizer(Protocol):
     def report_upload(self, report: UploadReport, *, deadline: float | None = None) -> None: ...
 
 
+# Beyond an upload's last deadline, before a save behind it stops waiting.
+_RETURN_MARGIN_S = 5.0
+
+
 class RankUploader:
     """The uploads of one rank; `finalizer` is its client of the finalizer."""
 
@@ -114,10 +118,11 @@ class RankUploader:
 
     @property
     def _ends_within_s(self) -> float:
-        # An upload cut off at its deadline still reports (within RPC_SLACK_S of it): a wait
-        # that ended at the deadline itself lost that race every time, failing the save at
-        # the moment the upload ended by itself (an S3 outage stops no training).
-        return self._timeout_s + 2 * RPC_SLACK_S
+        # An upload cut off at its deadline still reports (its last call, bounded by the
+        # deadline and RPC_SLACK_S): a wait that ended at the deadline itself lost that race
+        # every time, failing the save at the moment the upload ended by itself (an S3
+        # outage stops no training). The margin is the thread's own return.
+        return self._timeout_s + RPC_SLACK_S + _RETURN_MARGIN_S
 
     def pending_steps(self) -> list[int]:
         self._collect()
