@@ -183,13 +183,14 @@ def test_verl_ckpt_export_writes_a_step_saved_without_hf_model(
     code, out, err = run_cli(capsys, "export", other_root, "--step", 1, "--role", "actor", out_dir)
     assert code == 2 and "is not an export of" in err and "already" not in out, out + err
     torch.testing.assert_close(hf_logits(out_dir, tokens), expected, atol=1e-5, rtol=0)
-    # Found by review: OUT "." (an empty current directory) was a ValueError's traceback.
+    # Found by review: OUT "." (an empty current directory) was a ValueError's traceback;
+    # it is refused in one line (OUT is replaced whole: the current directory would go).
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
     code, out, err = run_cli(capsys, "export", root, "--step", 1, "--role", "actor", ".")
-    assert code == 0 and f"to {here}:" in out, out + err
-    torch.testing.assert_close(hf_logits(here, tokens), expected, atol=1e-5, rtol=0)
+    assert (code, out) == (2, "") and err.count("\n") == 1, out + err
+    assert "OUT . is the current directory" in err and here.is_dir(), err
 
     code, out, err = run_cli(capsys, "export", root, "--role", "actor")  # the tracker's step
     assert code == 0, err

@@ -131,6 +131,10 @@ def test_a_model_description_must_be_versioned_json():
         encode_model_spec({"vocab_size": 3})
     with pytest.raises(ModelSpecError, match="not JSON data"):
         encode_model_spec({"format_version": MODEL_SPEC_VERSION, "dtype": torch.float32})
+    # Found by review: save() took a description that every export would then refuse.
+    with pytest.raises(ModelSpecError, match="model_spec is malformed: vocab_size"):
+        encode_model_spec({**gpt2_spec(), "vocab_size": "64"})
+    assert encode_model_spec(gpt2_spec())
 
 
 @pytest.mark.parametrize(
@@ -142,6 +146,7 @@ def test_a_model_description_must_be_versioned_json():
         ({"share_embeddings_and_output_weights": None}, "share_embeddings_and_output_weights"),
         ({"head": "policy"}, "head"),
         ({"transformer": {"num_layers": 2}}, "transformer.hidden_size"),
+        ({"model_class": 3}, "model_class"),
         (
             {"transformer": {**gpt2_spec()["transformer"], "num_layers": [2]}},
             "transformer.num_layers",

@@ -68,9 +68,10 @@ def test_stopping_a_cluster_skips_a_process_that_exited_since_it_was_listed():
     erroring a test that had passed. A process of this test stands in for it."""
     port = free_port()
     script = "import sys, time; time.sleep(float(sys.argv[1]))"
-    child = subprocess.Popen([sys.executable, "-c", script, "0.2", "ray", f"127.0.0.2:{port}"])
+    child = subprocess.Popen([sys.executable, "-c", script, "60", "ray", f"127.0.0.2:{port}"])
     listed = cluster_processes(port)
     assert [proc.pid for proc in listed] == [child.pid]
+    child.kill()
     child.wait(timeout=30)  # exited and reaped: no such process any more
     kill_all(listed)
 

@@ -400,8 +400,14 @@ def test_export_into_the_root_holds_its_lock_and_stays_out_of_its_step_namespace
     ran beside the job holding the root, and wrote a step of its own. Now OUT in the step
     namespace is refused, and OUT elsewhere in the root takes the lock."""
     before = tree(root)
-    for out in (root / "global_step_99", root / "global_step_20" / "weights"):
-        code, out_text, err = run_cli(capsys, "export", root, "--step", 20, "--role", "actor", out)
+    link = root.parent / "link"  # the same root through a link (found by review too)
+    link.symlink_to(root.parent)
+    for given, out in (
+        (root, root / "global_step_99"),
+        (root, root / "global_step_20" / "weights"),
+        (link / root.name, link / root.name / "global_step_99"),
+    ):
+        code, out_text, err = run_cli(capsys, "export", given, "--step", 20, "--role", "actor", out)
         assert (code, out_text) == (2, "") and err.count("\n") == 1, err
         assert "is in the step directory" in err, err
     proc = holders.start(root)

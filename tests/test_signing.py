@@ -29,6 +29,7 @@ from verl_ckpt.commit.steps import commit_step
 from verl_ckpt.protocol.config import SigningConfig, to_checkpoint_config
 from verl_ckpt.protocol.errors import (
     CheckpointConfigError,
+    CheckpointError,
     CommitRecordError,
     SignatureError,
     TrackerError,
@@ -499,4 +500,9 @@ def test_cli_rollback_completing_an_interrupted_one_still_refuses_an_unsigned_ta
     crash_during_rollback(signed_root, 99)  # keyless: step 100 moved, then the process died
     code, _, err = cli(capsys, "rollback", signed_root, "--to", 99, "--signing-key-file", key_file)
     assert code == 1 and "cannot roll back to step 99" in err and "unsigned" in err, err
+    assert tracker_of(signed_root) == 100
+    # Nor does start-up recovery (found by review too: the finalizer's recover_root
+    # completed the interrupted rollback with no key), which now verifies its target.
+    with pytest.raises(CheckpointError, match=r"cannot be completed: .*unsigned"):
+        recover_root(signed_root, Keyring([KEY]))
     assert tracker_of(signed_root) == 100

@@ -198,7 +198,8 @@ def cmd_pull(store: Store, args: argparse.Namespace) -> int:
 def _inside_root(store: LocalStore, out: Path) -> bool:
     """Whether OUT lies in the root; refused in its step namespace (a `global_step_<N>` of
     the root, or anything inside one), which belongs to the protocol's steps."""
-    root, target = store.path("").resolve(), Path(os.path.abspath(out))
+    # Both with every link resolved: a link in either path must not hide OUT's place.
+    root, target = Path(os.path.realpath(store.path(""))), Path(os.path.realpath(out))
     if not target.is_relative_to(root):
         return False
     parts = target.relative_to(root).parts

@@ -102,9 +102,14 @@ def export_role(
     _refuse_value_model(spec, role, role_dir)
     mapping = choose_mapping(spec, architecture, role_dir)
     context = spec.get("max_sequence_length")
-    # Absolute: "." has no name to put the temporary directory beside.
     target = Path(os.path.abspath(out_dir)) if out_dir is not None else export_dir(step_path, role)
-    existing = _existing_export(target, step, role, mapping.name, source)
+    if out_dir is not None and Path.cwd().resolve().is_relative_to(target.resolve()):
+        # OUT is replaced whole (_publish): the caller's current directory would be deleted.
+        raise CheckpointConfigError(
+            f"OUT {out_dir} is the current directory or holds it: an export replaces OUT "
+            "whole; name a new directory"
+        )
+    existing = _existing_export(target, step, role, mapping.name, source, out_dir is None)
     if existing is not None:
         files = existing.files
         return ExportSummary(
@@ -222,10 +227,11 @@ def _refuse_value_model(spec: dict[str, Any], role: str, role_dir: Path) -> None
 
 
 def _existing_export(
-    target: Path, step: int, role: str, architecture: str, source: str
+    target: Path, step: int, role: str, architecture: str, source: str, in_place: bool
 ) -> ExportRecord | None:
     """A complete export of this save of the step (`source`: its record_digest), of this
-    role and architecture, already at `target`, that verifies."""
+    role and architecture, already at `target`, that verifies. An export inside the step
+    whose record predates the source's hash is this save's (it sits in that very step)."""
     if not target.is_dir():
         return None
     try:
@@ -234,7 +240,9 @@ def _existing_export(
         return None
     if (record.step, record.role, record.architecture) != (step, role, architecture):
         return None
-    if record.source_record_sha256 != source:
+    if record.source_record_sha256 != source and not (
+        in_place and record.source_record_sha256 is None
+    ):
         return None
     _, problems = verify_export(target)
     if problems:

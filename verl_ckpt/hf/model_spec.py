@@ -108,9 +108,14 @@ def encode_model_spec(spec: dict[str, Any]) -> bytes:
             "(build it with verl_ckpt.describe_gpt_model(model))"
         )
     try:
-        return json.dumps(spec, indent=1, sort_keys=True).encode()
+        data = json.dumps(spec, indent=1, sort_keys=True).encode()
     except (TypeError, ValueError) as exc:
         raise ModelSpecError(f"model_spec is not JSON data: {exc}") from None
+    # Refused at save(), as read_model_spec would refuse it at every export of the step.
+    problem = _shape_problem(spec)
+    if problem is not None:
+        raise ModelSpecError(f"model_spec is malformed: {problem}")
+    return data
 
 
 def write_model_spec(data: bytes, role_dir: Path, beneath: str | None = None) -> Any:
@@ -152,12 +157,12 @@ def read_model_spec(role_dir: Path) -> dict[str, Any]:
 # description is data from the checkpoint, checked before a mapping indexes into it.
 _POSITIVE_INT = "a positive integer"
 _SPEC_FIELDS = {
-    "model_class": str,
     "vocab_size": _POSITIVE_INT,
     "max_sequence_length": _POSITIVE_INT,
-    "position_embedding_type": str,
     "share_embeddings_and_output_weights": bool,
 }
+# Read when present (a mapping compares them with what it supports).
+_OPTIONAL_STRINGS = ("model_class", "position_embedding_type")
 _REQUIRED_TRANSFORMER_FIELDS = {
     "num_layers": _POSITIVE_INT,
     "hidden_size": _POSITIVE_INT,
@@ -171,6 +176,9 @@ def _shape_problem(spec: dict[str, Any]) -> str | None:
         problem = _field_problem(name, spec.get(name), kind)
         if problem:
             return problem
+    for name in _OPTIONAL_STRINGS:
+        if name in spec and not isinstance(spec[name], str):
+            return f"{name} must be a string, not {spec[name]!r:.80}"
     if spec.get("head", LM_HEAD) not in HEADS:
         return f"head must be one of {', '.join(HEADS)}, not {spec.get('head')!r:.80}"
     transformer = spec.get("transformer")
@@ -180,7 +188,10 @@ def _shape_problem(spec: dict[str, Any]) -> str | None:
         problem = _field_problem(f"transformer.{name}", transformer.get(name), kind)
         if problem:
             return problem
-    for name, value in transformer.items():
+    # The fields a mapping compares (GPT-2's unsupported()) must be JSON scalars; others a
+    # plug-in mapping may shape as it needs.
+    for name in (*_TRANSFORMER_FIELDS, "activation", "params_dtype"):
+        value = transformer.get(name)
         if value is not None and not isinstance(value, bool | int | float | str):
             return f"transformer.{name} must be a number, a string or null, not {value!r:.80}"
     return None

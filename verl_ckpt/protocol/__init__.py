@@ -94,6 +94,9 @@ Order, as the code runs it:
   uncommitted leftover of the step.
 - Plan not cached (first save, changed structure): agreement, validation and begin_step on
   the training thread, then the copy (2), then the DCP plan over the copies (a collective).
+  Just before the plan's gather every rank states on the agreement's group that it is ready
+  (a rank that failed since the agreement states that it withdraws): no rank waits in the
+  trainer group's gather for a peer that will never join it.
 - Plan cached (and a background writer): the training thread only copies (2); the save
   thread checks the agreement's outcome, calls begin_step and plans beside the copy, and
   writes once the copy ended. Deferred snapshot: save() returns before the copy; the save

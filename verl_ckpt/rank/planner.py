@@ -120,7 +120,7 @@ class StepPlanner:
         step, and every later step of the role would fail."""
         self._agreement.start(Statement(step, self._root_id, False, False, withdrawn=True))
 
-    def ready_to_plan(self) -> None:
+    def ready_to_plan(self, step: int) -> None:
         """Just before the plan's gather on the trainer's group (plan_save's before_gather,
         which runs on every path a rank that owes it takes: an owed plan is never cached):
         state that this rank began the step, copied and converted its state, and wait until
@@ -129,10 +129,13 @@ class StepPlanner:
         Ctrl-C): it states that it withdraws (withdraw_from_plan), and its peers end here with
         StepNotCommittedError, instead of waiting in a collective it never joins until the
         trainer group's own timeout (and then raising that instead of the step's failure)."""
-        step, self._ready_owed = self._ready_owed, None
-        if step is not None:
-            ready = Statement(step, self._root_id, plan_cached=False)
-            self._agreement.outcome(self._agreement.start(ready))
+        # Only the debt of this very step: the save thread plans cached steps too, while the
+        # training thread may owe the next step's statement already.
+        if self._ready_owed != step:
+            return
+        self._ready_owed = None
+        ready = Statement(step, self._root_id, plan_cached=False)
+        self._agreement.outcome(self._agreement.start(ready))
 
     def withdraw_from_plan(self) -> None:
         """This rank's save failed after the agreement and before ready_to_plan: state that
@@ -154,7 +157,7 @@ class StepPlanner:
                 layout.structure,
                 self._plan_cache if layout.reuse_plan else None,
                 layout.distribution,
-                before_gather=self.ready_to_plan,
+                before_gather=lambda: self.ready_to_plan(layout.step),
             )
         if self._config.assume_constant_structure:
             self._plan_cache = prepared.plan_cache
@@ -199,7 +202,7 @@ class StepPlanner:
             self._plan_cache if job.layout.reuse_plan else None,
             job.layout.distribution,
             # Once the local conversion is done: a rank that fails in it withdraws instead.
-            before_gather=self.ready_to_plan,
+            before_gather=lambda: self.ready_to_plan(job.step),
         )
         job.stats.plan_converted = job.prepared.converted
         if self._config.assume_constant_structure:

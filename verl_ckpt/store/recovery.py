@@ -121,7 +121,7 @@ def roll_tracker_forward(
 def recover_root(where: Where, keyring: Keyring | None = None) -> RootState:
     """Bring the store to a consistent state (see the module docstring); return it."""
     store = as_store(where)
-    if complete_interrupted_rollback(store) is not None:
+    if complete_interrupted_rollback(store, keyring) is not None:
         logger.warning("completed an interrupted rollback of %s", store.url)
     # A crash inside the tracker's atomic write leaves only a temporary file; the tracker
     # itself holds the old or the new step (the rename is atomic).

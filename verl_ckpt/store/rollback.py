@@ -307,8 +307,12 @@ def _delete_newer(store: Store, intent: RollbackIntent) -> None:
     write_tracker(store, intent.to)
 
 
-def complete_interrupted_rollback(where: Where) -> RollbackIntent | None:
+def complete_interrupted_rollback(
+    where: Where, keyring: Keyring | None = None
+) -> RollbackIntent | None:
     """Finish a rollback that a crash interrupted; return it, or None when none was pending.
+    With a keyring, a target whose record it does not verify is refused (RollbackError
+    naming the intent) and nothing moves: the tracker only names a signed step.
 
     For start-up recovery, before it rolls the tracker forward; the caller holds the lock.
     """
@@ -321,6 +325,15 @@ def complete_interrupted_rollback(where: Where) -> RollbackIntent | None:
     intent = read_rollback_intent(store)
     if intent is None:
         return None
+    if keyring is not None:
+        try:
+            _read_target(store, intent.to, keyring)
+        except CommitRecordError as exc:
+            raise RollbackError(
+                f"the interrupted rollback in {intent_path(root)} cannot be completed: {exc}; "
+                f"restore the target's signed record, or remove {intent_path(root)} to give "
+                "the rollback up"
+            ) from None
     logger.warning(
         "completing the interrupted rollback of %s to step %d (%s)",
         root,
