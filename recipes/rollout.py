@@ -30,7 +30,7 @@ from recipes.replay import REPLAY_PARTICIPANT
 from recipes.rollout_worker import ROLLOUT_PARTICIPANT, RolloutWorker
 from recipes.workers import WorkerStartupError, process_died
 
-__all__ = ["RolloutGroup", "declared_participants"]
+__all__ = ["RolloutGroup", "declared_participants", "steps_waiting_for"]
 
 log = logging.getLogger("ppo_toy")
 
@@ -232,14 +232,13 @@ class RolloutGroup:
         """The steps still waiting for the dead worker's report will never get it: the new
         worker skips them, so that they fail now, naming it, not at their deadline."""
         label = self.handles[index].label
-        for step, missing in self.coordinator.status()["pending"].items():
-            if label in missing.split(", "):
-                self.lost_steps.add(int(step))
-                why = f"its predecessor died saving it ({_first_line(exc)})"
-                ray.get(
-                    self.workers[index].skip.remote(int(step), why),
-                    timeout=self.cfg.checkpoint.timeout_s,
-                )
+        for step in steps_waiting_for(self.coordinator.status(), label):
+            self.lost_steps.add(step)
+            why = f"its predecessor died saving it ({_first_line(exc)})"
+            ray.get(
+                self.workers[index].skip.remote(step, why),
+                timeout=self.cfg.checkpoint.timeout_s,
+            )
 
     def take_lost_steps(self) -> list[int]:
         """Steps a dead worker never reported (since the last call, skipped by its
@@ -287,6 +286,12 @@ class RolloutGroup:
     def kill(self) -> None:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
+
+
+def steps_waiting_for(status: dict, label: str) -> list[int]:
+    """The steps of the coordinator's `status()` still waiting for the participant named
+    `label` (one by one: `pending` names a run of them as a range, rollout[0-2])."""
+    return [int(step) for step, labels in status["pending_participants"].items() if label in labels]
 
 
 def _first_line(exc: Exception) -> str:

@@ -131,6 +131,53 @@ def test_I5_a_participant_that_skips_a_step_fails_it_at_once_naming_it(ray_local
         coordinator.close()
 
 
+def test_a_participant_refused_a_step_that_already_failed_saves_the_next_one(ray_local, tmp_path):
+    """Found by review: a participant whose begin_step was refused because the step had
+    already failed (another participant's failure first) kept that refusal as its own
+    failure: its next save() raised it and failed the next step too, for everyone. A rank
+    never did (save_runner); now a participant does as a rank does: logged, nothing raised."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = coordinator_with(cfg, {"rollout": 2})
+    try:
+        actors = [
+            ReplayBuffer.remote(coordinator.participant_handle("rollout", i), i) for i in range(2)
+        ]
+        ray.get(actors[1].skip.remote(1, "no rollouts yet"))
+        with pytest.raises(StepNotCommittedError, match=r"rollout\[1\].*no rollouts yet"):
+            coordinator.wait_for_commit(1, timeout_s=20)
+        ray.get(actors[0].save.remote(1))  # refused at begin_step: the step failed
+        ray.get(actors[0].wait.remote())  # raises nothing
+        coordinator.save_driver_state(2, {"step": 2})
+        ray.get([actor.save.remote(2) for actor in actors])
+        coordinator.wait_for_commit(2, timeout_s=30)
+        assert read_tracker(cfg["root_dir"]) == 2
+        ray.get([actor.close.remote() for actor in actors])
+    finally:
+        coordinator.close()
+
+
+def test_the_steps_waiting_for_a_participant_are_found_when_a_run_of_them_is_missing(
+    ray_local, tmp_path
+):
+    """Found by review: the recipe found the steps a dead rollout worker never reported by
+    looking for its label in status()["pending"], which names a run of missing workers as
+    a range ("rollout[0-2]"): with three adjacent workers gone (a node), none was found, and
+    their steps failed only at their deadline instead of at once."""
+    from recipes.rollout import steps_waiting_for
+
+    cfg = ckpt_config(tmp_path)
+    coordinator = coordinator_with(cfg, {"rollout": 3})
+    try:
+        coordinator.save_driver_state(1, {"step": 1})
+        status = coordinator.status()
+        assert status["pending"] == {1: "rollout[0-2]"}
+        assert status["pending_participants"] == {1: ["rollout[0]", "rollout[1]", "rollout[2]"]}
+        assert steps_waiting_for(status, "rollout[1]") == [1]
+        assert steps_waiting_for(status, "rollout[3]") == []
+    finally:
+        coordinator.close()
+
+
 def test_a_participant_name_must_be_plain_and_not_a_role(ray_local, tmp_path):
     cfg = ckpt_config(tmp_path)
     with pytest.raises(CheckpointError, match="also a role"):
@@ -399,6 +446,18 @@ def test_staging_copies_plain_state_and_refuses_what_a_safe_load_cannot_read():
         stage_state({"a": [np.zeros(2)]})
     with pytest.raises(CheckpointError, match="key 3 that is not a str"):
         stage_state({3: 1})
+
+    # Found by review: a tensor subclass survived the copy, was saved, and every resume
+    # refused the committed step (a weights_only load does not read it back).
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = torch.ones(2).as_subclass(Tagged)
+    with pytest.raises(
+        CheckpointError, match=r"state\['t'\] is a .*Tagged, a torch.Tensor subclass"
+    ):
+        stage_state({"t": tagged})
+    assert type(stage_state({"p": torch.nn.Parameter(torch.ones(2))})["p"]) is torch.Tensor
 
 
 def test_the_ledger_names_declared_participants_by_index():

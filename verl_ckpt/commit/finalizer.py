@@ -202,11 +202,20 @@ class CheckpointFinalizer:
 
     def status(self) -> dict[str, Any]:
         ledger = self._ledger
-        pending = {step: ledger.describe(ledger.missing(step)) for step in ledger.in_flight()}
+        steps = ledger.in_flight()
+        pending = {step: ledger.describe(ledger.missing(step)) for step in steps}
+        # Declared participants (few) by label, one by one: "pending" names runs as ranges.
+        waiting = {
+            step: [
+                ledger.label(p) for p in ledger.missing(step) if p[0] in ledger.state_participants
+            ]
+            for step in steps
+        }
         return {
             "committed": committed_steps(self._root, self._keyring),
             "tracker": read_tracker(self._root),
             "pending": pending,
+            "pending_participants": waiting,
             "ledger_size": len(ledger),
             "hf_exports": self._exports.outcomes(),
             "metadata_forecasts": {

@@ -22,7 +22,7 @@ from verl_ckpt.participants.loader import load_participant_state
 from verl_ckpt.participants.state_copy import stage_state
 from verl_ckpt.protocol import Phase, faults
 from verl_ckpt.protocol.deadlines import deadline_in, time_left
-from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
+from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError, StepNotCommittedError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.store.checksummed_file import write_checksummed
@@ -152,6 +152,14 @@ class StateParticipant:
         learns completion from reports only (I6)."""
         try:
             directory = self._link.begin(step, save_id, time_left(deadline, 1.0))
+        except StepNotCommittedError as exc:
+            # As a rank's save (rank/save_runner.py): the step had already failed, another
+            # participant's failure having reached the finalizer first, and nothing was
+            # written. Not this participant's failure: raised at its next save(), it would
+            # fail the next step for everyone.
+            self._link.report_failure(step, save_id, Phase.PLAN, exc)
+            logger.warning("%s: not saving step %d: %s", self.handle.label, step, exc)
+            return
         except Exception as exc:  # noqa: BLE001 - reported and kept for the caller
             self._link.report_failure(step, save_id, Phase.PLAN, exc)
             self._set_failure(step, exc)

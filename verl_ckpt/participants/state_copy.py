@@ -24,7 +24,14 @@ def stage_state(state: Any, where: str = "state") -> Any:
     kind = type(state)
     if isinstance(state, torch.Tensor):
         # Copied, not referenced: the caller may update the tensor in place at once.
-        return state.detach().to("cpu", copy=True)
+        copy = state.detach().to("cpu", copy=True)
+        if type(copy) is not torch.Tensor:  # a subclass survives the copy; a load refuses it
+            raise CheckpointError(
+                f"{where} is a {kind.__module__}.{kind.__qualname__}, a torch.Tensor subclass "
+                "that a load cannot read back without unpickling code: save a plain tensor "
+                "(torch.Tensor(x) or x.as_subclass(torch.Tensor))"
+            )
+        return copy
     if kind in _PLAIN:
         return state
     if kind in (list, tuple):
