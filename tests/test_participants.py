@@ -96,6 +96,15 @@ def test_I1_a_participant_actor_saves_asynchronously_and_the_step_commits_with_i
             assert torch.equal(loaded["rng"], expected["rng"])
             assert loaded["count"] == 7 and loaded["py_rng"] == expected["py_rng"]
             assert loaded["meta"] == expected["meta"]
+        # With checkpoint.signing's keys, an unsigned record is refused here too (found by
+        # review: the participant's load read the record without them).
+        from verl_ckpt.protocol.errors import SignatureError
+        from verl_ckpt.store.signing import Keyring
+
+        with pytest.raises(SignatureError, match="unsigned"):
+            load_participant_state(
+                step_dir(cfg["root_dir"], 3), "replay", 0, keyring=Keyring([b"k" * 32])
+            )
         ray.get(actor.close.remote())
     finally:
         coordinator.close()

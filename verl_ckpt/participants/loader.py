@@ -13,21 +13,27 @@ from verl_ckpt.format.safe_load import load_state_file
 from verl_ckpt.protocol.errors import CommitRecordError
 from verl_ckpt.store.commit_record import read_commit_record
 from verl_ckpt.store.layout import participant_state_file
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.verification import verify_files
 
 __all__ = ["load_participant_state"]
 
 
 def load_participant_state(
-    step_dir: str | Path, name: str, index: int, verify_checksums: bool = True
+    step_dir: str | Path,
+    name: str,
+    index: int,
+    verify_checksums: bool = True,
+    keyring: Keyring | None = None,
 ) -> Any:
     """The state participant `name`[`index`] saved in the committed step `step_dir`.
 
     CommitRecordError, one line, when the step is not committed, does not hold that
     participant, or its file fails verification (size always, checksum with
-    `verify_checksums`)."""
+    `verify_checksums`); with `keyring` (checkpoint.signing), when its commit record is not
+    signed with one of its keys (SignatureError)."""
     path = Path(step_dir)
-    record = read_commit_record(path)
+    record = read_commit_record(path, keyring=keyring)
     label = f"{name}[{index}]"
     count = record.state_participants.get(name)
     if count is None or not 0 <= index < count:

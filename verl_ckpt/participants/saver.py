@@ -28,6 +28,7 @@ from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.fsio import WriteOptions
 from verl_ckpt.store.layout import participant_state_file
+from verl_ckpt.store.signing import load_keyring
 
 __all__ = ["StateParticipant"]
 
@@ -143,6 +144,8 @@ class StateParticipant:
             self.name,
             self.index,
             verify_checksums=self._config.verify_checksums_on_load,
+            # The keys of checkpoint.signing: a record they do not verify is refused here too.
+            keyring=load_keyring(self._config.signing),
         )
 
     # ---- the background save -------------------------------------------------------------
