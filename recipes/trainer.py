@@ -111,7 +111,7 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
         if self.rollout is not None:
             self._resume_rollout(str(path), step)
         if self.replay is not None:
-            ray.get(self.replay.load.remote(str(path)), timeout=self.cfg.checkpoint.timeout_s)
+            self._resume_replay(str(path), step)
         log.info("resumed from %s (step %d) in %.2f s", path, step, time.perf_counter() - start)
         log.info(
             "data cursor at the trained frontier: epoch %d, position %d of %d prompts",
@@ -120,6 +120,14 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
             len(self.data),
         )
         return step
+
+    def _resume_replay(self, path: str, step: int) -> None:
+        """The replay buffer of the committed step; a step saved without one (replay turned
+        on for this run: the start-up check allows it) starts it empty, as documented."""
+        if not verl_ckpt.read_commit_record(path).state_participants.get(REPLAY_PARTICIPANT):
+            log.warning("resume from step %d: it holds no replay buffer; it starts empty", step)
+            return
+        ray.get(self.replay.load.remote(path), timeout=self.cfg.checkpoint.timeout_s)
 
     def _resume_rollout(self, path: str, step: int) -> None:
         """The rollout workers' buffers of the committed step: each buffered batch must be

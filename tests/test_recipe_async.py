@@ -268,3 +268,25 @@ def test_replay_buffer_is_saved_with_the_step_and_a_resume_reuses_the_same_seque
     assert assert_same_steps(runs, ref) == {1, 2, 3, 4}
     for step in (3, 4):
         assert runs[1][step]["replay_prompt_ids"] == ref[step]["replay_prompt_ids"], step
+
+
+@pytest.mark.slow
+def test_a_replay_buffer_turned_on_at_a_resume_starts_empty(tmp_path):
+    """Found by review: the start-up check allows a declared participant the resumed step
+    lacks (it starts empty, docs/participants.md), but the recipe loaded the replay buffer
+    from the step regardless, and the run exited after Ray started ("holds no state of
+    participant replay[0]")."""
+    small = (
+        "data.num_prompts=12",
+        "rollout.batch_size=8",
+        "actor.world_size=1",
+        "actor.tensor_parallel_size=1",
+        "checkpoint.save_freq=2",
+    )
+    root = tmp_path / "ckpt"
+    run_to_end(tmp_path / "run1", root, *small, "trainer.total_steps=2")
+    out = run_to_end(
+        tmp_path / "run2", root, *small, "rollout.replay_size=8", "trainer.total_steps=4"
+    )
+    assert "it holds no replay buffer; it starts empty" in out, out[-3000:]
+    assert read_tracker(root) == 4 and (step_dir(root, 4) / "replay" / "state_0.pt").is_file()
