@@ -164,7 +164,7 @@ def before_ray(cfg: PPOToyConfig, start: verl_ckpt.StartPlan) -> bool:
                 f"{path / DRIVER_STATE_FILENAME}: the driver's state cannot be read: "
                 f"{exc.strerror or exc}"
             ) from None
-        check_driver_state(state, path)
+        check_driver_state(state, path, cfg)
     return False
 
 

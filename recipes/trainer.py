@@ -26,7 +26,7 @@ from recipes.trainer_end import RunEnd
 from recipes.trainer_startup import WorkerStartup
 from verl_ckpt.store.layout import DRIVER_STATE_FILENAME
 
-__all__ = ["DRIVER_STATE_FORMAT", "PPOToyTrainer", "check_driver_state"]
+__all__ = ["DRIVER_STATE_FORMAT", "PPOToyTrainer", "check_driver_state", "data_stream"]
 
 log = logging.getLogger("ppo_toy")
 
@@ -34,14 +34,44 @@ log = logging.getLogger("ppo_toy")
 DRIVER_STATE_FORMAT = 2
 
 
-def check_driver_state(state: dict[str, Any], step_path: Any) -> dict[str, Any]:
+def data_stream(cfg: PPOToyConfig) -> dict[str, Any]:
+    """The keys that make the prompt stream the data cursor points into (and, in async
+    mode, the shape of the batch the rollout workers hold ahead): saved with each step, and
+    a resume with other values is refused before Ray (the cursor would point into another
+    stream: prompts skipped or repeated without a word)."""
+    keys = {
+        "data.num_prompts": cfg.data.num_prompts,
+        "rollout.prompt_length": cfg.rollout.prompt_length,
+        "model.vocab_size": cfg.model.vocab_size,
+        "trainer.seed": cfg.trainer.seed,
+    }
+    if cfg.rollout.mode == "async":
+        keys["rollout.batch_size"] = cfg.rollout.batch_size
+        keys["rollout.response_length"] = cfg.rollout.response_length
+    return keys
+
+
+def check_driver_state(
+    state: dict[str, Any], step_path: Any, cfg: PPOToyConfig | None = None
+) -> dict[str, Any]:
     """`state` (the driver's state of the committed step `step_path`), if this recipe can
-    resume from it; else CheckpointError, one line naming the file and the format."""
+    resume from it with `cfg`; else CheckpointError, one line naming the file and the format
+    or the key."""
+    where = f"{step_path}/{DRIVER_STATE_FILENAME}"
     if state.get("format") != DRIVER_STATE_FORMAT:
         raise verl_ckpt.CheckpointError(
-            f"{step_path}/{DRIVER_STATE_FILENAME}: driver state of format "
+            f"{where}: driver state of format "
             f"{state.get('format')!r}, this recipe resumes format {DRIVER_STATE_FORMAT} only"
         )
+    saved = state.get("data_stream")  # absent in a state written before it was saved
+    if cfg is not None and isinstance(saved, dict):
+        for key, value in data_stream(cfg).items():
+            if key in saved and saved[key] != value:
+                raise verl_ckpt.CheckpointError(
+                    f"{where}: the step was saved with {key}={saved[key]!r}, this run has "
+                    f"{value!r}: its data cursor points into the prompt stream of the saved "
+                    f"value; run with {key}={saved[key]!r}, or use a new checkpoint.root_dir"
+                )
     return state
 
 
@@ -105,7 +135,7 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
             return 0
         start = time.perf_counter()
         ray.get(self._call_all("load", str(path)))
-        state = check_driver_state(self.coordinator.load_driver_state(path), path)
+        state = check_driver_state(self.coordinator.load_driver_state(path), path, self.cfg)
         step = state["step"]
         self.trained = self.drawn = DataCursor.from_state(state["data_cursor"])
         if self.rollout is not None:
@@ -352,6 +382,7 @@ class PPOToyTrainer(WorkerStartup, RunEnd):
                     # At the trained frontier: what the updates consumed, not what the
                     # rollout workers were handed ahead (their buffer holds that).
                     "data_cursor": self.trained.to_state(),
+                    "data_stream": data_stream(self.cfg),
                 },
                 timeout_s=timeout,
             )

@@ -225,6 +225,27 @@ def test_a_driver_state_this_recipe_cannot_resume_is_one_line_before_ray(tmp_pat
     assert "Traceback" not in output and "embedded Ray" not in output, output[-3000:]
 
 
+@pytest.mark.parametrize("override", ["data.num_prompts=200", "trainer.seed=2"])
+def test_a_resume_whose_prompt_stream_changed_is_one_line_before_ray(
+    tmp_path, four_step_run, override
+):
+    """Found by review: a resume with another data.num_prompts or trainer.seed went on
+    silently with its data cursor in another prompt stream (prompts skipped or repeated; in
+    async mode a RuntimeError's traceback once Ray was up). The keys that make the stream are
+    saved with each step; another value is refused before Ray, naming the key."""
+    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
+    proc = start_recipe(
+        tmp_path / "run", f"checkpoint.root_dir={root}", "trainer.total_steps=6", override
+    )
+    output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("ppo_toy:")]
+    key = override.partition("=")[0]
+    assert len(errors) == 1 and f"the step was saved with {key}=" in errors[0], output[-3000:]
+    assert "Traceback" not in output and "embedded Ray" not in output, output[-3000:]
+    assert read_tracker(root) == 4
+
+
 def test_I3_readme_rollback_then_resume_path_continues_from_the_older_step(tmp_path, four_step_run):
     """The README's way back to an older step: resume_path at step 2 of a root that
     committed step 4 is refused at start-up; `verl-ckpt rollback ROOT --to 2` moves step 4
