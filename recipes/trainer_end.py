@@ -68,7 +68,12 @@ class RunEnd:
         if self.rollout is not None:
             self.rollout.close()
         if self.replay is not None:
-            ray.get(self.replay.close.remote(), timeout=self.cfg.checkpoint.timeout_s)
+            # As RolloutGroup.close: a failed or late replay saver is named, and the run's
+            # end (the last commit, exports, uploads) still runs.
+            try:
+                ray.get(self.replay.close.remote(), timeout=self.cfg.checkpoint.timeout_s)
+            except ray.exceptions.RayError as exc:
+                log.warning("replay buffer: closing its saver: %s", str(exc).splitlines()[0])
         if declared_participants(self.cfg):
             self.report_unsettled_saves(last_saved)
         if last_saved is not None:
