@@ -114,3 +114,19 @@ def start_holding_aggregator(
     )
     ray.get(handle.pending.remote(), timeout=60)
     return handle
+
+
+def kill_all(processes: list, timeout_s: float = 30.0) -> list:
+    """Kill each of `processes` (psutil.Process) still running, and wait for them; returns
+    those still alive after `timeout_s`. One that exited since it was listed (a Ray worker
+    ending as its raylet goes) is skipped: psutil refuses to signal it, by its PID or by the
+    PID's next owner."""
+    import psutil
+
+    for proc in processes:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return alive

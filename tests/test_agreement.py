@@ -41,6 +41,24 @@ def _step_one_committed(ranks: dict, tmp_path, **config) -> tuple[dict, Checkpoi
     return cfg, coordinator
 
 
+def _opened(ranks: dict, tmp_path, **config) -> tuple[dict, CheckpointCoordinator]:
+    """Every rank opened on the test's own root (a one-minute deadline), nothing saved yet:
+    the first save plans over the group."""
+    cfg = ckpt_config(tmp_path, **config)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    return cfg, coordinator
+
+
+def _then_every_rank_commits(ranks: dict, cfg: dict, coordinator, step: int) -> None:
+    """`step`, saved by every rank, commits and the tracker names it (the agreement's
+    statements still pair up); then everything is closed."""
+    save_everyone(ranks, coordinator, step)
+    coordinator.wait_for_commit(step)
+    assert read_tracker(cfg["root_dir"]) == step
+    close_all(ranks, coordinator)
+
+
 def _fail_the_write_of_step_2_on(rank, ranks: dict, coordinator) -> None:
     """Everyone saves step 2; `rank`'s write fails (a full disk at that moment, injected), so
     the step fails naming actor rank 1, and the failure waits to be raised by its next save."""
@@ -100,9 +118,7 @@ def test_a_sharding_refused_on_rank_0_only_ends_its_peers_save_at_once(ranks, tm
     begin_step, stated its withdrawal): either way one statement ahead of rank 0's, so rank
     0's next save paired with this one and failed a step nobody failed. Now a rank owes that
     statement from the agreement's verdict on, and rank 0 withdraws."""
-    cfg = ckpt_config(tmp_path)  # a one-minute deadline: the old code's peer waits it out
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
+    cfg, coordinator = _opened(ranks, tmp_path)  # the old code's peer waits out its minute
     first, second = ranks["actor"]
     # A first save in which both ranks claim the whole of one more tensor as its main
     # replica: rank 0, which gathers the shardings, refuses it.
@@ -113,10 +129,7 @@ def test_a_sharding_refused_on_rank_0_only_ends_its_peers_save_at_once(ranks, tm
         ray.get(peer, timeout=RETURNS_WITHIN_S)
     with pytest.raises(StepNotCommittedError, match="actor rank 0"):
         coordinator.wait_for_commit(1)
-    save_everyone(ranks, coordinator, 2)
-    coordinator.wait_for_commit(2)
-    assert read_tracker(cfg["root_dir"]) == 2
-    close_all(ranks, coordinator)
+    _then_every_rank_commits(ranks, cfg, coordinator, 2)
 
 
 def test_a_plan_that_failed_on_one_rank_after_its_gather_costs_one_more_step_only(ranks, tmp_path):
@@ -126,9 +139,7 @@ def test_a_plan_that_failed_on_one_rank_after_its_gather_costs_one_more_step_onl
     rank did not, and each failed as a structure changed on one rank only, until the
     processes restarted. Now the mixed verdict drops the cache on every rank: the next save
     plans over the group again, and commits."""
-    cfg = ckpt_config(tmp_path)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
+    cfg, coordinator = _opened(ranks, tmp_path)
     first, second = ranks["actor"]
     ray.get(second.fail_the_next_plan_after_its_gather.remote())
     planned, failed = first.save.remote(1), second.save.remote(1)
@@ -143,10 +154,7 @@ def test_a_plan_that_failed_on_one_rank_after_its_gather_costs_one_more_step_onl
         ray.get(behind, timeout=RETURNS_WITHIN_S)
     with pytest.raises(CheckpointWriteError, match=r"changed on ranks \[1\]"):
         ray.get(first.wait.remote())
-    save_everyone(ranks, coordinator, 3)
-    coordinator.wait_for_commit(3)
-    assert read_tracker(cfg["root_dir"]) == 3
-    close_all(ranks, coordinator)
+    _then_every_rank_commits(ranks, cfg, coordinator, 3)
 
 
 def test_a_plan_that_fails_in_its_local_conversion_on_one_rank_ends_its_peers_save_at_once(
@@ -156,9 +164,7 @@ def test_a_plan_that_fails_in_its_local_conversion_on_one_rank_ends_its_peers_sa
     may fail on one rank only (the fault is injected: RankWorker.fail_the_next_conversion).
     Its peer, told all were ready, waited in the plan's gather for the trainer group's
     timeout. Now the statement comes after the conversion, and the failing rank withdraws."""
-    cfg = ckpt_config(tmp_path)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
+    cfg, coordinator = _opened(ranks, tmp_path)
     first, second = ranks["actor"]
     ray.get(second.fail_the_next_conversion.remote())
     peer, failed = first.save.remote(1), second.save.remote(1)
@@ -168,10 +174,7 @@ def test_a_plan_that_fails_in_its_local_conversion_on_one_rank_ends_its_peers_sa
         ray.get(peer, timeout=RETURNS_WITHIN_S)  # the old code: still in the gather
     with pytest.raises(StepNotCommittedError, match="actor rank 1"):
         coordinator.wait_for_commit(1)
-    save_everyone(ranks, coordinator, 2)
-    coordinator.wait_for_commit(2)
-    assert read_tracker(cfg["root_dir"]) == 2
-    close_all(ranks, coordinator)
+    _then_every_rank_commits(ranks, cfg, coordinator, 2)
 
 
 def test_a_prepare_that_fails_on_one_rank_before_its_statement_ends_its_peers_at_once(
@@ -182,19 +185,14 @@ def test_a_prepare_that_fails_on_one_rank_before_its_statement_ends_its_peers_at
     until the deadline; and a trainer going on to save(1) paired that save's statement with
     its peer's of prepare(). Now the rank states that it withdraws: its peer stops at once,
     naming it, and the first save commits."""
-    cfg = ckpt_config(tmp_path)  # a one-minute deadline: the old code's peer waits it out
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
+    cfg, coordinator = _opened(ranks, tmp_path)  # the old code's peer waits out its minute
     first, second = ranks["actor"]
     waiting = first.prepare.remote()
     with pytest.raises(CheckpointError, match="save_contents includes 'optimizer'"):
         ray.get(second.prepare.remote(without_optimizer=True), timeout=RETURNS_WITHIN_S)
     with pytest.raises(CheckpointError, match=r"prepare\(\) stopped: rank\(s\) \[1\]"):
         ray.get(waiting, timeout=RETURNS_WITHIN_S)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
-    assert read_tracker(cfg["root_dir"]) == 1
-    close_all(ranks, coordinator)
+    _then_every_rank_commits(ranks, cfg, coordinator, 1)
 
 
 def test_a_save_that_fails_inside_save_on_one_rank_leaves_the_next_step_to_every_rank(
@@ -213,10 +211,7 @@ def test_a_save_that_fails_inside_save_on_one_rank_leaves_the_next_step_to_every
     ray.get(ranks["critic"][0].save.remote(2))
     with pytest.raises(StepNotCommittedError, match="actor rank 0"):
         coordinator.wait_for_commit(2)
-    save_everyone(ranks, coordinator, 3)
-    coordinator.wait_for_commit(3)
-    assert read_tracker(cfg["root_dir"]) == 3
-    close_all(ranks, coordinator)
+    _then_every_rank_commits(ranks, cfg, coordinator, 3)
 
 
 def test_a_save_that_raises_an_earlier_failure_on_one_rank_leaves_the_next_steps_to_every_rank(

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT, free_port
+from tests.helpers import kill_all
 
 pytestmark = pytest.mark.slow
 
@@ -48,18 +49,6 @@ def cluster_processes(gcs_port: int) -> list[psutil.Process]:
         ):
             mine.append(proc)
     return mine
-
-
-def kill_all(processes: list[psutil.Process]) -> None:
-    """Kill each process still running. One that exited since it was listed (a Ray worker
-    ending as its raylet goes) is skipped: psutil refuses to signal it, by its PID or by the
-    PID's next owner."""
-    for proc in processes:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(processes, timeout=30)
 
 
 def test_stopping_a_cluster_skips_a_process_that_exited_since_it_was_listed():

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from recipes.metrics import read_metrics
 from recipes.ppo_config import RecipeConfigError, to_recipe_config
 from recipes.ppo_math import gae, policy_loss, token_rewards
+from tests.helpers import kill_all
 from verl_ckpt import read_commit_record, read_tracker, step_dir
 from verl_ckpt.store.commit_record import FileEntry, write_commit_record
 from verl_ckpt.store.fsio import file_checksum
@@ -378,12 +379,7 @@ class RayHead:
             self.proc.kill()
             self.proc.communicate()
         _, alive = psutil.wait_procs(descendants, timeout=10)
-        for process in alive:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=10)
+        kill_all(alive, timeout_s=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         assert not alive, f"Ray processes outlived `ray start --block`: {alive}"
 
