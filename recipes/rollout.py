@@ -30,7 +30,7 @@ from recipes.replay import REPLAY_PARTICIPANT
 from recipes.rollout_worker import ROLLOUT_PARTICIPANT, RolloutWorker
 from recipes.workers import WorkerStartupError, process_died
 
-__all__ = ["RolloutGroup", "declared_participants", "steps_waiting_for"]
+__all__ = ["RolloutGroup", "declared_participants", "first_line", "steps_waiting_for"]
 
 log = logging.getLogger("ppo_toy")
 
@@ -201,7 +201,7 @@ class RolloutGroup:
         log.warning(
             "%s died (%s); respawned from %s, regenerating step(s) %s",
             self.describe(index),
-            _first_line(exc),
+            first_line(exc),
             f"its samples of step {results[-1]['step']}" if results else "its initial state",
             ", ".join(str(r.step) for r in pending) or "none",
         )
@@ -234,7 +234,7 @@ class RolloutGroup:
         label = self.handles[index].label
         for step in steps_waiting_for(self.coordinator.status(), label):
             self.lost_steps.add(step)
-            why = f"its predecessor died saving it ({_first_line(exc)})"
+            why = f"its predecessor died saving it ({first_line(exc)})"
             ray.get(
                 self.workers[index].skip.remote(step, why),
                 timeout=self.cfg.checkpoint.timeout_s,
@@ -270,7 +270,7 @@ class RolloutGroup:
                     "%s: its save of step %d failed (the step does not commit): %s",
                     self.describe(index),
                     step,
-                    _first_line(exc),
+                    first_line(exc),
                 )
                 done.append((index, step, None))
         return done
@@ -281,7 +281,7 @@ class RolloutGroup:
             try:
                 ray.get(worker.close.remote(), timeout=self.cfg.checkpoint.timeout_s)
             except ray.exceptions.RayError as exc:
-                log.warning("%s: closing its saver: %s", self.describe(index), _first_line(exc))
+                log.warning("%s: closing its saver: %s", self.describe(index), first_line(exc))
 
     def kill(self) -> None:
         for worker in self.workers:
@@ -294,7 +294,7 @@ def steps_waiting_for(status: dict, label: str) -> list[int]:
     return [int(step) for step, labels in status["pending_participants"].items() if label in labels]
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     """One line of a Ray error: the remote exception's own line, else Ray's first."""
     cause = getattr(exc, "cause", None)
     text = str(cause if cause is not None else exc).strip()

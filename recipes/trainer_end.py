@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 import verl_ckpt
-from recipes.rollout import declared_participants
+from recipes.rollout import declared_participants, first_line
 
 __all__ = ["RunEnd"]
 
@@ -73,7 +73,7 @@ class RunEnd:
             try:
                 ray.get(self.replay.close.remote(), timeout=self.cfg.checkpoint.timeout_s)
             except ray.exceptions.RayError as exc:
-                log.warning("replay buffer: closing its saver: %s", str(exc).splitlines()[0])
+                log.warning("replay buffer: closing its saver: %s", first_line(exc))
         if declared_participants(self.cfg):
             self.report_unsettled_saves(last_saved)
         if last_saved is not None:

@@ -339,3 +339,34 @@ def test_a_manager_opened_after_the_worlds_store_died_fails_at_once_naming_it(ra
         coordinator.close()
         for w in workers:
             ray.kill(w)
+
+
+def test_a_ready_statement_pays_only_its_own_steps_debt():
+    """Found by review: the save thread plans steps whose plan is cached while the training
+    thread may already owe the next step's ready statement; ready_to_plan took whatever was
+    owed, stating the next step's readiness before this rank had copied it. Bookkeeping only:
+    the agreement is a recorder here (the pairing itself runs on real ranks above)."""
+    from concurrent.futures import Future
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from verl_ckpt.protocol.config import CheckpointConfig
+    from verl_ckpt.rank.planner import StepPlanner
+
+    made = []
+
+    def start(statement):
+        made.append((statement.step, statement.withdrawn))
+        done: Future = Future()
+        done.set_result([statement])
+        return done
+
+    agreement = SimpleNamespace(start=start, outcome=lambda pending: pending.result())
+    link = SimpleNamespace(role="actor")
+    planner = StepPlanner(CheckpointConfig(), None, Path("/nowhere"), agreement, link, True)
+    planner._ready_owed = 2  # the training thread's next save planned over the group
+    planner.ready_to_plan(1)  # the save thread's cached step 1
+    assert made == []
+    planner.ready_to_plan(2)
+    planner.withdraw_from_plan()  # paid: nothing more
+    assert made == [(2, False)]

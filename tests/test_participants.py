@@ -3,6 +3,7 @@ its own state off its caller's path, committed with the step, named when it fail
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -22,6 +23,7 @@ from verl_ckpt import (
     read_tracker,
     step_dir,
 )
+from verl_ckpt.store.commit_record import write_commit_record
 
 
 @ray.remote(num_cpus=0)
@@ -105,6 +107,59 @@ def test_I1_a_participant_actor_saves_asynchronously_and_the_step_commits_with_i
             load_participant_state(
                 step_dir(cfg["root_dir"], 3), "replay", 0, keyring=Keyring([b"k" * 32])
             )
+        ray.get(actor.close.remote())
+    finally:
+        coordinator.close()
+
+
+def test_a_participant_on_a_signed_root_loads_with_the_keys_the_driver_read(
+    ray_local, tmp_path, monkeypatch
+):
+    """Found by review: a participant read checkpoint.signing's keys itself, in its actor,
+    where the driver's variable (or a key file's relative path) need not exist: the load
+    failed ("unset variable") once Ray was up. The handle now carries the keys the driver
+    read before Ray; a record they do not verify is still refused in the actor."""
+    from verl_ckpt.protocol.errors import SignatureError
+
+    variable = f"VERL_CKPT_TEST_KEY_{os.getpid()}"  # the driver's environment only
+    monkeypatch.setenv(variable, "k3y-only-the-driver-has-" + "x" * 16)
+    cfg = ckpt_config(tmp_path, signing={"key_env": variable})
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 7)
+        coordinator.save_driver_state(3, {"step": 3})
+        ray.get(actor.save.remote(3))
+        coordinator.wait_for_commit(3)
+        step = step_dir(cfg["root_dir"], 3)
+        assert ray.get(actor.load.remote(str(step)))["count"] == 7
+        record = read_commit_record(step)
+        record.signature = None
+        write_commit_record(step, record)  # the same step, its record now unsigned
+        with pytest.raises(SignatureError, match="unsigned"):
+            ray.get(actor.load.remote(str(step)))
+        ray.get(actor.close.remote())
+    finally:
+        coordinator.close()
+
+
+def test_a_thousand_waiting_calls_do_not_hold_a_reports_way_to_the_finalizer(ray_local, tmp_path):
+    """Found by review: the finalizer is an async actor, which Ray lets run 1,000 calls at a
+    time by default. Calls that wait hold their slot (a rank's upload_turn until the local
+    commit, begin_step for room, wait_for_commit): at 16k ranks a thousand of them queued
+    every report behind them, and no step could commit until they timed out. Here 1,100
+    wait_for_commit calls wait for step 1 while its last participant saves."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = coordinator_with(cfg, {"replay": 1})
+    try:
+        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 3)
+        coordinator.save_driver_state(1, {"step": 1})
+        waiting = [coordinator.finalizer.wait_for_commit.remote(1, 60.0) for _ in range(1100)]
+        started = time.monotonic()
+        ray.get(actor.save.remote(1))
+        ray.get(actor.wait.remote(), timeout=30)  # the old code: its report queued (60 s)
+        coordinator.wait_for_commit(1, timeout_s=30)
+        assert time.monotonic() - started < 30
+        assert all(r["step"] == 1 for r in ray.get(waiting, timeout=60))
         ray.get(actor.close.remote())
     finally:
         coordinator.close()

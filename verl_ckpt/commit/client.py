@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from verl_ckpt.store.lock_record import LeaseGuard
 
 __all__ = [
+    "FINALIZER_MAX_CONCURRENCY",
     "FINALIZER_NAMESPACE",
     "FinalizerClient",
     "actor_options",
@@ -54,6 +55,11 @@ def finalizer_name(root_dir: str | os.PathLike) -> str:
     return f"verl_ckpt_finalizer_{digest}"
 
 
+# Concurrent calls the finalizer takes (each a coroutine while it waits): far above one
+# waiting call per participant of the largest job (16,384 ranks and their uploads).
+FINALIZER_MAX_CONCURRENCY = 100_000
+
+
 def actor_options(root_dir: str | os.PathLike) -> dict[str, Any]:
     """How the finalizer of `root_dir` runs: named, restarted on failure, no CPU slot, on the
     caller's node (the driver's, which must see the root anyway; the job ends with it)."""
@@ -65,6 +71,10 @@ def actor_options(root_dir: str | os.PathLike) -> dict[str, Any]:
         # flight is retried on the new instance, which refuses reports it cannot trust.
         "max_restarts": -1,
         "max_task_retries": 3,
+        # Calls that wait (begin_step for room, upload_turn, wait_for_commit) hold a slot
+        # until they return; Ray's default of 1,000 for an async actor would queue every
+        # report behind a thousand of them at scale, and no step could commit.
+        "max_concurrency": FINALIZER_MAX_CONCURRENCY,
         "num_cpus": 0,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False

@@ -202,14 +202,12 @@ class CheckpointFinalizer:
 
     def status(self) -> dict[str, Any]:
         ledger = self._ledger
-        steps = ledger.in_flight()
-        pending = {step: ledger.describe(ledger.missing(step)) for step in steps}
+        missing = {step: ledger.missing(step) for step in ledger.in_flight()}
+        pending = {step: ledger.describe(who) for step, who in missing.items()}
         # Declared participants (few) by label, one by one: "pending" names runs as ranges.
         waiting = {
-            step: [
-                ledger.label(p) for p in ledger.missing(step) if p[0] in ledger.state_participants
-            ]
-            for step in steps
+            step: [ledger.label(p) for p in who if p[0] in ledger.state_participants]
+            for step, who in missing.items()
         }
         return {
             "committed": committed_steps(self._root, self._keyring),

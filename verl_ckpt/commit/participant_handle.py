@@ -9,6 +9,7 @@ from typing import Any
 
 from verl_ckpt.protocol.config import CheckpointConfig
 from verl_ckpt.protocol.phases import participant_label
+from verl_ckpt.store.signing import Keyring
 
 __all__ = ["ParticipantHandle"]
 
@@ -24,6 +25,9 @@ class ParticipantHandle:
     root: str
     finalizer: Any
     config: CheckpointConfig
+    # The keys of checkpoint.signing, read on the driver before Ray started (a key file's
+    # relative path or a variable need not exist where the actor runs); None: signing off.
+    keyring: Keyring | None = None
 
     @property
     def label(self) -> str:

@@ -124,7 +124,9 @@ class CheckpointCoordinator:
             raise CheckpointError(
                 f"{name}[{index}] is not a declared participant (declared: {declared or 'none'})"
             )
-        return ParticipantHandle(name, index, count, str(self.root), self.finalizer, self.config)
+        return ParticipantHandle(
+            name, index, count, str(self.root), self.finalizer, self.config, self.start.keyring
+        )
 
     def resume_dir(self) -> Path | None:
         """The committed step to resume from (decided at start-up), or None: a fresh start."""

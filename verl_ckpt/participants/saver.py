@@ -28,7 +28,6 @@ from verl_ckpt.protocol.threads import DaemonPool
 from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.fsio import WriteOptions
 from verl_ckpt.store.layout import participant_state_file
-from verl_ckpt.store.signing import load_keyring
 
 __all__ = ["StateParticipant"]
 
@@ -144,8 +143,9 @@ class StateParticipant:
             self.name,
             self.index,
             verify_checksums=self._config.verify_checksums_on_load,
-            # The keys of checkpoint.signing: a record they do not verify is refused here too.
-            keyring=load_keyring(self._config.signing),
+            # The keys of checkpoint.signing (read on the driver): a record they do not verify
+            # is refused here too.
+            keyring=self.handle.keyring,
         )
 
     # ---- the background save -------------------------------------------------------------

@@ -99,10 +99,9 @@ class StepPlanner:
             self._plan_cache = None  # as in agree_and_begin
             raise
         reuse = self._config.assume_constant_structure and reusable
-        if not reuse:
-            # Owed from here on: the collectives that follow (the sharding's validation, on
-            # rank 0 only) may fail on one rank and not on its peers.
-            self._ready_owed = step
+        # Owed from here on when the plan gathers: the collectives that follow (the
+        # sharding's validation, on rank 0 only) may fail on one rank and not on its peers.
+        self._ready_owed = None if reuse else step
         return reuse, None
 
     def state_went_ahead(self, layout: Layout) -> None:
@@ -133,16 +132,19 @@ class StepPlanner:
         # training thread may owe the next step's statement already.
         if self._ready_owed != step:
             return
+        # Made, then cleared: an interrupt between the two leaves the debt to withdraw_from_plan,
+        # which then states the withdrawal its peers wait for (never neither statement).
+        pending = self._agreement.start(Statement(step, self._root_id, plan_cached=False))
         self._ready_owed = None
-        ready = Statement(step, self._root_id, plan_cached=False)
-        self._agreement.outcome(self._agreement.start(ready))
+        self._agreement.outcome(pending)
 
     def withdraw_from_plan(self) -> None:
         """This rank's save failed after the agreement and before ready_to_plan: state that
         it withdraws, without waiting (its peers wait for the statement; rank/agreement.py)."""
-        step, self._ready_owed = self._ready_owed, None
+        step = self._ready_owed
         if step is not None:
             self.state_withdrawn(step)
+            self._ready_owed = None  # after the statement went out (as in ready_to_plan)
 
     def plan_ahead(self, layout: Layout) -> None:
         """prepare(): the plan depends on the structure only: planned over the live tensors,
@@ -202,7 +204,9 @@ class StepPlanner:
             self._plan_cache if job.layout.reuse_plan else None,
             job.layout.distribution,
             # Once the local conversion is done: a rank that fails in it withdraws instead.
-            before_gather=lambda: self.ready_to_plan(job.step),
+            # A reused plan gathers nothing and owes nothing: the save thread, which plans
+            # only those, never touches the training thread's debt.
+            before_gather=None if job.layout.reuse_plan else lambda: self.ready_to_plan(job.step),
         )
         job.stats.plan_converted = job.prepared.converted
         if self._config.assume_constant_structure:
