@@ -10,6 +10,8 @@ lost batch fails the step at its deadline naming the ranks whose reports never c
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -427,6 +429,12 @@ class _Rank:
         """Its files of the step it began (`begin`), reported through the node's aggregator."""
         self.aggregator.report(self.write(step, save_id, self.began).pack(), call_deadline(30.0))
 
+    def deliver_began(self, step: int, save_id: str) -> str | None:
+        """Its files of the step it began (`begin`), delivered as a save delivers them
+        (ParticipantLink.deliver, 30 s): its failure, or None."""
+        failure = self.link.deliver(self.write(step, save_id, self.began), call_deadline(30.0))
+        return None if failure is None else failure.describe()
+
     def report_through_aggregator_only(self, step: int, save_id: str) -> str:
         """A report handed to the aggregator alone (no fallback): what the rank hears."""
         try:
@@ -468,6 +476,35 @@ def test_I5_ranks_whose_aggregator_died_report_directly_and_the_step_commits(ray
             ray.kill(rank, no_restart=True)
         ray.kill(finalizer, no_restart=True)
     _committed_and_verified_files(Path(root), 2)
+
+
+def test_I5_ranks_whose_aggregator_hangs_report_directly_and_the_step_commits(ray_local, tmp_path):
+    """Found by review: a report handed to a node's aggregator that does not answer (hung, its
+    node overloaded) failed at the report's deadline, and the finalizer, never told, waited
+    for the step's own deadline and then blamed the rank for a missing report. The rank now
+    keeps part of its time for a direct call. The aggregator is stopped for real (SIGSTOP)
+    after both ranks began step 1 through it."""
+    root = str(tmp_path)
+    finalizer = start_finalizer(
+        root, {ROLE: 2}, max_ckpt_to_keep=None, timeout_s=120.0, max_in_flight=2
+    )
+    ranks = [_Rank.remote(root, r) for r in (0, 1)]
+    pid = None
+    try:
+        aggregator = ray.get(ranks[0].aggregator_handle.remote(), timeout=60)
+        ray.get([rank.begin.remote(1, f"a{i}") for i, rank in enumerate(ranks)], timeout=60)
+        pid = ray.get(aggregator.__ray_call__.remote(lambda actor: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        delivered = [rank.deliver_began.remote(1, f"a{i}") for i, rank in enumerate(ranks)]
+        assert ray.get(delivered, timeout=60) == [None, None]  # the old code: failed at 30 s
+        ray.get(finalizer.wait_for_commit.remote(1, 30.0), timeout=60)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        for rank in ranks:
+            ray.kill(rank, no_restart=True)
+        ray.kill(finalizer, no_restart=True)
+    _committed_and_verified_files(Path(root), 1)
 
 
 @pytest.mark.parametrize("role", [ROLE, "actor"])

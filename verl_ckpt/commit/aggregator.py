@@ -74,6 +74,7 @@ from verl_ckpt.store.layout import DRIVER_ROLE
 
 __all__ = [
     "AggregatorLost",
+    "AggregatorTimeout",
     "NodeAggregator",
     "ReportAggregator",
     "aggregator_name",
@@ -103,6 +104,11 @@ _KNOWN_STEP_DIRS = 8
 
 class AggregatorLost(CheckpointError):
     """The node's aggregator died or cannot be reached: call the finalizer directly."""
+
+
+class AggregatorTimeout(CommitTimeoutError):
+    """The node's aggregator did not answer in time (hung, or its node overloaded): not an
+    answer of the finalizer, which may never have seen the call."""
 
 
 class ReportAggregator:
@@ -515,7 +521,7 @@ class NodeAggregator:
         try:
             answer = ray.get(ref, timeout=time_left(deadline, 0.1))
         except ray.exceptions.GetTimeoutError:
-            raise CommitTimeoutError(
+            raise AggregatorTimeout(
                 f"{self.who}: the node's report aggregator did not answer in time"
             ) from None
         except ray.exceptions.RayActorError as exc:

@@ -27,7 +27,7 @@ import logging
 import uuid
 from pathlib import Path
 
-from verl_ckpt.commit.aggregator import AggregatorLost, NodeAggregator
+from verl_ckpt.commit.aggregator import AggregatorLost, AggregatorTimeout, NodeAggregator
 from verl_ckpt.commit.client import FinalizerClient
 from verl_ckpt.protocol import Failure, Phase, faults
 from verl_ckpt.protocol.deadlines import RPC_SLACK_S, call_deadline, time_left
@@ -109,11 +109,16 @@ class ParticipantLink:
 
     def _send(self, report: RankReport, deadline: float | None) -> None:
         if self._aggregator is not None:
+            last = deadline or call_deadline(self._timeout_s)
+            # Part of the time is kept for a direct call: an aggregator that does not answer
+            # (hung, its node overloaded) must not keep the report from the finalizer, whose
+            # step would wait for it until its deadline and then blame this rank.
+            through = last - min(RPC_SLACK_S, time_left(last) / 2)
             try:
-                self._aggregator.report(report, deadline or call_deadline(self._timeout_s))
+                self._aggregator.report(report, through)
                 return
-            except AggregatorLost as exc:
-                # Its batch may have been delivered before it died: then this report is a
+            except (AggregatorLost, AggregatorTimeout) as exc:
+                # Its batch may have been delivered all the same: then this report is a
                 # duplicate, which the finalizer ignores.
                 logger.warning("%s; reporting step %d directly", exc, report.step)
         self.client.report(report, deadline=deadline)
