@@ -188,6 +188,7 @@ def test_verl_ckpt_export_writes_a_step_saved_without_hf_model(
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
+    capsys.readouterr()  # transformers' progress bars of the loads above
     code, out, err = run_cli(capsys, "export", root, "--step", 1, "--role", "actor", ".")
     assert (code, out) == (2, "") and err.count("\n") == 1, out + err
     assert "OUT . is the current directory" in err and here.is_dir(), err

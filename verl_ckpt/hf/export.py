@@ -103,6 +103,7 @@ def export_role(
     mapping = choose_mapping(spec, architecture, role_dir)
     context = spec.get("max_sequence_length")
     target = Path(os.path.abspath(out_dir)) if out_dir is not None else export_dir(step_path, role)
+    shown = str(out_dir) if out_dir is not None else str(target)  # OUT as the caller gave it
     if out_dir is not None and Path.cwd().resolve().is_relative_to(target.resolve()):
         # OUT is replaced whole (_publish): the caller's current directory would be deleted.
         raise CheckpointConfigError(
@@ -113,13 +114,13 @@ def export_role(
     if existing is not None:
         files = existing.files
         return ExportSummary(
-            step, role, existing.architecture, str(target), len(files),
+            step, role, existing.architecture, shown, len(files),
             sum(f.size for f in files), time.perf_counter() - started, existing=True,
             context_length=existing.context_length or context,
         )  # fmt: skip
     if out_dir is not None and target.exists() and any(target.iterdir()):
         raise CheckpointConfigError(
-            f"OUT {target} exists and is not an export of this save of step {step} role {role} "
+            f"OUT {shown} exists and is not an export of this save of step {step} role {role} "
             f"({mapping.name}): "
             "remove it or choose another directory"
         )
@@ -151,7 +152,7 @@ def export_role(
         describe_context_length(context),
     )  # fmt: skip
     return ExportSummary(
-        step, role, mapping.name, str(target), len(files), size, seconds, context_length=context
+        step, role, mapping.name, shown, len(files), size, seconds, context_length=context
     )
 
 
