@@ -73,6 +73,16 @@ def coordinator_with(cfg: dict, participants: dict) -> CheckpointCoordinator:
     return CheckpointCoordinator(cfg, {}, participants=participants)
 
 
+def replay_committed(coordinator: CheckpointCoordinator, step: int, seed: int):
+    """A ReplayBuffer as participant replay[0] (seeded `seed`), and `step` committed with it
+    and the driver."""
+    actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), seed)
+    coordinator.save_driver_state(step, {"step": step})
+    ray.get(actor.save.remote(step))
+    coordinator.wait_for_commit(step)
+    return actor
+
+
 def test_I1_a_participant_actor_saves_asynchronously_and_the_step_commits_with_it(
     ray_local, tmp_path
 ):
@@ -126,10 +136,7 @@ def test_a_participant_on_a_signed_root_loads_with_the_keys_the_driver_read(
     cfg = ckpt_config(tmp_path, signing={"key_env": variable})
     coordinator = coordinator_with(cfg, {"replay": 1})
     try:
-        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 7)
-        coordinator.save_driver_state(3, {"step": 3})
-        ray.get(actor.save.remote(3))
-        coordinator.wait_for_commit(3)
+        actor = replay_committed(coordinator, 3, seed=7)
         step = step_dir(cfg["root_dir"], 3)
         assert ray.get(actor.load.remote(str(step)))["count"] == 7
         record = read_commit_record(step)
@@ -258,10 +265,7 @@ def test_load_refuses_a_participant_the_step_does_not_hold(ray_local, tmp_path):
     cfg = ckpt_config(tmp_path)
     coordinator = coordinator_with(cfg, {"replay": 1})
     try:
-        actor = ReplayBuffer.remote(coordinator.participant_handle("replay", 0), 1)
-        coordinator.save_driver_state(1, {"step": 1})
-        ray.get(actor.save.remote(1))
-        coordinator.wait_for_commit(1)
+        replay_committed(coordinator, 1, seed=1)
         with pytest.raises(CommitRecordError, match=r"no state of participant rollout\[0\]"):
             load_participant_state(step_dir(cfg["root_dir"], 1), "rollout", 0)
         with pytest.raises(CheckpointError, match=r"not a declared participant"):

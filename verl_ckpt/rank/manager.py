@@ -135,11 +135,7 @@ class CheckpointManager:
             finally:
                 self._snapshotter.release(copy.slot)
         except BaseException:
-            # As in save(): its peers wait for its statements (rank/agreement.py).
-            if self._planner.statements_made == statements_before:
-                self._planner.state_withdrawn(PREPARE)
-            else:
-                self._planner.withdraw_from_plan()
+            self._planner.withdraw(PREPARE, statements_before)  # as save() does
             raise
 
     def save(
@@ -316,12 +312,10 @@ class CheckpointManager:
             # first, so that the step has failed before a peer, freed by the statement
             # below, could begin it.
             self._link.withdraw(step, exc)
-            if self._planner.statements_made == statements_before:
-                # Whether it failed before its layout (raising an earlier failure, say) or
-                # after it, before its statement went out.
-                self._planner.state_withdrawn(step)
-            else:
-                self._planner.withdraw_from_plan()  # its peers will not plan without it
+            # Whether it failed before its layout (raising an earlier failure, say), after
+            # it before its statement went out, or after the agreement (its peers will not
+            # plan without it).
+            self._planner.withdraw(step, statements_before)
             raise
         job.model_spec_bytes = spec_bytes
         return job

@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -93,16 +95,32 @@ class StepPlanner:
         if ahead:
             return True, statement
         statements = self._agreement.outcome(self._agreement.start(statement))
-        try:
-            reusable = plan_reusable(statements, self._link.role)
-        except CheckpointError:
-            self._plan_cache = None  # as in agree_and_begin
-            raise
+        reusable = self._judge(plan_reusable, statements)
         reuse = self._config.assume_constant_structure and reusable
         # Owed from here on when the plan gathers: the collectives that follow (the
         # sharding's validation, on rank 0 only) may fail on one rank and not on its peers.
         self._ready_owed = None if reuse else step
         return reuse, None
+
+    def _judge(self, verdict: Callable[[list[Statement], str], Any], statements: list) -> Any:
+        """`verdict` (plan_reusable, check_went_ahead) on the group's statements. A mixed
+        verdict drops the cached plan: the next save then plans over the group on every
+        rank, instead of failing again wherever one rank's cache (a plan that failed there
+        after its gather) differs from its peers'."""
+        try:
+            return verdict(statements, self._link.role)
+        except CheckpointError:
+            self._plan_cache = None
+            raise
+
+    def withdraw(self, step: int, statements_before: int) -> None:
+        """This rank's save (or prepare()) of `step` failed: make the statement its peers
+        still wait for (rank/agreement.py). None made since `statements_before`: that it
+        does not save the step; else, if the plan gathers, that it will not join it."""
+        if self.statements_made == statements_before:
+            self.state_withdrawn(step)
+        else:
+            self.withdraw_from_plan()
 
     def state_went_ahead(self, layout: Layout) -> None:
         """Make the statement of a rank that went ahead, once (rank/agreement.py). Made last in
@@ -123,11 +141,11 @@ class StepPlanner:
         """Just before the plan's gather on the trainer's group (plan_save's before_gather,
         which runs on every path a rank that owes it takes: an owed plan is never cached):
         state that this rank began the step, copied and converted its state, and wait until
-        every rank of the group did. Between
-        the agreement and this point a rank may fail (begin_step refused, the copy failed,
-        Ctrl-C): it states that it withdraws (withdraw_from_plan), and its peers end here with
-        StepNotCommittedError, instead of waiting in a collective it never joins until the
-        trainer group's own timeout (and then raising that instead of the step's failure)."""
+        every rank of the group did. Between the agreement and this point a rank may fail
+        (begin_step refused, the copy failed, Ctrl-C): it states that it withdraws
+        (withdraw_from_plan), and its peers end here with StepNotCommittedError, instead of
+        waiting in a collective it never joins until the trainer group's own timeout (and
+        then raising that instead of the step's failure)."""
         # Only the debt of this very step: the save thread plans cached steps too, while the
         # training thread may owe the next step's statement already.
         if self._ready_owed != step:
@@ -173,14 +191,7 @@ class StepPlanner:
         if job.layout.agreement is not None:
             job.stats.doing = DOING_AGREEMENT
             waited = time.perf_counter()
-            statements = self._agreement.outcome(job.layout.agreement)
-            try:
-                check_went_ahead(statements, self._link.role)
-            except CheckpointError:
-                # The next save then plans over the group on every rank, instead of failing
-                # again wherever one rank's cache (a plan that failed there) differs.
-                self._plan_cache = None
-                raise
+            self._judge(check_went_ahead, self._agreement.outcome(job.layout.agreement))
             job.stats.agree_s = time.perf_counter() - waited
         job.stats.doing = DOING_BEGIN
         self.begin(job)
