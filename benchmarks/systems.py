@@ -50,6 +50,12 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
         {**_THREAD, "write_while_copying": True, "idle_class": False, "nice": 0},
     ),
     "verl_ckpt thread deferred": ("verl", {**_THREAD, "snapshot": "deferred"}),
+    "verl_ckpt thread live": ("verl", {**_THREAD, "snapshot": "live"}),
+    "verl_ckpt thread live one thread": ("verl", {**_THREAD, "snapshot": "live", "threads": 1}),
+    "verl_ckpt thread live page cache": (
+        "verl",
+        {**_THREAD, "snapshot": "live", "direct_io": False},
+    ),
     "verl_ckpt process": ("verl", {"mode": "process", "offload_aware": False}),
     "verl_ckpt inline": ("verl", {"mode": "inline", "offload_aware": False}),
     "verl_ckpt thread offload_aware": ("verl", {"mode": "thread", "offload_aware": True}),
@@ -61,6 +67,8 @@ SYSTEMS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 REFERENCE = "verl_ckpt thread"
 DCP_PEER = "DCP async thread"
+# The RL idle window's mode: host tensors written from the trainer's memory, no copy.
+LIVE_SNAPSHOT = "verl_ckpt thread live"
 
 
 def verl_config(

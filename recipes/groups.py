@@ -56,13 +56,21 @@ def mean_loss(results: list[dict[str, Any]]) -> float:
 
 def describe_snapshot(stats: list[dict[str, Any]], in_background: bool) -> str:
     """What the ranks' snapshot did with the state: copied (or the copy deferred), offloaded
-    optimizer state referenced without a copy (only when there was some), then written or
-    writing."""
-    if any(s["snapshot"] == "deferred" for s in stats):
+    optimizer state referenced without a copy (only when there was some), or, for a live
+    snapshot, the state written from the trainer's memory; then written or writing."""
+    referenced = sum(s["bytes_zero_copy"] for s in stats)
+    if any(s["snapshot"] == "live" for s in stats):
+        # Which tensors are written live is decided on the save thread, after save()
+        # returned: no figure of it is final here.
+        parts = [
+            "whole host tensors written from the live state, the rest copied, in the "
+            "background (the next optimizer step waits for both)"
+        ]
+        referenced = 0
+    elif any(s["snapshot"] == "deferred" for s in stats):
         parts = ["copy deferred to the background (the next optimizer step waits for it)"]
     else:
         parts = [f"{sum(s['bytes_staged'] for s in stats) / 1e6:.2f} MB copied"]
-    referenced = sum(s["bytes_zero_copy"] for s in stats)
     if referenced:
         parts.append(
             f"{referenced / 1e6:.2f} MB of offloaded optimizer state referenced without a copy"

@@ -198,8 +198,9 @@ class _RankWorker:
         # buffers, a writer process), paid now: every rank of the role is in setup together.
         # The extra state's content does not shape the plan (the actor's sampler comes later).
         self.manager.prepare(**self._sharded_state())
-        # checkpoint.snapshot=deferred: a save's copy runs while the next step's rollout only
-        # reads the state; the next optimizer step (the first change) waits for it.
+        # checkpoint.snapshot=deferred (or live): a save's copy (or write) runs while the next
+        # step's rollout only reads the state; the next optimizer step (the first change)
+        # waits for it.
         self.manager.fence_before(self.optimizer)
         return {"pid": os.getpid(), "tp_rank": self.tp_rank, "dp_rank": self.dp_rank}
 

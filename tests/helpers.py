@@ -68,22 +68,30 @@ def close_all(ranks: dict, coordinator) -> None:
     coordinator.close()
 
 
-def save_changed_before_the_fence(ranks: dict, coordinator, slowed, role: str) -> None:
+def save_changed_before_the_fence(
+    ranks: dict,
+    coordinator,
+    slowed,
+    role: str,
+    phase: str = "stage",
+    match: str = "modified in place before the deferred",
+) -> None:
     """Invariant I4: every rank saves step 2 and at once changes its state in place, with no
-    fence, while the deferred copy of `slowed` (a rank of `role`) starts 1 s late. That
-    rank's save fails loudly, naming the change, and the step does not commit."""
+    fence, while `phase` of `slowed` (a rank of `role`) starts 1 s late: the deferred copy
+    (stage), or a live snapshot's write. That rank's save fails loudly, naming the change
+    (`match`), and the step does not commit."""
     import pytest
 
     from verl_ckpt import CheckpointWriteError, StepNotCommittedError
     from verl_ckpt.protocol.faults import ENV_VAR
 
-    ray.get(slowed.set_env.remote(ENV_VAR, f"stage:{role}=sleep=1"))
+    ray.get(slowed.set_env.remote(ENV_VAR, f"{phase}:{role}=sleep=1"))
     try:
         save_everyone(ranks, coordinator, 2, after="inplace")
-        with pytest.raises(CheckpointWriteError, match="modified in place before the deferred"):
+        with pytest.raises(CheckpointWriteError, match=match):
             ray.get(slowed.wait.remote())
         # Whichever rank's failure reached the finalizer first is named.
-        with pytest.raises(StepNotCommittedError, match=r"rank \d \[stage\] .* in place"):
+        with pytest.raises(StepNotCommittedError, match=rf"rank \d \[{phase}\] .* in place"):
             coordinator.wait_for_commit(2)
     finally:
         ray.get(slowed.set_env.remote(ENV_VAR, None))

@@ -199,6 +199,12 @@ def test_the_snapshot_line_names_offloaded_state_only_when_there_is_some():
     assert describe_snapshot([offloaded], False) == (
         "0.16 MB copied, 0.32 MB of offloaded optimizer state referenced without a copy; written"
     )
+    # A live snapshot's split is made on the save thread after save() returned: no figure.
+    live = {**offloaded, "snapshot": "live"}
+    assert describe_snapshot([live], True) == (
+        "whole host tensors written from the live state, the rest copied, in the background "
+        "(the next optimizer step waits for both); writing in the background"
+    )
 
 
 # ---- the real recipe: its logs, and exports of its roles ---------------------------------------

@@ -11,38 +11,45 @@ import pytest
 from verl_ckpt.commit.participant import ParticipantLink
 from verl_ckpt.protocol import Phase
 from verl_ckpt.protocol.errors import CheckpointConfigError
-from verl_ckpt.rank.save_job import SavePath, wants_deferred
+from verl_ckpt.rank.save_job import SavePath, chosen_snapshot
 
 
 @pytest.mark.parametrize(
-    ("save_thread", "plan_reused", "deferred", "path"),
+    ("save_thread", "plan_reused", "snapshot", "path"),
     [
-        (False, False, False, SavePath.INLINE),
-        (False, True, False, SavePath.INLINE),
-        (True, False, False, SavePath.PLAN_NOW),
-        # The first save, and a save after a structure change, copy now even if deferred
-        # was asked for: their planning needs the group.
-        (True, False, True, SavePath.PLAN_NOW),
-        (True, True, False, SavePath.CACHED_PLAN),
-        (True, True, True, SavePath.DEFERRED),
+        (False, False, "now", SavePath.INLINE),
+        (False, True, "now", SavePath.INLINE),
+        (True, False, "now", SavePath.PLAN_NOW),
+        # The first save, and a save after a structure change, copy now even if a deferred
+        # or live snapshot was asked for: their planning needs the group.
+        (True, False, "deferred", SavePath.PLAN_NOW),
+        (True, False, "live", SavePath.PLAN_NOW),
+        (True, True, "now", SavePath.CACHED_PLAN),
+        (True, True, "deferred", SavePath.DEFERRED),
+        (True, True, "live", SavePath.LIVE),
     ],
 )
 def test_I4_a_save_is_deferred_only_on_a_cached_plan_with_a_save_thread(
-    save_thread, plan_reused, deferred, path
+    save_thread, plan_reused, snapshot, path
 ):
-    chosen = SavePath.choose(save_thread, plan_reused, deferred)
+    chosen = SavePath.choose(save_thread, plan_reused, snapshot)
     assert chosen is path
-    assert chosen.plans_in_background == (path in (SavePath.CACHED_PLAN, SavePath.DEFERRED))
+    background = (SavePath.CACHED_PLAN, SavePath.DEFERRED, SavePath.LIVE)
+    assert chosen.plans_in_background == (path in background)
+    assert chosen.deferred == (path in (SavePath.DEFERRED, SavePath.LIVE))
+    assert chosen.live == (path is SavePath.LIVE)
 
 
 def test_a_deferred_snapshot_without_a_save_thread_is_a_config_error_naming_the_fix():
-    assert wants_deferred("now", "deferred", save_thread=True)
-    assert not wants_deferred("deferred", "now", save_thread=True)
-    assert wants_deferred("deferred", None, save_thread=True)
-    with pytest.raises(CheckpointConfigError, match="async_save=true"):
-        wants_deferred("now", "deferred", save_thread=False)
-    with pytest.raises(CheckpointConfigError, match="choose 'now' or 'deferred'"):
-        wants_deferred("later", None, save_thread=True)
+    assert chosen_snapshot("now", "deferred", save_thread=True) == "deferred"
+    assert chosen_snapshot("deferred", "now", save_thread=True) == "now"
+    assert chosen_snapshot("deferred", None, save_thread=True) == "deferred"
+    assert chosen_snapshot("now", "live", save_thread=True) == "live"
+    for mode in ("deferred", "live"):
+        with pytest.raises(CheckpointConfigError, match=f"snapshot='{mode}'.*async_save=true"):
+            chosen_snapshot("now", mode, save_thread=False)
+    with pytest.raises(CheckpointConfigError, match="choose one of 'now', 'deferred', 'live'"):
+        chosen_snapshot("later", None, save_thread=True)
 
 
 class _Client:

@@ -133,7 +133,59 @@ def test_I4_fence_before_the_optimizer_makes_its_step_wait_for_the_snapshot(rank
     close_all(ranks, coordinator)
 
 
-@pytest.mark.parametrize("snapshot", ["now", "deferred"])
+def test_I4_live_snapshot_writes_host_tensors_uncopied_and_its_fence_waits_for_the_writes(
+    ranks, tmp_path
+):
+    """snapshot=live: save() returns at once, the host tensors are written from the
+    trainer's own memory (no staging copy), and fence() returns only once they are written.
+    The critic's write starts 1 s late: a fence that opened before the write ended would let
+    the change below into the file (or fail the save on the version counters)."""
+    cfg = ckpt_config(tmp_path, snapshot="live")
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    first = save_everyone(ranks, coordinator, 1)
+    assert {s["snapshot"] for s in first} == {"now"}  # planned over the group: copied now
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=sleep=1"))
+    try:
+        before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+        second = save_everyone(ranks, coordinator, 2, after="fence, inplace")
+        coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert {s["snapshot"] for s in second} == {"live"}
+    done = [s for w in every_rank(ranks) for s in ray.get(w.wait.remote()) if s["step"] == 2]
+    # Every whole host tensor is written uncopied; only views (which megatron-core clones)
+    # may still be copied.
+    assert all(s["bytes_zero_copy"] > s["bytes_staged"] for s in done)
+    assert_restores(ranks, 2, before)
+    close_all(ranks, coordinator)
+
+
+def test_I4_a_change_before_the_fence_fails_the_live_save_loudly(ranks, tmp_path):
+    cfg = ckpt_config(tmp_path, snapshot="live")
+    coordinator = open_with_step_1_committed(ranks, cfg)
+    # No fence: the trainer writes into its state while the critic's write is held back.
+    save_changed_before_the_fence(
+        ranks,
+        coordinator,
+        ranks["critic"][0],
+        "critic",
+        phase="write",
+        match=r"written without a copy were modified in place .* snapshot=live call",
+    )
+    assert read_tracker(cfg["root_dir"]) == 1
+    # The actor ranks' writes were not held back: whether they ended before the change is a
+    # race, and either outcome is correct (a clean file, or this same loud failure).
+    for w in ranks["actor"]:
+        try:
+            ray.get(w.wait.remote())
+        except CheckpointWriteError as exc:
+            assert "written without a copy were modified" in str(exc)
+    close_all(ranks, coordinator)
+
+
+@pytest.mark.parametrize("snapshot", ["now", "deferred", "live"])
 def test_I4_extra_state_is_the_state_at_save_also_when_the_plan_is_cached(
     ranks, tmp_path, snapshot
 ):

@@ -4,6 +4,7 @@ its zip CRC32, for the files that DCP's and megatron-core's loaders read (I7). N
 from __future__ import annotations
 
 import io
+import mmap
 from typing import IO, Any
 
 import pytest
@@ -291,6 +292,44 @@ def test_a_large_storage_on_a_page_lies_on_a_page_of_the_file_and_no_other_moves
     assert layouts[0] == layouts[1] and layouts[0][0] > 64  # padded to a page
     if not any(aligned for *_, aligned in layouts[2:]):
         assert layouts[2] == layouts[3] and layouts[2][0] == 64
+
+
+def test_a_live_snapshot_lays_a_large_storage_out_at_its_own_offset_within_a_page():
+    """A live snapshot writes the trainer's own tensors, which torch allocates a few cache
+    lines into a page: laid out by memory, each large storage lies at its own offset within
+    a page of the file too (a file written around the page cache then takes its whole pages
+    from the tensor), after zero padding, and loads back. Without it, only a storage that
+    starts on a page is page-aligned in the file."""
+    torch.manual_seed(0)
+    big = torch.rand(PAGE_ALIGNED_MIN // 4 + 3)
+    memory = mmap.mmap(-1, big.numel() * 4 + PAGE_BYTES)  # starts on a page
+    for in_page in (0, 64, 1024):
+        # A whole storage of its own, `in_page` bytes into a page.
+        tensor = torch.frombuffer(memory, dtype=torch.float32, count=big.numel(), offset=in_page)
+        tensor.copy_(big)
+        assert tensor.untyped_storage().data_ptr() % PAGE_BYTES == in_page
+        for by_memory in (True, False):
+            stream = io.BytesIO()
+            stream.write(b"odd")  # the blob does not start at a page
+            result = write_item(
+                _StorageWriterTransforms(),
+                stream,
+                tensor,
+                whole_tensor_item("w", tensor),
+                "f",
+                layout_by_memory=by_memory,
+            )
+            where = result.storage_data
+            written = stream.getvalue()
+            storage_at = written.index(big.numpy().tobytes()[:64], where.offset)
+            assert where.offset % 64 == 0
+            assert written[3 : where.offset] == bytes(where.offset - 3)
+            if by_memory or in_page == 0:
+                assert storage_at % PAGE_BYTES == in_page
+            else:
+                assert where.offset == 64  # the storage alignment only
+            blob = written[where.offset : where.offset + where.length]
+            assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), big)
 
 
 def _fresh(data):

@@ -43,7 +43,9 @@ def write_bucket(
         for item, tensor in tensor_data:
             if before_tensor is not None:
                 before_tensor(tensor)
-            results.append(write_item(transforms, stream, tensor, item, storage_key))
+            results.append(
+                write_item(transforms, stream, tensor, item, storage_key, options.layout_by_memory)
+            )
 
     return results, write_checksummed(path, write_items, gate, options)
 

@@ -45,7 +45,7 @@ CONTENTS = ("model", "optimizer", "extra")
 HF_MODEL = "hf_model"
 SAVE_CONTENTS = (*CONTENTS, HF_MODEL)
 RESUME_MODES = ("auto", "disable", "resume_path")
-SNAPSHOT_MODES = ("now", "deferred")
+SNAPSHOT_MODES = ("now", "deferred", "live")
 REPORT_BATCHING = ("auto", "node", "off")
 WRITER_MODES = ("thread", "process", "inline")
 RESUME_VERIFY_MODES = ("record", "checksums")
@@ -296,7 +296,9 @@ class CheckpointConfig:
     # now: save() returns once the state is copied. deferred: save() returns before the copy,
     # which runs in the background; the trainer must call manager.fence() (or register
     # manager.fence_before(optimizer)) before it next changes the state. For the RL idle
-    # window: rollout and log-prob passes read the state without changing it.
+    # window: rollout and log-prob passes read the state without changing it. live: as
+    # deferred, but host tensors are written from the trainer's memory without a copy, and
+    # the fence waits until they are written (device tensors are copied, as deferred).
     snapshot: str = "now"
     # Committed steps kept on disk; null keeps all.
     max_ckpt_to_keep: int | None = None
@@ -389,7 +391,7 @@ class CheckpointConfig:
             self.writer = WriterConfig(**self.writer)
         if isinstance(self.staging, dict):
             self.staging = StagingConfig(**self.staging)
-        if self.snapshot == "deferred" and not self.writes_in_background:
+        if self.snapshot != "now" and not self.writes_in_background:
             _fail(
                 "snapshot",
                 self.snapshot,

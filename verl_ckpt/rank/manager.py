@@ -6,7 +6,8 @@ thread runs what is the save's path (save_job.SavePath), chosen once per save: a
 whose plan is cached leaves only the copy to the training thread (the group's agreement,
 issued, not awaited; begin_step and the plan follow on the save thread); with
 `snapshot="deferred"`, the copy moves to the save thread as well, and the trainer calls
-`fence()` before it next changes the state.
+`fence()` before it next changes the state; with `snapshot="live"`, host tensors are not
+copied at all but written from the trainer's memory, and `fence()` waits for those writes.
 
 The manager composes its collaborators, one per concern: StepPlanner (step 1: agreement,
 begin_step, plan cache), Snapshotter (step 2: staging pool, copies, the fence), SaveRunner
@@ -41,7 +42,7 @@ from verl_ckpt.rank.agreement import PREPARE
 from verl_ckpt.rank.copy_progress import CopyProgress
 from verl_ckpt.rank.loader import RankLoader
 from verl_ckpt.rank.parts import open_parts
-from verl_ckpt.rank.save_job import SaveJob, SavePath, SaveStats, wants_deferred
+from verl_ckpt.rank.save_job import SaveJob, SavePath, SaveStats, chosen_snapshot
 from verl_ckpt.rank.snapshot_plan import bind_buffers, freeze_objects
 from verl_ckpt.rank.state_dict import compose_state, model_spec_bytes
 from verl_ckpt.store.layout import role_name_problem
@@ -159,8 +160,11 @@ class CheckpointManager:
 
         `snapshot` (default checkpoint.snapshot): "now" returns once the state is copied;
         "deferred" returns before the copy, and the trainer must call `fence()` before it next
-        changes the state (a change before the fence fails this save, loudly). The first
-        save, and a save after a structure change, copy now: their planning needs the group.
+        changes the state (a change before the fence fails this save, loudly); "live" returns
+        at once too, writes host tensors from the trainer's memory without a copy (device
+        tensors are copied as "deferred" does), and `fence()` waits until they are written.
+        The first save, and a save after a structure change, copy now: their planning needs
+        the group.
         """
         self._check_open()
         started = time.perf_counter()
@@ -173,8 +177,9 @@ class CheckpointManager:
 
     def fence(self, timeout_s: float | None = None) -> None:
         """Return once the snapshot of every save so far is taken: from then on the trainer
-        may change the state. Needed only after a deferred save; save(), load() and close()
-        call it first. Raises CommitTimeoutError at the deadline (checkpoint.timeout_s)."""
+        may change the state (after a live save: once the host tensors it writes without a
+        copy are written). Needed only after a deferred or live save; save(), load() and
+        close() call it first. Raises CommitTimeoutError at the deadline (checkpoint.timeout_s)."""
         self._snapshotter.fence(timeout_s)
 
     @contextlib.contextmanager
@@ -290,7 +295,7 @@ class CheckpointManager:
             # and withdrawn below like any other failure, so that no peer waits for it.
             if self._lease is not None:
                 self._lease.check(f"{self.role} rank {self.rank}: save of step {step}")
-            deferred = wants_deferred(self.config.snapshot, snapshot, self._runner.has_thread)
+            mode = chosen_snapshot(self.config.snapshot, snapshot, self._runner.has_thread)
             spec_bytes = model_spec_bytes(self.config, self.role, self.rank, model_spec)
             self.fence()  # the previous save's snapshot must be complete
             # Back-pressure: an earlier failure is raised here, once, instead of saving.
@@ -301,7 +306,7 @@ class CheckpointManager:
             # (which may wait for an earlier step's commit and retention: back-pressure) and
             # the plan then run on the save thread, so that the trainer waits for the copy
             # alone. A save that plans over the group does it all here, as collectives must.
-            path = SavePath.choose(self._runner.has_thread, layout.reuse_plan, deferred)
+            path = SavePath.choose(self._runner.has_thread, layout.reuse_plan, mode)
             if path.plans_in_background:
                 freeze_objects(layout.items)  # their bytes are made when the plan runs, later
             job = self._snapshotter.new_job(layout, path)

@@ -16,12 +16,13 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from verl_ckpt.format import megatron_compat
 from verl_ckpt.format.structure import Structure
+from verl_ckpt.protocol.config import SNAPSHOT_MODES
 from verl_ckpt.protocol.errors import CheckpointConfigError
 from verl_ckpt.rank.agreement import Statement
 from verl_ckpt.rank.copy_progress import CopyProgress
 from verl_ckpt.rank.snapshot_plan import SaveTimeMarks, SnapshotPlan
 
-__all__ = ["Layout", "SaveJob", "SavePath", "SaveStats", "wants_deferred"]
+__all__ = ["Layout", "SaveJob", "SavePath", "SaveStats", "chosen_snapshot"]
 
 
 @dataclass
@@ -88,45 +89,55 @@ class SavePath(enum.Enum):
                  save thread beside it (no collective left), then write and report.
     DEFERRED     save() only records version counters; the copy, then all of the above, on
                  the save thread; the trainer calls fence() before it changes the state.
+    LIVE         as DEFERRED, but the host tensors are written from the trainer's own memory
+                 instead of copied (device tensors are copied): fence() waits for their writes.
     """
 
     INLINE = "inline"
     PLAN_NOW = "plan now"
     CACHED_PLAN = "cached plan"
     DEFERRED = "deferred"
+    LIVE = "live"
 
     @classmethod
-    def choose(cls, save_thread: bool, plan_reused: bool, deferred: bool) -> SavePath:
-        # A deferred snapshot needs a cached plan: the first save, and a save after a
-        # structure change, copy now, their planning needing the group.
+    def choose(cls, save_thread: bool, plan_reused: bool, snapshot: str) -> SavePath:
+        # A deferred or live snapshot needs a cached plan: the first save, and a save after
+        # a structure change, copy now, their planning needing the group.
         if not save_thread:
             return cls.INLINE
         if not plan_reused:
             return cls.PLAN_NOW
-        return cls.DEFERRED if deferred else cls.CACHED_PLAN
+        return {"deferred": cls.DEFERRED, "live": cls.LIVE}.get(snapshot, cls.CACHED_PLAN)
 
     @property
     def plans_in_background(self) -> bool:
         """begin_step and the plan run on the save thread (no collective is left)."""
-        return self in (SavePath.CACHED_PLAN, SavePath.DEFERRED)
+        return self in (SavePath.CACHED_PLAN, SavePath.DEFERRED, SavePath.LIVE)
 
     @property
     def deferred(self) -> bool:
-        return self is SavePath.DEFERRED
+        """save() returns before the snapshot is taken: fence() waits for it."""
+        return self in (SavePath.DEFERRED, SavePath.LIVE)
+
+    @property
+    def live(self) -> bool:
+        return self is SavePath.LIVE
 
 
-def wants_deferred(configured: str, snapshot: str | None, save_thread: bool) -> bool:
-    """Whether save(snapshot=...) asks for a deferred snapshot (default: checkpoint.snapshot);
-    a deferred one needs a save thread to copy on."""
+def chosen_snapshot(configured: str, snapshot: str | None, save_thread: bool) -> str:
+    """The snapshot mode save(snapshot=...) asks for (default: checkpoint.snapshot); a
+    deferred or live one needs a save thread to take it on."""
     mode = configured if snapshot is None else snapshot
-    if mode not in ("now", "deferred"):
-        raise CheckpointConfigError(f"save(snapshot={mode!r}): choose 'now' or 'deferred'")
-    if mode == "deferred" and not save_thread:
+    if mode not in SNAPSHOT_MODES:
         raise CheckpointConfigError(
-            "save(snapshot='deferred') needs a background writer "
+            f"save(snapshot={mode!r}): choose one of {', '.join(map(repr, SNAPSHOT_MODES))}"
+        )
+    if mode != "now" and not save_thread:
+        raise CheckpointConfigError(
+            f"save(snapshot={mode!r}) needs a background writer "
             "(checkpoint.async_save=true, writer.mode thread or process)"
         )
-    return mode == "deferred"
+    return mode
 
 
 @dataclass

@@ -176,6 +176,7 @@ class SaveRunner:
         finalizer, so that the step fails now rather than at the deadline."""
         if job.copy is not None:  # a deferred snapshot acquires its slot on the save thread
             self._snapshotter.give_back(job, True)
+        job.snapshot_taken.set()  # a live snapshot's tensors will not be written: fence open
         # Reported even before begin_step (a copy that failed first): the step then fails
         # for every rank now, instead of at the deadline.
         self._link.report_failure(job.step, job.save_id, phase, exc)
@@ -218,8 +219,9 @@ class SaveRunner:
                 job.deadline,
                 (self._role, self._rank),
                 copied,
+                layout_by_memory=job.path.live,
             )
-            check_live_unchanged(job.copy.live)
+            check_live_unchanged(job.copy.live, job.path.live)
             self._fill_report(job, report, outcomes)
             return None
         except WriteTimeout as exc:
@@ -234,6 +236,9 @@ class SaveRunner:
             # a copy still write into them).
             self._snapshotter.give_back(job, buffers_free)
             job.copy.live = []
+            # A live snapshot's tensors are written (or never will be): the trainer may
+            # change them from here on, so its fence opens only now.
+            job.snapshot_taken.set()
 
     def _fill_report(self, job: SaveJob, report: RankReport, outcomes: list) -> None:
         """The rank's files (rank 0's common.pt and model spec written now), the DCP write

@@ -1,8 +1,8 @@
 """Step 2's plan (protocol page): which tensors a save copies into its staging slot and
-which it writes live from host memory (offload-aware staging), and the version-counter
-checks that keep both honest (invariant I4): a tensor changed in place while a save still
-depends on its values fails that save loudly, never leaving a file with a mix of old and
-new values."""
+which it writes live from host memory (offload-aware staging, a live snapshot), and the
+version-counter checks that keep both honest (invariant I4): a tensor changed in place while
+a save still depends on its values fails that save loudly, never leaving a file with a mix
+of old and new values."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ __all__ = [
     "check_live_unchanged",
     "freeze_objects",
     "live_bytes",
+    "live_candidates",
     "nbytes",
     "split_live",
 ]
@@ -92,33 +93,43 @@ def freeze_objects(items: list) -> None:
 
 def split_live(
     tensors: list[ShardedTensor],
-    optimizer_part: dict | None,
-    allowed: bool,
+    candidates: list[ShardedTensor] | None,
     versions: dict[int, int] | None = None,
 ) -> tuple[list[LiveTensor], list[ShardedTensor]]:
-    """Offload-aware staging: which optimizer tensors are written live, which are copied.
-
-    Only optimizer state qualifies: an offloading trainer replaces its storage between
-    updates, while parameters are updated in place by every step. A tensor is written live
-    only if it is a whole host tensor (not a view, which megatron-core would clone anyway).
-    `allowed` is false when offload-aware staging is off or the writer reads another
-    process's memory (then everything is copied). A live tensor's version counter is taken
-    from `versions` (recorded inside save(), when this runs later) or read now.
+    """Which of `tensors` are written live (from the trainer's memory, without a copy) and
+    which are copied. Only `candidates` may be written live (None: none; see
+    live_candidates), and of them only whole host tensors: a view is cloned by megatron-core
+    anyway, and a device tensor needs its copy to the host. A live tensor's version counter
+    is taken from `versions` (recorded inside save(), when this runs later) or read now.
     """
-    if not allowed or not optimizer_part:
+    if not candidates:
         return [], tensors
-    candidates = {id(item) for item in megatron_compat.sharded_items(optimizer_part)}
+    allowed = {id(item) for item in candidates}
     live, staged = [], []
     for item in tensors:
         data = item.data
         whole = data.storage_offset() == 0 and data.untyped_storage().nbytes() == nbytes(data)
         host = data.device.type == "cpu" and data.is_contiguous() and whole
-        if id(item) in candidates and host:
+        if id(item) in allowed and host:
             version = data._version if versions is None else versions[id(item)]
             live.append(LiveTensor(item.key, data, version))
         else:
             staged.append(item)
     return live, staged
+
+
+def live_candidates(
+    tensors: list[ShardedTensor], optimizer_part: dict | None, offload_aware: bool, live: bool
+) -> list[ShardedTensor] | None:
+    """The tensors a save may write without a copy: every one for a live snapshot (the fence
+    waits for their writes); for offload-aware staging only the optimizer state (an
+    offloading trainer replaces its storage between updates, while parameters are updated in
+    place by every step); otherwise none."""
+    if live:
+        return tensors
+    if offload_aware and optimizer_part:
+        return list(megatron_compat.sharded_items(optimizer_part))
+    return None
 
 
 def bind_buffers(plan: SnapshotPlan) -> None:
@@ -146,14 +157,24 @@ def check_copied_unchanged(plan: SnapshotPlan, sources: list[torch.Tensor]) -> N
         )
 
 
-def check_live_unchanged(live: list[LiveTensor]) -> None:
+def check_live_unchanged(live: list[LiveTensor], live_snapshot: bool) -> None:
     """Fail the save if a tensor written without a copy was changed in place meanwhile:
     its file may then hold a mix of old and new values (invariant I4)."""
     changed = [t.key for t in live if t.tensor._version != t.version]
-    if changed:
-        raise CheckpointError(
-            f"{len(changed)} host tensors written without a copy were modified in place before "
-            f"their write ended (e.g. {changed[0]}); the save is discarded. With "
-            "checkpoint.staging.offload_aware=true the trainer must replace offloaded storage "
-            "instead of writing into it, or set offload_aware=false"
+    if not changed:
+        return
+    if live_snapshot:
+        fix = (
+            "With snapshot=live call manager.fence() (or register "
+            "manager.fence_before(optimizer)) before changing the state: it waits for these "
+            "writes"
         )
+    else:
+        fix = (
+            "With checkpoint.staging.offload_aware=true the trainer must replace offloaded "
+            "storage instead of writing into it, or set offload_aware=false"
+        )
+    raise CheckpointError(
+        f"{len(changed)} host tensors written without a copy were modified in place before "
+        f"their write ended (e.g. {changed[0]}); the save is discarded. {fix}"
+    )

@@ -23,6 +23,7 @@ from verl_ckpt.rank.snapshot_plan import (
     bind_buffers,
     check_copied_unchanged,
     live_bytes,
+    live_candidates,
     split_live,
 )
 from verl_ckpt.rank.staging import StagingPool, StagingSlot, copy_into
@@ -73,28 +74,36 @@ class Snapshotter:
             plan_reused=layout.reuse_plan,
             bytes_staged=0,
             bytes_zero_copy=live_bytes(copy) if copy is not None else 0,
-            snapshot="deferred" if path.deferred else "now",
+            snapshot="live" if path.live else "deferred" if path.deferred else "now",
         )
         deadline = deadline_in(self._timeout_s)
         return SaveJob(layout, path, copy, new_save_id(), common, stats, deadline, marks)
 
-    def acquire(self, layout: Layout, marks: SaveTimeMarks | None = None) -> SnapshotPlan:
+    def acquire(
+        self, layout: Layout, marks: SaveTimeMarks | None = None, live: bool = False
+    ) -> SnapshotPlan:
         """Which tensors to copy (and into which reused buffers), which to write live.
-        `marks` are those a deferred save() recorded; without them, this is save() now."""
+        `marks` are those a deferred or live save() recorded; without them, this is save()
+        now. `live`: a live snapshot, which writes every host tensor it can without a copy."""
+        candidates = None
         # A writer process reads only shared memory: it cannot write live host tensors.
-        offload_aware = self._config.staging.offload_aware and not self._writer.shares_memory
+        if not self._writer.shares_memory:
+            candidates = live_candidates(
+                layout.tensors,
+                layout.sharded.get("optimizer"),
+                self._config.staging.offload_aware,
+                live,
+            )
         versions = marks.versions if marks is not None else None
-        live, staged = split_live(
-            layout.tensors, layout.sharded.get("optimizer"), offload_aware, versions
-        )
+        live_tensors, staged = split_live(layout.tensors, candidates, versions)
         sources = [item.data for item in staged]
         slot, dropped = self.pool.acquire([item.key for item in staged], sources)
         for old in dropped:
             self._writer.forget_slot(old)
         if marks is None:
-            return SnapshotPlan(slot, staged, [t._version for t in sources], live)
+            return SnapshotPlan(slot, staged, [t._version for t in sources], live_tensors)
         staged_versions = [marks.versions[id(item)] for item in staged]
-        return SnapshotPlan(slot, staged, staged_versions, live, marks.ready)
+        return SnapshotPlan(slot, staged, staged_versions, live_tensors, marks.ready)
 
     def release(self, slot: StagingSlot) -> None:
         self.pool.release(slot)
@@ -120,17 +129,22 @@ class Snapshotter:
         job.stats.stage_s = time.perf_counter() - started
 
     def take_deferred(self, job: SaveJob) -> None:
-        """Step 2 of a deferred save, on the save thread: choose and acquire the buffers,
-        then copy, judged against the version counters save() recorded (job.marks); then
-        fence() returns (a failure is the caller's to raise)."""
+        """Step 2 of a deferred or live save, on the save thread: choose and acquire the
+        buffers, then copy, judged against the version counters save() recorded (job.marks);
+        then fence() returns (a failure is the caller's to raise). A live snapshot that
+        writes tensors from the trainer's memory is taken only once they are written: the
+        save thread opens the fence then (SaveRunner)."""
+        taken = True
         try:
             faults.inject(Phase.STAGE, self._role, self._rank)
-            job.copy = self.acquire(job.layout, job.marks)
+            job.copy = self.acquire(job.layout, job.marks, live=job.path.live)
             # Set before the fence opens: quiet() then waits for the live writes (I4).
             job.stats.bytes_zero_copy = live_bytes(job.copy)
             self.copy(job)
+            taken = not (job.path.live and job.copy.live)
         finally:
-            job.snapshot_taken.set()
+            if taken:
+                job.snapshot_taken.set()
 
     def give_back(self, job: SaveJob, buffers_free: bool) -> None:
         """Return the job's staging slot to the pool, or drop it for good where a writer or
@@ -144,22 +158,24 @@ class Snapshotter:
             self.pool.forget(slot)
             self._writer.forget_slot(slot)
 
-    # ---- the fence of a deferred snapshot --------------------------------------------------
+    # ---- the fence of a deferred or live snapshot ------------------------------------------
 
     def deferred(self, job: SaveJob) -> None:
         """`job`'s snapshot is taken on the save thread: fence() waits for it."""
         self._unfenced = job
 
     def fence(self, timeout_s: float | None = None) -> None:
-        """Return once the last deferred snapshot is taken (CheckpointManager.fence)."""
+        """Return once the last deferred snapshot is taken, or the last live one written
+        (CheckpointManager.fence)."""
         job = self._unfenced
         if job is None:
             return
         timeout = self._timeout_s if timeout_s is None else timeout_s
         if not job.snapshot_taken.wait(timeout):
+            what = "written" if job.path.live else "taken"
             raise CommitTimeoutError(
-                f"{self._role} rank {self._rank}: the deferred snapshot of step {job.step} under "
-                f"{self._root} was not taken within {timeout:g}s"
+                f"{self._role} rank {self._rank}: the {job.path.value} snapshot of step "
+                f"{job.step} under {self._root} was not {what} within {timeout:g}s"
             )
         self._unfenced = None
 

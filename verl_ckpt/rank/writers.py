@@ -8,6 +8,7 @@ inherits locks and CUDA state it cannot use (and pinned memory has no copy-on-wr
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing.connection
 import os
 import queue
@@ -63,10 +64,12 @@ class Writer(Protocol):
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
+        layout_by_memory: bool = False,
     ) -> list[Outcome]:
         """Write every bucket to its file (fsynced, checksummed) by `deadline` (monotonic).
         `copied`: the snapshot's copy into `slot` may still run; no staged tensor is written
-        before its copy ended."""
+        before its copy ended. `layout_by_memory`: a live snapshot's (WriteOptions); a writer
+        process, which writes staged buffers only, ignores it."""
 
     def forget_slot(self, slot: StagingSlot) -> None:
         """The slot's buffers are gone: drop any reference to them."""
@@ -133,11 +136,17 @@ class InlineWriter:
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
+        layout_by_memory: bool = False,
     ) -> list[Outcome]:
         faults.inject(Phase.WRITE, *fault_scope)
         before = _waiting_for(copied, deadline)
-        options = self._options
+        options = self._options_for(layout_by_memory)
         return [write_bucket(bucket, transforms, self._gate, options, before) for bucket in buckets]
+
+    def _options_for(self, layout_by_memory: bool) -> WriteOptions:
+        if layout_by_memory:
+            return dataclasses.replace(self._options, layout_by_memory=True)
+        return self._options
 
     def forget_slot(self, slot: StagingSlot) -> None:
         pass
@@ -172,16 +181,18 @@ class ThreadWriter(InlineWriter):
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
+        layout_by_memory: bool = False,
     ) -> list[Outcome]:
         faults.inject(Phase.WRITE, *fault_scope)
         before = _waiting_for(copied, deadline)
+        options = self._options_for(layout_by_memory)
         futures = [
             self._pool.submit(
                 write_bucket,
                 bucket,
                 transforms,
                 self._gate,
-                self._options,
+                options,
                 before,
                 label=f"write {bucket[0]}",
             )
@@ -250,6 +261,7 @@ class ProcessWriter:
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
+        layout_by_memory: bool = False,
     ) -> list[Outcome]:
         if copied is not None:
             # The process reads the buffers without asking: they must be full before it
