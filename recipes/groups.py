@@ -63,8 +63,8 @@ def describe_snapshot(stats: list[dict[str, Any]], in_background: bool) -> str:
         # Which tensors are written live is decided on the save thread, after save()
         # returned: no figure of it is final here.
         parts = [
-            "whole host tensors written from the live state, the rest copied, in the "
-            "background (the next optimizer step waits for both)"
+            "whole host tensors written from the live state (copied with a writer process), "
+            "the rest copied, in the background (the next optimizer step waits for both)"
         ]
         referenced = 0
     elif any(s["snapshot"] == "deferred" for s in stats):

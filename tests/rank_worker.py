@@ -332,6 +332,25 @@ class RankWorker:
 
         megatron_compat.see_shards = fails_once
 
+    def save_live_with_its_writes_held(self, step: int) -> str:
+        """Fault injection (a disk that stalls past a save's deadline cannot be produced here
+        for real): close this rank's write gate (the one quiet() closes) so that its writer
+        threads stall in the write, save `step` with snapshot=live, then fence(). Returns
+        what fence() raised, or "fence returned"; the writes are let go after."""
+        from verl_ckpt import CommitTimeoutError
+
+        writer = self.manager._writer
+        writer.pause()
+        try:
+            self.save(step, snapshot="live")
+            try:
+                self.manager.fence()
+            except CommitTimeoutError as exc:
+                return str(exc)
+            return "fence returned"
+        finally:
+            writer.resume()
+
     def save_through_ctrl_c(self, step: int) -> str:
         """save(step) in a trainer that catches Ctrl-C (KeyboardInterrupt) and goes on; the
         interrupt itself comes from VERL_CKPT_FAULT's `interrupt` (a SIGINT does not reach

@@ -202,8 +202,9 @@ def test_the_snapshot_line_names_offloaded_state_only_when_there_is_some():
     # A live snapshot's split is made on the save thread after save() returned: no figure.
     live = {**offloaded, "snapshot": "live"}
     assert describe_snapshot([live], True) == (
-        "whole host tensors written from the live state, the rest copied, in the background "
-        "(the next optimizer step waits for both); writing in the background"
+        "whole host tensors written from the live state (copied with a writer process), the "
+        "rest copied, in the background (the next optimizer step waits for both); writing in "
+        "the background"
     )
 
 

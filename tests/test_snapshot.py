@@ -185,6 +185,25 @@ def test_I4_a_change_before_the_fence_fails_the_live_save_loudly(ranks, tmp_path
     close_all(ranks, coordinator)
 
 
+def test_I4_a_live_write_that_outlasts_its_deadline_keeps_the_trainer_fenced(ranks, tmp_path):
+    """The critic's writer threads stall in its live write (its write gate held shut: see
+    save_live_with_its_writes_held) past the save's deadline. They cannot be stopped and
+    may still read the trainer's tensors, so fence() raises, naming it, instead of handing
+    the state back as free; the step fails and the tracker stays."""
+    cfg = ckpt_config(tmp_path, snapshot="live", timeout_s=6)
+    coordinator = open_with_step_1_committed(ranks, cfg)
+    critic = ranks["critic"][0]
+    held = critic.save_live_with_its_writes_held.remote(2)
+    ray.get([w.save.remote(2) for w in ranks["actor"]])
+    assert "a writer thread may still read the state" in ray.get(held)
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write\]"):
+        coordinator.wait_for_commit(2)
+    with pytest.raises(CheckpointWriteError, match="critic rank 0 failed to save step 2"):
+        ray.get(critic.wait.remote())
+    assert read_tracker(cfg["root_dir"]) == 1
+    close_all(ranks, coordinator)
+
+
 @pytest.mark.parametrize("snapshot", ["now", "deferred", "live"])
 def test_I4_extra_state_is_the_state_at_save_also_when_the_plan_is_cached(
     ranks, tmp_path, snapshot

@@ -317,7 +317,7 @@ def test_a_live_snapshot_lays_a_large_storage_out_at_its_own_offset_within_a_pag
                 tensor,
                 whole_tensor_item("w", tensor),
                 "f",
-                layout_by_memory=by_memory,
+                frozenset({tensor.untyped_storage().data_ptr()}) if by_memory else frozenset(),
             )
             where = result.storage_data
             written = stream.getvalue()
@@ -330,6 +330,21 @@ def test_a_live_snapshot_lays_a_large_storage_out_at_its_own_offset_within_a_pag
                 assert where.offset == 64  # the storage alignment only
             blob = written[where.offset : where.offset + where.length]
             assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), big)
+
+
+def test_a_tensor_without_a_storage_is_written_as_torch_save_writes_it():
+    """A sparse tensor has no storage to lay out (torch raises when asked for one): it has no
+    blob template and goes through torch.save whole, whatever live storages a save names."""
+    sparse = torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,))
+    for live in (frozenset(), frozenset({1 << 20})):
+        stream = io.BytesIO()
+        result = write_item(
+            _StorageWriterTransforms(), stream, sparse, whole_tensor_item("s", sparse), "f", live
+        )
+        where = result.storage_data
+        blob = stream.getvalue()[where.offset : where.offset + where.length]
+        loaded = torch.load(io.BytesIO(blob), weights_only=True)
+        assert torch.equal(loaded.to_dense(), torch.tensor([1.0, 2.0, 0.0]))
 
 
 def _fresh(data):

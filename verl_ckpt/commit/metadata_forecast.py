@@ -5,7 +5,8 @@ metadata, the whole pickled) is most of a commit's own time, and a commit starts
 the last report arrives: it counts in every save's time to durable. While a role's plan
 holds, its ranks send the same plan metadata and (their blobs' sizes and padding depending
 on the tensors' geometry only, and on whether a large storage starts on a page, which a
-staging buffer always does: torch_format) the same write results at every step. So once
+staging buffer always does, or for a live snapshot's tensors on their offset within one,
+which a trainer's own tensors keep: torch_format) the same write results at every step. So once
 every rank of a role began a step (admission), the finalizer makes, in the background, the
 `.metadata` that the inputs of the role's last commit give for the new step's directory. The
 commit uses it only if every rank of the role sent exactly those bytes again (compared

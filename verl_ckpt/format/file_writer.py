@@ -44,7 +44,7 @@ def write_bucket(
             if before_tensor is not None:
                 before_tensor(tensor)
             results.append(
-                write_item(transforms, stream, tensor, item, storage_key, options.layout_by_memory)
+                write_item(transforms, stream, tensor, item, storage_key, options.live_storages)
             )
 
     return results, write_checksummed(path, write_items, gate, options)

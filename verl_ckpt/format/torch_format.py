@@ -269,9 +269,9 @@ BLOB_TEMPLATES = _blob_templates_work()
 
 
 # A storage this large starts on a page of the file where it starts on a page of memory, or
-# (laid out by memory) lies at its own offset within a page (_pad_before_blob): at most
-# PAGE_BYTES of padding against a megabyte or more of tensor. The page is the block that a
-# file written around the page cache aligns its offsets and memory to.
+# (written live) lies at its own offset within a page (_pad_before_blob): at most PAGE_BYTES
+# of padding against a megabyte or more of tensor. The page is the block that a file written
+# around the page cache aligns its offsets and memory to.
 PAGE_ALIGNED_MIN = ZERO_COPY_MIN
 PAGE_BYTES = BLOCK_BYTES
 
@@ -281,7 +281,7 @@ def _pad_before_blob(
     tensor: torch.Tensor,
     template: BlobLayout | None,
     alignment: int,
-    layout_by_memory: bool = False,
+    live_storages: frozenset[int] = frozenset(),
 ) -> None:
     """Zero bytes before a tensor's blob, so that its storage lies at an aligned file offset.
     DCP's readers read every item at its recorded offset, so the padding is never read.
@@ -291,28 +291,31 @@ def _pad_before_blob(
     storage alignment (64), where torch aligns the storage within the blob. A large storage
     that starts on a page (a staging buffer: rank/staging.py) starts on a page of the file as
     well, which lets a file written around the page cache take its whole pages from the
-    tensor's own memory (store/direct_io.py, zero copy). By default the layout depends only
-    on whether the storage starts on a page, never on where: a tensor written in place by
-    offload-aware staging moves between saves (torch's allocator reuses freed memory at any
-    64-byte offset), and the write results, which the finalizer's forecast of `.metadata`
-    compares whole, must not change with it.
+    tensor's own memory (store/direct_io.py, zero copy). Otherwise the layout never depends
+    on where a tensor lies: a tensor written in place by offload-aware staging moves between
+    saves (torch's allocator reuses freed memory at any 64-byte offset), and the write
+    results, which the finalizer's forecast of `.metadata` compares whole, must not change
+    with it.
 
-    `layout_by_memory` (a live snapshot): every large storage lies at its own offset within
-    a page of memory (torch's large host allocations start a few cache lines into one), so
-    that the trainer's tensors are written with zero copy too. They keep that offset while
-    the trainer keeps its storage (parameters, optimizer state updated in place); one that
-    moves changes the write results, and the commit then makes `.metadata` itself (slower,
-    never wrong)."""
+    `live_storages` (a live snapshot's, by data_ptr): each large one lies at its own offset
+    within a page of memory (torch's large host allocations start a few cache lines into
+    one), so that the trainer's tensors are written with zero copy too. They keep that
+    offset while the trainer keeps its storage (parameters, optimizer state updated in
+    place); one that moves changes the write results, and the commit then makes `.metadata`
+    itself (slower, never wrong)."""
     position = stream.tell()
     gap = -position % alignment
-    in_page = tensor.untyped_storage().data_ptr() % PAGE_BYTES
     if (
         template is not None
         and template.storage_nbytes >= PAGE_ALIGNED_MIN
         and PAGE_BYTES % alignment == 0  # a page start is then a multiple of the alignment
-        and (in_page == 0 or (layout_by_memory and in_page % alignment == 0))
     ):
-        gap = (in_page - position - len(template.head)) % PAGE_BYTES
+        # Read only here: a tensor without a template may have no storage (sparse, some
+        # subclasses), and torch.save writes it as it is.
+        storage = tensor.untyped_storage().data_ptr()
+        in_page = storage % PAGE_BYTES
+        if in_page == 0 or (storage in live_storages and in_page % alignment == 0):
+            gap = (in_page - position - len(template.head)) % PAGE_BYTES
     if gap:
         stream.write(bytes(gap))
 
@@ -332,11 +335,11 @@ def write_item(
     data: Any,
     item: WriteItem,
     storage_key: str,
-    layout_by_memory: bool = False,
+    live_storages: frozenset[int] = frozenset(),
 ) -> WriteResult:
     """Write one item of a DCP write bucket at the stream's position; return DCP's result
     for it (where it lies in which file), as DCP's own `_write_item` does.
-    `layout_by_memory`: see _pad_before_blob."""
+    `live_storages`: see _pad_before_blob."""
     transform_args = (transforms,) if transforms is not None else ()
     if item.type == WriteItemType.BYTE_IO or not CRC_FREE_BLOBS:
         return _write_item(*transform_args, stream, data, item, storage_key, **_WRITE_ITEM_KWARGS)
@@ -345,7 +348,7 @@ def write_item(
     # Looked up once per item: torch's config lookup costs as much as the rest of the key.
     alignment = torch_serialization._get_storage_alignment()
     template = _template_of(data, alignment)
-    _pad_before_blob(stream, data, template, alignment, layout_by_memory)
+    _pad_before_blob(stream, data, template, alignment, live_storages)
     offset = stream.tell()
     target, descriptors = (
         transforms.transform_save_stream(item, stream)

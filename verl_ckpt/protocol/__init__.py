@@ -100,10 +100,10 @@ Order, as the code runs it:
 - Plan cached (and a background writer): the training thread only copies (2); the save
   thread checks the agreement's outcome, calls begin_step and plans beside the copy, and
   writes once the copy ended. Deferred snapshot: save() returns before the copy; the save
-  thread copies first, then agreement, begin_step, plan. Live snapshot: as deferred, but
-  host tensors are not copied: the writers read the trainer's memory (rank.snapshot_plan.
-  live_candidates), and fence() opens only once they are written (I4). Either way the
-  trainer never waits for an earlier commit.
+  thread copies first, then agreement, begin_step, plan. Either way save() never waits for
+  an earlier commit. Live snapshot: as deferred, but host tensors are not copied: the
+  writers read the trainer's memory (rank.snapshot_plan.live_candidates), and fence()
+  opens only once they are written (I4), so the fence waits for all of the above.
   With async_save=false (writer inline) save() runs steps 1-4 itself and returns after 4.
 - Steps 3-4 follow on the save thread; the finalizer learns completion from reports only,
   never from collectives (I6). A step still missing reports timeout_s + 2 x RPC_SLACK_S

@@ -179,7 +179,9 @@ class CheckpointManager:
         """Return once the snapshot of every save so far is taken: from then on the trainer
         may change the state (after a live save: once the host tensors it writes without a
         copy are written). Needed only after a deferred or live save; save(), load() and
-        close() call it first. Raises CommitTimeoutError at the deadline (checkpoint.timeout_s)."""
+        close() call it first. Raises CommitTimeoutError at the deadline (checkpoint.timeout_s;
+        by default, for a live save, its write's own deadline), and once where a live save's
+        write timed out while a writer thread may still read the state."""
         self._snapshotter.fence(timeout_s)
 
     @contextlib.contextmanager

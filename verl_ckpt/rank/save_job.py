@@ -187,8 +187,11 @@ class SaveJob:
     prepared: megatron_compat.PreparedSave | None = None
     # Rank 0 only: the model description the Hugging Face export reads (hf/model_spec.py).
     model_spec_bytes: bytes | None = None
-    # Set once the snapshot is taken (for a deferred one, on the save thread): fence() waits.
+    # Set once the snapshot is taken (for a deferred one, on the save thread; for a live one,
+    # once its writes ended): fence() waits.
     snapshot_taken: threading.Event = field(default_factory=threading.Event)
+    # Set with it where the trainer must not take the state back: fence() raises this.
+    fence_error: str | None = None
 
     @property
     def step(self) -> int:

@@ -219,13 +219,24 @@ class SaveRunner:
                 job.deadline,
                 (self._role, self._rank),
                 copied,
-                layout_by_memory=job.path.live,
+                live_storages=frozenset(
+                    entry.tensor.untyped_storage().data_ptr() for entry in job.copy.live
+                ),
             )
             check_live_unchanged(job.copy.live, job.path.live)
             self._fill_report(job, report, outcomes)
             return None
         except WriteTimeout as exc:
             buffers_free = not exc.buffers_in_use
+            if exc.buffers_in_use and job.path.live and job.copy.live:
+                # Writer threads cannot be stopped: they may still read the trainer's
+                # tensors, which the fence must then not hand back as free (I4).
+                job.fence_error = (
+                    f"{self._role} rank {self._rank}: the live snapshot of step {job.step} "
+                    f"under {self._root} was not written within checkpoint.timeout_s, and a "
+                    "writer thread may still read the state: it must not be changed yet "
+                    f"({exc})"
+                )
             return self._link.failure(Phase.WRITE, exc)
         except CopyFailed as exc:
             return self._link.failure(Phase.STAGE, exc)
@@ -271,8 +282,12 @@ class SaveRunner:
         self._pending.drain(deadline)
 
     def drain_zero_copy(self, deadline: float) -> None:
-        """Wait for the writes that read host tensors in place (offload-aware staging)."""
-        self._pending.drain_where(lambda stats: stats.bytes_zero_copy > 0, deadline)
+        """Wait for the writes that read host tensors in place (offload-aware staging). A
+        live snapshot's are the fence's (fence() returns once they ended): not waited for
+        here, nor the report behind them."""
+        self._pending.drain_where(
+            lambda stats: stats.bytes_zero_copy > 0 and stats.snapshot != "live", deadline
+        )
 
     def finished(self, deadline: float) -> list[SaveStats]:
         """Drain, raise a failure (once), and return the figures of the saves that ended."""

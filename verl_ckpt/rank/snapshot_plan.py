@@ -167,7 +167,8 @@ def check_live_unchanged(live: list[LiveTensor], live_snapshot: bool) -> None:
         fix = (
             "With snapshot=live call manager.fence() (or register "
             "manager.fence_before(optimizer)) before changing the state: it waits for these "
-            "writes"
+            "writes (a change that bumps no version counter, through .data or a C++ kernel, "
+            "is not seen)"
         )
     else:
         fix = (

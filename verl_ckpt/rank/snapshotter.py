@@ -14,7 +14,7 @@ from verl_ckpt.commit.participant import new_save_id
 from verl_ckpt.format.object_copy import snapshot_copy
 from verl_ckpt.protocol import Phase, faults
 from verl_ckpt.protocol.config import CheckpointConfig
-from verl_ckpt.protocol.deadlines import deadline_in
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.rank.save_job import Layout, SaveJob, SavePath, SaveStats
 from verl_ckpt.rank.snapshot_plan import (
@@ -30,6 +30,10 @@ from verl_ckpt.rank.staging import StagingPool, StagingSlot, copy_into
 from verl_ckpt.rank.writers import Writer
 
 __all__ = ["Snapshotter"]
+
+# After a live save's deadline, how long its save thread may take to see the write end (or
+# time out) and open the fence: the fence waits for that outcome rather than end first.
+_LIVE_FENCE_SLACK_S = 5.0
 
 
 class Snapshotter:
@@ -171,13 +175,19 @@ class Snapshotter:
         if job is None:
             return
         timeout = self._timeout_s if timeout_s is None else timeout_s
+        if timeout_s is None and job.path.live:
+            # A live snapshot is taken when its write ends, by the write's own deadline.
+            timeout = max(timeout, time_left(job.deadline) + _LIVE_FENCE_SLACK_S)
         if not job.snapshot_taken.wait(timeout):
             what = "written" if job.path.live else "taken"
             raise CommitTimeoutError(
                 f"{self._role} rank {self._rank}: the {job.path.value} snapshot of step "
-                f"{job.step} under {self._root} was not {what} within {timeout:g}s"
+                f"{job.step} under {self._root} was not {what} within {timeout:g}s (its save "
+                f"thread is {job.stats.doing})"
             )
         self._unfenced = None
+        if job.fence_error is not None:
+            raise CommitTimeoutError(job.fence_error)  # once, as a save's failure is
 
     def forget_unfenced(self) -> None:
         """The writes are drained: every snapshot was taken or failed."""

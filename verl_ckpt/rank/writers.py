@@ -64,12 +64,13 @@ class Writer(Protocol):
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
-        layout_by_memory: bool = False,
+        live_storages: frozenset[int] = frozenset(),
     ) -> list[Outcome]:
         """Write every bucket to its file (fsynced, checksummed) by `deadline` (monotonic).
         `copied`: the snapshot's copy into `slot` may still run; no staged tensor is written
-        before its copy ended. `layout_by_memory`: a live snapshot's (WriteOptions); a writer
-        process, which writes staged buffers only, ignores it."""
+        before its copy ended. `live_storages`: those a live snapshot writes from the
+        trainer's memory (WriteOptions); a writer process, which writes staged buffers only,
+        ignores them."""
 
     def forget_slot(self, slot: StagingSlot) -> None:
         """The slot's buffers are gone: drop any reference to them."""
@@ -136,16 +137,16 @@ class InlineWriter:
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
-        layout_by_memory: bool = False,
+        live_storages: frozenset[int] = frozenset(),
     ) -> list[Outcome]:
         faults.inject(Phase.WRITE, *fault_scope)
         before = _waiting_for(copied, deadline)
-        options = self._options_for(layout_by_memory)
+        options = self._options_for(live_storages)
         return [write_bucket(bucket, transforms, self._gate, options, before) for bucket in buckets]
 
-    def _options_for(self, layout_by_memory: bool) -> WriteOptions:
-        if layout_by_memory:
-            return dataclasses.replace(self._options, layout_by_memory=True)
+    def _options_for(self, live_storages: frozenset[int]) -> WriteOptions:
+        if live_storages:
+            return dataclasses.replace(self._options, live_storages=live_storages)
         return self._options
 
     def forget_slot(self, slot: StagingSlot) -> None:
@@ -181,11 +182,15 @@ class ThreadWriter(InlineWriter):
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
-        layout_by_memory: bool = False,
+        live_storages: frozenset[int] = frozenset(),
     ) -> list[Outcome]:
         faults.inject(Phase.WRITE, *fault_scope)
+        if time_left(deadline) <= 0:
+            # Late already (a slow agreement, begin_step or plan): start no thread, which
+            # could not be stopped and would read the buffers (or a live tensor) past it.
+            raise WriteTimeout("the write could not start before its deadline", False)
         before = _waiting_for(copied, deadline)
-        options = self._options_for(layout_by_memory)
+        options = self._options_for(live_storages)
         futures = [
             self._pool.submit(
                 write_bucket,
@@ -261,7 +266,7 @@ class ProcessWriter:
         deadline: float,
         fault_scope: tuple[str, int],
         copied: CopyProgress | None = None,
-        layout_by_memory: bool = False,
+        live_storages: frozenset[int] = frozenset(),
     ) -> list[Outcome]:
         if copied is not None:
             # The process reads the buffers without asking: they must be full before it

@@ -481,11 +481,11 @@ class WriteOptions:
     # The store's root above every file written: each file's directory is reached below it
     # without following a link (open_dir_beneath). None: the path is opened as it is.
     beneath: str | None = None
-    # Lay each large storage out at its own offset within a page of memory, so that
-    # direct_io takes its pages from the tensor itself (format/torch_format.py): for a live
-    # snapshot's tensors, which the trainer keeps from save to save. Off, only storages that
-    # start on a page (staging buffers) are page-aligned in the file.
-    layout_by_memory: bool = False
+    # The storages (by data_ptr) that a live snapshot writes from the trainer's memory: each
+    # large one is laid out at its own offset within a page, so that direct_io takes its
+    # pages from the tensor itself (format/torch_format.py). Only storages that start on a
+    # page (staging buffers) are page-aligned in the file otherwise.
+    live_storages: frozenset[int] = frozenset()
 
 
 # Small files (records, common.pt, a driver's state): through the page cache.
