@@ -507,3 +507,194 @@ def test_I5_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_
     assert time.monotonic() - started < 1.8
     # The helper of the file found hung may still hold the memory: left to the collector.
     released.set()
+
+
+# ---- held writes: gathered into whole vectored requests ------------------------------------
+
+
+def _held_file(directory: Path, pieces: list[tuple[int, int, bool]]) -> tuple[bytes, list]:
+    """A file of `pieces` (bytes before, lead within a page, nbytes; held or not), each
+    a header of random bytes padded so that the piece's memory and position agree modulo
+    the block (as the rank's writer lays a large storage out); returns the expected bytes
+    and the memory to keep alive until the caller is done."""
+    kept, parts, actions = [], [], []
+    position = 0
+    for before, lead, nbytes, held in pieces:
+        head = os.urandom(before)
+        position += before
+        pad = (lead - position) % 4096
+        memory, view = _aligned_bytes(nbytes, lead)
+        kept.append((memory, view))
+        parts += [head, bytes(pad), bytes(view)]
+        actions += [(head, False), (bytes(pad), False), (view, held)]
+        position += pad + nbytes
+    return b"".join(parts), kept, actions
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [(100, 64, 3 * MiB + 17, True)],
+        [(300, 64, 6 * MiB, True), (300, 128, 2 * MiB, True), (300, 64, 8 * MiB + 5, True)],
+        [(0, 0, 20 * MiB + 7, True), (5000, 64, 1 * MiB, True), (10, 0, 3 * MiB, False)],
+        [(64, 64, 2 * MiB, False), (64, 64, 2 * MiB, True), (9 * MiB, 64, 5 * MiB, True)],
+    ],
+)
+def test_held_writes_go_in_whole_vectored_requests_and_the_file_is_exact(
+    tmp_path, monkeypatch, pieces
+):
+    """Tensors a write bucket holds until the file is finished (write_held) are not waited
+    for one by one: with the buffer's blocks between them (headers, padding) they go to the
+    device in vectored requests of 8 MiB, all whole but the file's last, from the tensors'
+    own memory; held and waited writes mixed, the file and its checksum are exactly the
+    bytes written."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    real_pwritev = os.pwritev
+    requests = []
+
+    def counting(fd, buffers, offset):
+        wrote = real_pwritev(fd, buffers, offset)
+        requests.append(wrote)
+        return wrote
+
+    monkeypatch.setattr(os, "pwritev", counting)
+    expected, kept, actions = _held_file(tmp_path, pieces)
+    path = tmp_path / "rank.distcp"
+
+    def fill(stream) -> None:
+        for data, held in actions:
+            (stream.write_held if held else stream.write)(data)
+
+    written = write_checksummed(path, fill, options=DIRECT)
+    assert path.read_bytes() == expected
+    assert (written.size, written.checksum) == file_checksum(path)
+    assert requests and all(r <= 8 * MiB for r in requests), requests
+    if all(held for *_, held in pieces):
+        assert all(r == 8 * MiB for r in requests[:-1]), requests
+        assert sum(requests) > len(expected) - 4096  # all but the last partial block
+
+
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EFAULT])
+def test_a_device_that_refuses_a_gathered_request_gets_copies(tmp_path, monkeypatch, refusal):
+    """Faked, saying so (as for a single write from the caller's memory): the device
+    refuses the vectored request from the tensors' memory; it and the rest of the file go
+    through the buffers, and the file is whole."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    refused = []
+
+    def refusing(fd, buffers, offset):
+        refused.append(offset)
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(os, "pwritev", refusing)
+    expected, kept, actions = _held_file(
+        tmp_path, [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
+    )
+    path = tmp_path / "rank.distcp"
+    written = write_checksummed(
+        path, lambda s: [s.write_held(d) if h else s.write(d) for d, h in actions], options=DIRECT
+    )
+    assert refused == [0]  # tried once, then copies for the rest of the file
+    assert path.read_bytes() == expected
+    assert (written.size, written.checksum) == file_checksum(path)
+
+
+def test_a_filesystem_that_refuses_direct_writes_takes_held_ones_buffered(tmp_path, monkeypatch):
+    """Faked, saying so: the flag is taken and every write refused while it is set (some
+    network and FUSE filesystems); held writes end up through the page cache, whole."""
+    real_pwritev, real_pwrite = os.pwritev, os.pwrite
+
+    def refusing(real):
+        def call(fd, data, offset):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, data, offset)
+
+        return call
+
+    monkeypatch.setattr(os, "pwritev", refusing(real_pwritev))
+    monkeypatch.setattr(os, "pwrite", refusing(real_pwrite))
+    expected, kept, actions = _held_file(
+        tmp_path, [(300, 64, 6 * MiB, True), (300, 64, 9 * MiB + 3, True)]
+    )
+    path = tmp_path / "rank.distcp"
+    written = write_checksummed(
+        path, lambda s: [s.write_held(d) if h else s.write(d) for d, h in actions], options=DIRECT
+    )
+    assert path.read_bytes() == expected
+    assert (written.size, written.checksum) == file_checksum(path)
+
+
+def test_a_pause_takes_hold_between_the_gathered_requests_of_held_writes(tmp_path, monkeypatch):
+    """The writer queues held writes without waiting, so a pause (quiet()) must hold the
+    queued requests back on the file's helper: started during the first request, no other
+    is written until it ends, and the file is whole after. Started from inside the first
+    request (os.pwritev wrapped): the one moment a real quiet() could not be placed at."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    gate = threading.Event()
+    gate.set()
+    real_pwritev = os.pwritev
+    requests = []
+
+    def pausing(fd, buffers, offset):
+        if not requests:
+            gate.clear()
+        requests.append(offset)
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pausing)
+    expected, kept, actions = _held_file(
+        tmp_path, [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
+    )
+    path = tmp_path / "rank.distcp"
+    result: list = []
+
+    def write() -> None:
+        def fill(stream) -> None:
+            for data, held in actions:
+                (stream.write_held if held else stream.write)(data)
+
+        result.append(write_checksummed(path, fill, gate, DIRECT))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join(0.5)
+    assert requests == [0], "queued requests were written during the pause"
+    gate.set()
+    writer.join(10)
+    assert not writer.is_alive() and len(requests) >= 2
+    assert path.read_bytes() == expected
+    assert (result[0].size, result[0].checksum) == file_checksum(path)
+
+
+def test_I5_a_device_that_stops_taking_held_writes_is_named_as_hung(tmp_path, monkeypatch):
+    """Queued held writes are waited for as a whole, but a device on which none of their
+    requests ended for a whole wait is named as hung, within about one wait. The hang is
+    faked (os.pwritev held on an event): a real device cannot be made to stop on cue."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
+    real_pwritev = os.pwritev
+    released = threading.Event()
+
+    def device(fd, buffers, offset):
+        if offset > 0:
+            released.wait(30)  # stops taking requests after the first
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", device)
+    expected, kept, actions = _held_file(
+        tmp_path, [(300, 64, 9 * MiB, True), (300, 64, 9 * MiB, True), (300, 64, 9 * MiB, True)]
+    )
+    started = time.monotonic()
+    with pytest.raises(OSError, match="hung"):
+        write_checksummed(
+            tmp_path / "hung.distcp",
+            lambda s: [s.write_held(d) if h else s.write(d) for d, h in actions],
+            options=DIRECT,
+        )
+    assert time.monotonic() - started < 1.8
+    released.set()

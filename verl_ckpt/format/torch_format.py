@@ -207,11 +207,13 @@ def _template_of(tensor: torch.Tensor, alignment: int | None = None) -> BlobLayo
     return None if key is None else _blob_template(tensor, key)
 
 
-def _write_blob(tensor: torch.Tensor, template: BlobLayout | None, stream: IO[bytes]) -> None:
+def _write_blob(
+    tensor: torch.Tensor, template: BlobLayout | None, stream: IO[bytes], held: bool = False
+) -> None:
     if template is None:
         save_tensor_blob(tensor, stream)
     else:
-        _write_templated(template, tensor, stream)
+        _write_templated(template, tensor, stream, held)
 
 
 def whole_tensor_blob_layout(shape: tuple[int, ...], dtype: torch.dtype) -> BlobLayout | None:
@@ -234,10 +236,16 @@ def _capture_template(tensor: torch.Tensor) -> BlobLayout:
     return capture.template()
 
 
-def _write_templated(template: BlobLayout, tensor: torch.Tensor, stream: IO[bytes]) -> None:
+def _write_templated(
+    template: BlobLayout, tensor: torch.Tensor, stream: IO[bytes], held: bool = False
+) -> None:
+    """`held`: the caller keeps the tensor unchanged until the stream's file is finished,
+    so that a checksumming stream may queue its bytes for the device instead of waiting for
+    them (fsio.ChecksummingWriter.write_held)."""
     stream.write(template.head)
     if template.storage_nbytes:
-        stream.write(_storage_bytes(tensor, template.storage_nbytes))
+        write = getattr(stream, "write_held", stream.write) if held else stream.write
+        write(_storage_bytes(tensor, template.storage_nbytes))
     stream.write(template.tail)
 
 
@@ -355,7 +363,9 @@ def write_item(
         if _transforms_bytes(transforms)
         else (stream, [])
     )
-    _write_blob(data, template, target)
+    # A write bucket holds its tensors, unchanged, until its file is finished (a staged
+    # copy, a tensor written in place behind quiet(), or a live one behind the fence).
+    _write_blob(data, template, target, held=True)
     if target is not stream:
         target.close()  # a transform's wrapper: closing it flushes, never closes `stream`
     length = stream.tell() - offset

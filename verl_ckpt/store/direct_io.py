@@ -64,6 +64,24 @@ ZERO_COPY_MIN = 1 << 20
 # threads). A fresh mapping pays a page fault (and the kernel's zeroing) per page on its first
 # fill and an unmap at the end, which cost a rank's small files more than their bytes.
 _BUFFERS_KEPT = 4
+# The most pieces one vectored request may have (the kernel's UIO_MAXIOV).
+_IOV_MAX = 1024
+
+
+def _split(
+    segments: list[np.ndarray], nbytes: int, pieces: int | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The first `nbytes` of `segments` (at most `pieces` of them) and the rest."""
+    first: list[np.ndarray] = []
+    rest = list(segments)
+    while rest and nbytes and (pieces is None or len(first) < pieces):
+        piece = rest.pop(0)
+        if piece.size > nbytes:
+            rest.insert(0, piece[nbytes:])
+            piece = piece[:nbytes]
+        first.append(piece)
+        nbytes -= piece.size
+    return first, rest
 
 
 def _hung_error() -> OSError:
@@ -138,6 +156,13 @@ class DirectFile:
     modulo the block is written from the caller's memory (by the helper, bounded as a
     buffer's write), before write() returns (so the caller may reuse its memory afterwards,
     as with any stream): `zero_copy_bytes` counts those bytes.
+
+    A `held` write (memory the caller keeps unchanged until finish() returns: a staged or
+    live tensor's storage) is not waited for: its whole blocks join the buffer's before them
+    in a gathered request (pwritev) of _BUFFER_BYTES or more, queued for the helper while
+    the writer goes on. Why: a rank's file is many tensors of a few MiB with a header
+    between each; written one synchronous request per tensor and one per header, the device
+    drained its queue between them (benchmarks/results_issue44.md).
     """
 
     # write() takes `beside` and `between` (fsio.ChecksummingWriter hashes a slice while the
@@ -157,7 +182,17 @@ class DirectFile:
         self._filled = 0  # bytes in it
         self._written = 0  # bytes handed to the device (a multiple of BLOCK_BYTES until finish)
         self._direct = True
-        self._writing: Future | None = None  # the other buffer's write, if one runs
+        # The helper's last job, if it may still run; its end means every earlier one ended
+        # (one helper, first in first out), whose errors wait in _unchecked.
+        self._writing: Future | None = None
+        self._unchecked: list[Future] = []
+        # Held writes and the buffer's blocks before each, not yet queued (they lie in the
+        # file from self._written on); the current buffer's bytes before _start are in them
+        # or in a queued job.
+        self._gathered: list[np.ndarray] = []
+        self._gathered_bytes = 0
+        self._start = 0
+        self._between: Callable[[], None] | None = None
         self._hung = False  # that write outlasted _HELPER_WAIT_S
         self._helper: DaemonPool | None = None
         # Requests the helper saw end (only it counts): a long in-place write is hung only
@@ -171,15 +206,17 @@ class DirectFile:
         data: bytes | memoryview,
         beside: Callable[[], None] | None = None,
         between: Callable[[], None] | None = None,
+        held: bool = False,
     ) -> int:
         """Write `data`. `beside`, if given, is called once on this thread while the device
         writes the bytes (it may read `data`, never change it): a checksum of them then
         costs the write no time of its own. `between`, if given, is called before each
         further request of _BUFFER_BYTES (on the helper, or on this thread): a pause there
-        holds the rest of a large write back."""
+        holds the rest of a large write back. `held`: the caller keeps `data` unchanged
+        until finish() returns, so its write need not end before this returns."""
         source = np.frombuffer(data, dtype=np.uint8)
         if self._zero_copy and self._direct and source.size >= ZERO_COPY_MIN:
-            return self._write_in_place(source, beside, between)
+            return self._write_in_place(source, beside, between, held)
         return self._copy_in(source, between, beside)
 
     def _write_in_place(
@@ -187,6 +224,7 @@ class DirectFile:
         source: np.ndarray,
         beside: Callable[[], None] | None,
         between: Callable[[], None] | None,
+        held: bool = False,
     ) -> int:
         """Write `source` with its whole aligned blocks taken from where it lies, if its
         address and the file position agree modulo the block; else copy it in."""
@@ -194,6 +232,14 @@ class DirectFile:
         if (self.tell() + lead) % BLOCK_BYTES or source.size - lead < BLOCK_BYTES:
             return self._copy_in(source, between, beside)
         self._copy_in(source[:lead])
+        if held:
+            middle = (source.size - lead) - (source.size - lead) % BLOCK_BYTES
+            self._gather(source[lead : lead + middle], between)
+            self.zero_copy_bytes += middle
+            self._copy_in(source[lead + middle :], between)
+            if beside is not None:
+                beside()  # the device writes meanwhile what was queued before
+            return source.size
         # The position is aligned now, so the buffer holds whole blocks: it goes first (to
         # the helper), then the aligned middle goes from the caller's memory to the offsets
         # after it (the two writes touch different offsets, so they may overlap).
@@ -281,25 +327,117 @@ class DirectFile:
             beside()
         return done
 
+    def _gather(self, middle: np.ndarray, between: Callable[[], None] | None) -> None:
+        """Queue the buffer's blocks not yet queued, then `middle` (held, whole blocks, at
+        the aligned position after them), once _BUFFER_BYTES or more are gathered."""
+        self._between = between
+        blocks = self._arrays[self._current][self._start : self._filled]
+        self._gathered += [blocks, middle] if blocks.size else [middle]
+        self._gathered_bytes += blocks.size + middle.size
+        # The buffer goes on filling after them: its bytes before _start are never changed
+        # until the helper's jobs that read them ended (_hand_over waits for them).
+        self._start = self._filled
+        if self._gathered_bytes >= _BUFFER_BYTES:
+            # Whole requests only: the rest waits for the next write, so that no request is
+            # a short remainder of one job.
+            whole = self._gathered_bytes - self._gathered_bytes % _BUFFER_BYTES
+            request, self._gathered = _split(self._gathered, whole)
+            self._gathered_bytes -= whole
+            self._submit(self._pwrite_gathered, request, self._written)
+            self._written += whole
+
+    def _take_gathered(self, upto: int | None = None) -> list[np.ndarray]:
+        """The gathered segments, then the buffer's bytes from _start to `upto` (whole
+        blocks), emptied; _last_submitted is their length."""
+        segments = self._gathered
+        if upto is not None and upto > self._start:
+            segments.append(self._arrays[self._current][self._start : upto])
+        self._last_submitted = sum(segment.size for segment in segments)
+        self._gathered, self._gathered_bytes = [], 0
+        return segments
+
+    def _submit(self, job: Callable[..., None], *args: object) -> None:
+        """Queue `job` for the helper; it is then the last one (_writing)."""
+        if self._writing is not None:
+            self._unchecked.append(self._writing)
+        self._writing = self._helper_pool().submit(job, *args)
+
+    def _pwrite_gathered(self, segments: list[np.ndarray], offset: int) -> None:
+        """On the helper: write `segments` (whole blocks, in file order) at `offset` in
+        vectored requests of _BUFFER_BYTES, back to back, `between` before each. Where the
+        device refuses a request from the caller's memory (_IN_PLACE_REFUSED), it and the
+        rest are copied through a buffer (and later writes copied in)."""
+        while segments:
+            # Before every request, the first too: the writer checked for a pause when it
+            # queued them, which may be long before the helper gets to them.
+            if self._between is not None:
+                self._between()
+            request, segments = _split(segments, _BUFFER_BYTES, _IOV_MAX)
+            nbytes = sum(piece.size for piece in request)
+            if self._zero_copy and self._direct:
+                try:
+                    wrote = os.pwritev(self._fd, request, offset)
+                except OSError as exc:
+                    if exc.errno not in _IN_PLACE_REFUSED:
+                        raise
+                    self._zero_copy = False
+                    wrote = 0
+                if wrote == 0 and self._zero_copy:  # a device that takes nothing: never spin
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                if wrote < nbytes:  # short (or refused): the rest through a buffer
+                    self._write_copied(request, wrote, offset)
+            else:
+                self._write_copied(request, 0, offset)
+            offset += nbytes
+            self._requests_ended += 1
+
+    def _write_copied(self, request: list[np.ndarray], skip: int, offset: int) -> None:
+        """Write `request`'s bytes after the first `skip` at `offset + skip`, copied into a
+        page-aligned buffer (through the page cache where the file refuses O_DIRECT)."""
+        bounce = _buffers.take()
+        try:
+            array = np.frombuffer(bounce, dtype=np.uint8)
+            filled = 0
+            for piece in request:
+                if skip >= piece.size:
+                    skip -= piece.size
+                    continue
+                part = piece[skip:]
+                skip = 0
+                array[filled : filled + part.size] = part
+                filled += part.size
+            written = sum(piece.size for piece in request) - filled
+            self._pwrite_view(memoryview(bounce)[:filled], offset + written)
+            del array
+        finally:
+            _buffers.give_back(bounce)
+
     def tell(self) -> int:
-        return self._written + self._filled
+        return self._written + self._gathered_bytes + self._filled - self._start
 
     def flush(self) -> None:
         """Nothing: a partial buffer is written once, by finish(), so that every write before
         the last stays aligned."""
 
     def finish(self) -> None:
-        """Write what the buffers hold: whole blocks O_DIRECT, the rest (under one block)
-        through the page cache; the caller's fsync makes both durable."""
-        self._wait_for_writing()
+        """Write what the buffers hold and what was gathered: whole blocks O_DIRECT, the
+        rest (under one block) through the page cache; the caller's fsync makes both
+        durable."""
         whole = self._filled - self._filled % BLOCK_BYTES
-        if whole:
-            self._write_buffer(self._current, 0, whole, self._written)
+        if self._gathered or self._start:
+            self._submit(self._pwrite_gathered, self._take_gathered(whole), self._written)
+            self._written += self._last_submitted
+            self._wait_for_writing()
+        else:
+            self._wait_for_writing()
+            if whole:
+                self._write_buffer(self._current, 0, whole, self._written)
+            self._written += whole
         if self._filled > whole:
             self._set_direct(False)
-            self._write_buffer(self._current, whole, self._filled - whole, self._written + whole)
-        self._written += self._filled
-        self._filled = 0
+            self._write_buffer(self._current, whole, self._filled - whole, self._written)
+        self._written += self._filled - whole
+        self._filled = self._start = 0
 
     def fileno(self) -> int:
         return self._fd
@@ -334,28 +472,33 @@ class DirectFile:
         self.close()
 
     def _hand_over(self, nbytes: int = _BUFFER_BYTES) -> None:
-        """The current buffer's first `nbytes` (whole blocks: all of it when it is full) go
-        to the helper to write; the writer goes on in the other buffer, once the helper's
-        last write from that one ended."""
-        if not nbytes:
+        """The current buffer's first `nbytes` (whole blocks: all of it when it is full),
+        after what was gathered, go to the helper to write; the writer goes on in the other
+        buffer, once the helper's last job (which may read that one) ended."""
+        if not nbytes and not self._gathered:
             return
         self._wait_for_writing()
-        self._writing = self._helper_pool().submit(
-            self._write_buffer, self._current, 0, nbytes, self._written
-        )
-        self._written += nbytes
+        if self._gathered or self._start:
+            self._submit(self._pwrite_gathered, self._take_gathered(nbytes), self._written)
+            self._written += self._last_submitted
+        else:
+            self._submit(self._write_buffer, self._current, 0, nbytes, self._written)
+            self._written += nbytes
         self._current = 1 - self._current
-        self._filled = 0
+        self._filled = self._start = 0
 
     def _wait_for_writing(self) -> None:
-        """Wait for the helper's write (raising its error); a device that takes longer than
-        _HELPER_WAIT_S for 8 MiB is named as hung."""
+        """Wait for the helper's jobs (raising the first error); a device on which none of
+        their requests ended for _HELPER_WAIT_S is named as hung."""
         writing, self._writing = self._writing, None
         if writing is None:
             return
-        if not self._ended_in_time(writing):
+        if not self._ended_in_time(writing, self._requests_ended):
             self._writing = writing  # still reading its buffer: close() must not unmap it
             raise _hung_error()
+        earlier, self._unchecked = self._unchecked, []
+        for job in earlier:  # ended before `writing` began
+            job.result()
         writing.result()
 
     def _helper_pool(self) -> DaemonPool:
@@ -380,18 +523,23 @@ class DirectFile:
 
     def _write_buffer(self, index: int, start: int, nbytes: int, offset: int) -> None:
         """Write `nbytes` of buffer `index` from `start` at file offset `offset`."""
+        self._pwrite_view(memoryview(self._buffers[index])[start : start + nbytes], offset)
+        self._requests_ended += 1
+
+    def _pwrite_view(self, view: memoryview, offset: int) -> None:
+        """Write `view` (page-aligned memory) at `offset`."""
         try:
-            self._pwrite(index, start, nbytes, offset)
+            self._pwrite(view, offset)
         except OSError as exc:
             # Some filesystems accept the flag and refuse the write (EINVAL): the rest of the
             # file goes through the page cache, from the same offset.
             if exc.errno != errno.EINVAL or not self._direct:
                 raise
             self._set_direct(False)
-            self._pwrite(index, start, nbytes, offset)
+            self._pwrite(view, offset)
 
-    def _pwrite(self, index: int, start: int, nbytes: int, offset: int) -> None:
-        view = memoryview(self._buffers[index])[start : start + nbytes]
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        view = view[:]
         try:
             while view:
                 done = os.pwrite(self._fd, view, offset)

@@ -666,7 +666,15 @@ class ChecksummingWriter:
             made_progress()
         return view.nbytes
 
-    def _write_direct(self, view: memoryview) -> int:
+    def write_held(self, data: bytes | memoryview) -> int:
+        """`write`, for bytes the caller keeps unchanged until the file is finished (a
+        staged or live tensor's storage, held by its write bucket): around the page cache
+        they are queued for the device rather than waited for (DirectFile.write)."""
+        if self._write_beside is None:
+            return self.write(data)
+        return self._write_direct(memoryview(data).cast("B"), held=True)
+
+    def _write_direct(self, view: memoryview, held: bool = False) -> int:
         """Write `view` to a stream around the page cache (store/direct_io.py) in slices of
         _DIRECT_SLICE: the file's helper writes a slice in requests of _WRITE_SLICE back to
         back, checking for a pause before each (so a pause still takes hold within one
@@ -677,7 +685,10 @@ class ChecksummingWriter:
             piece = view[start : start + _DIRECT_SLICE]
             try:
                 self._write_beside(
-                    piece, functools.partial(self._hash_slices, piece), self._between_slices
+                    piece,
+                    functools.partial(self._hash_slices, piece),
+                    self._between_slices,
+                    held,
                 )
             except OSError as exc:
                 if self.error is None:
