@@ -173,7 +173,10 @@ class RankWorker:
         `step`: one training step (its optimizer.step() may fence through fence_before);
         `extra`: change the counter saved in the extra state in place;
         `optimizer inplace`: in-place writes to every optimizer tensor only;
-        `quiet, data`: inside quiet(), change the optimizer state through `.data`."""
+        `quiet, data`: inside quiet(), change the optimizer state through `.data`;
+        `swap data`: no fence, bind new tensors to every parameter's and optimizer tensor's
+        `.data` (a move to another device and back, an EMA swap), leaving the old ones as
+        they were."""
         from verl_ckpt import describe_gpt_model
 
         self.counter[0] = step
@@ -212,6 +215,12 @@ class RankWorker:
                 for s in self.optimizer.state.values():
                     for value in s.values():
                         value.mul_(3.0)
+        if after == "swap data":
+            # Rebinding `.data` moves no version counter: the save must hold on to the tensors
+            # it saw at save() (I4).
+            with torch.no_grad():
+                for value in self._every_state_tensor():
+                    value.data = torch.full_like(value, 7.0)
         if after == "fence, inplace":
             self.manager.fence()
             after = "inplace"
@@ -230,6 +239,41 @@ class RankWorker:
             self._swap_optimizer_storage()  # reload before the update
             self.train(1)
             self._swap_optimizer_storage()  # offload after it
+        return vars(stats)
+
+    def _every_state_tensor(self) -> list[torch.Tensor]:
+        moments = [v for s in self.optimizer.state.values() for v in s.values()]
+        return [*self.model.parameters(), *moments]
+
+    def save_with_a_large_moment(
+        self, step: int, in_page: int, snapshot: str | None = None
+    ) -> dict[str, Any]:
+        """save(step) with one more optimizer tensor, of 1 MiB or more, whose storage of its
+        own starts `in_page` bytes into a page of memory: an offloading trainer's optimizer
+        tensor, re-allocated at every step wherever torch's allocator finds room (at any
+        multiple of 64 bytes). Real memory (an anonymous mapping, which starts on a page),
+        placed by hand; the tensor keeps its mapping alive."""
+        import mmap
+
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        from verl_ckpt.format.torch_format import PAGE_ALIGNED_MIN, PAGE_BYTES
+
+        numel = PAGE_ALIGNED_MIN // 4 + 3
+        memory = mmap.mmap(-1, numel * 4 + PAGE_BYTES)
+        moment = torch.frombuffer(memory, dtype=torch.float32, count=numel, offset=in_page)
+        moment.copy_(torch.arange(numel, dtype=torch.float32))
+        optimizer = self.mc.optimizer_sharded_state_dict(self.model, self.optimizer)
+        optimizer["large_moment"] = ShardedTensor.from_rank_offsets(
+            "optimizer.large_moment", moment, (0, self.rank, self.world_size)
+        )
+        stats = self.manager.save(
+            step,
+            model=self.model.sharded_state_dict(),
+            optimizer=optimizer,
+            extra={"rng": torch.get_rng_state(), "generator": self.generator.get_state()},
+            snapshot=snapshot,
+        )
         return vars(stats)
 
     @torch.no_grad()
@@ -332,24 +376,30 @@ class RankWorker:
 
         megatron_compat.see_shards = fails_once
 
-    def save_live_with_its_writes_held(self, step: int) -> str:
+    def save_live_with_its_writes_held(self, step: int) -> list[str]:
         """Fault injection (a disk that stalls past a save's deadline cannot be produced here
         for real): close this rank's write gate (the one quiet() closes) so that its writer
-        threads stall in the write, save `step` with snapshot=live, then fence(). Returns
-        what fence() raised, or "fence returned"; the writes are let go after."""
-        from verl_ckpt import CommitTimeoutError
-
+        threads stall in the write, save `step` with snapshot=live, then fence() (by its
+        default deadline), and fence() again (for 1 s) while they are still held; then let
+        the writes go and fence() (for up to 30 s), and once more. Returns what each fence()
+        raised, or "fence returned"."""
         writer = self.manager._writer
         writer.pause()
         try:
             self.save(step, snapshot="live")
-            try:
-                self.manager.fence()
-            except CommitTimeoutError as exc:
-                return str(exc)
-            return "fence returned"
+            fences = [self._fence_outcome(None), self._fence_outcome(1.0)]
         finally:
             writer.resume()
+        return [*fences, self._fence_outcome(30.0), self._fence_outcome(1.0)]
+
+    def _fence_outcome(self, timeout_s: float | None) -> str:
+        from verl_ckpt import CommitTimeoutError
+
+        try:
+            self.manager.fence(timeout_s)
+        except CommitTimeoutError as exc:
+            return str(exc)
+        return "fence returned"
 
     def save_through_ctrl_c(self, step: int) -> str:
         """save(step) in a trainer that catches Ctrl-C (KeyboardInterrupt) and goes on; the

@@ -8,6 +8,7 @@ the trainer's change lands before the copy ends: the race the version counters m
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -189,18 +190,50 @@ def test_I4_a_live_write_that_outlasts_its_deadline_keeps_the_trainer_fenced(ran
     """The critic's writer threads stall in its live write (its write gate held shut: see
     save_live_with_its_writes_held) past the save's deadline. They cannot be stopped and
     may still read the trainer's tensors, so fence() raises, naming it, instead of handing
-    the state back as free; the step fails and the tracker stays."""
+    the state back as free, at every call until those writes ended (a fence that raised
+    once and then opened let the trainer change what a writer still read); then it opens.
+    The step fails and the tracker stays."""
     cfg = ckpt_config(tmp_path, snapshot="live", timeout_s=6)
     coordinator = open_with_step_1_committed(ranks, cfg)
     critic = ranks["critic"][0]
     held = critic.save_live_with_its_writes_held.remote(2)
     ray.get([w.save.remote(2) for w in ranks["actor"]])
-    assert "a writer thread may still read the state" in ray.get(held)
+    first, again, released, after = ray.get(held)
+    still_read = r"the live snapshot of step 2 .* is still being read by a writer thread"
+    assert re.search(still_read, first), first
+    assert re.search(still_read, again), again
+    assert (released, after) == ("fence returned", "fence returned")
     with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write\]"):
         coordinator.wait_for_commit(2)
     with pytest.raises(CheckpointWriteError, match="critic rank 0 failed to save step 2"):
         ray.get(critic.wait.remote())
     assert read_tracker(cfg["root_dir"]) == 1
+    close_all(ranks, coordinator)
+
+
+@pytest.mark.parametrize("snapshot", ["deferred", "live"])
+def test_I4_a_save_holds_the_tensors_of_save_whatever_the_trainer_binds_to_data_before_the_fence(
+    ranks, tmp_path, snapshot
+):
+    """Found by review: a trainer that rebinds a tensor's `.data` between save() and the
+    fence (moves a parameter to the GPU for its rollout, swaps in EMA weights) moves no
+    version counter, and the save read `.data` again after save(): it wrote the new values
+    silently, or failed on the new tensor's counter. The critic's copy (deferred) or write
+    (live) starts 1 s late, so that the swap lands first; what is saved must be the state
+    at save()."""
+    cfg = ckpt_config(tmp_path, snapshot=snapshot)
+    coordinator = open_with_step_1_committed(ranks, cfg)
+    critic = ranks["critic"][0]
+    phase = "stage" if snapshot == "deferred" else "write"
+    ray.get(critic.set_env.remote(ENV_VAR, f"{phase}:critic=sleep=1"))
+    try:
+        before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
+        second = save_everyone(ranks, coordinator, 2, after="swap data")
+        coordinator.wait_for_commit(2)
+    finally:
+        ray.get(critic.set_env.remote(ENV_VAR, None))
+    assert {s["snapshot"] for s in second} == {snapshot}
+    assert_restores(ranks, 2, before)
     close_all(ranks, coordinator)
 
 

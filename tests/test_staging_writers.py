@@ -27,10 +27,12 @@ from verl_ckpt import (
     read_tracker,
 )
 from verl_ckpt.format.file_writer import write_bucket
+from verl_ckpt.format.torch_format import PAGE_ALIGNED_MIN
 from verl_ckpt.protocol.faults import ENV_VAR
 from verl_ckpt.rank.staging import StagingSlot
-from verl_ckpt.rank.writers import ProcessWriter
+from verl_ckpt.rank.writers import ProcessWriter, ThreadWriter, WriteTimeout
 from verl_ckpt.store.fsio import WriteOptions
+from verl_ckpt.store.layout import role_dir
 
 
 def assert_restores(ranks, step, before):
@@ -153,6 +155,47 @@ def test_I4_offload_aware_load_waits_for_the_live_writes(ranks, slow_offload_awa
     ray.get([w.load.remote(1) for w in every_rank(ranks)])
     slow_offload_aware.wait_for_commit(2)
     assert_restores(ranks, 2, before)
+
+
+@pytest.mark.parametrize("snapshot", ["now", "deferred"])
+def test_an_offload_aware_save_lays_its_in_place_tensors_out_whatever_their_address(
+    ranks, tmp_path, snapshot
+):
+    """Found by review: a save that is not live laid the tensors offload-aware staging
+    writes in place out by their offset within a page of memory, as a live snapshot lays out
+    its own. An offloading trainer re-allocates them at every step, so the write results
+    moved with their address and the finalizer's forecast of `.metadata`, which compares
+    them whole, missed at every commit. The critic saves a large optimizer tensor 64 bytes
+    into a page, then 128: it must lie at the same offset of its file in both steps."""
+    cfg = ckpt_config(tmp_path, snapshot=snapshot, staging={"offload_aware": True})
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    critic = ranks["critic"][0]
+    for step, in_page in ((1, 64), (2, 128)):
+        saves = [critic.save_with_a_large_moment.remote(step, in_page)]
+        stats, *_ = ray.get(saves + [w.save.remote(step) for w in ranks["actor"]])
+        assert stats["snapshot"] == ("now" if step == 1 else snapshot)
+        coordinator.save_driver_state(step, {"step": step})
+        coordinator.wait_for_commit(step)
+        # Written in place (a deferred save counts it on its save thread).
+        (done,) = [s for s in ray.get(critic.wait.remote()) if s["step"] == step]
+        assert done["bytes_zero_copy"] >= PAGE_ALIGNED_MIN
+    first, second = (large_moment_in_file(cfg["root_dir"], step) for step in (1, 2))
+    assert first and first == second
+    close_all(ranks, coordinator)
+
+
+def large_moment_in_file(root: str, step: int) -> list[tuple]:
+    """Where the critic's `optimizer.large_moment` (save_with_a_large_moment) lies in the
+    files of `step`, as its `.metadata` records it."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(role_dir(root, step, "critic"))).read_metadata().storage_data
+    return sorted(
+        (tuple(index.offset), where.relative_path, where.offset, where.length)
+        for index, where in storage.items()
+        if index.fqn == "optimizer.large_moment"
+    )
 
 
 def writer_pid_within(rank, seconds: float) -> int:
@@ -402,3 +445,35 @@ def test_I4_I5_a_failed_bucket_is_reported_once_the_process_wrote_no_other_bucke
         f"the failure came back while bucket B was still being written ({b_size} of "
         f"{whole.size} bytes, {'open' if b_open else 'closed'})"
     )
+
+
+def test_I4_a_thread_write_past_its_deadline_starts_no_queued_bucket(tmp_path):
+    """Found by review: a thread write that timed out left its queued buckets in the pool,
+    and they started after the deadline, reading the buffers (or a live snapshot's tensors)
+    of a save that had failed. One writer thread, its gate shut (the trainer's quiet()):
+    bucket A stalls in its write past the deadline, B waits in the queue. B must never
+    start; the timeout says A may still read, and says so no longer once A ended."""
+    tensor = torch.full((1 << 16,), 2.0)
+    items = [(whole_tensor_item("t", tensor), tensor)]
+    first, queued = tmp_path / "a.distcp", tmp_path / "b.distcp"
+    transforms, slot = _StorageWriterTransforms(), StagingSlot("test", [tensor])
+    buckets = [(str(first), "a", ([], items)), (str(queued), "b", ([], items))]
+    writer = ThreadWriter(1, "test_writer", options=WriteOptions(writeback_every=0))
+    try:
+        writer.pause()
+        try:
+            with pytest.raises(WriteTimeout) as timed_out:
+                # A starts at once: the deadline finds it held at the gate.
+                writer.write(buckets, transforms, slot, time.monotonic() + 5.0, ("test", 0))
+            still_reading = timed_out.value.buffers_in_use
+        finally:
+            writer.resume()
+        # A write queued behind them on the one thread: once it returned, A has ended and
+        # B, had it been left in the queue, has run.
+        last = [(str(tmp_path / "c.distcp"), "c", ([], items))]
+        writer.write(last, transforms, slot, time.monotonic() + 60.0, ("test", 0))
+        assert first.exists() and not queued.exists(), "a bucket queued at the deadline started"
+        assert still_reading and timed_out.value.reads_ended.is_set()
+    finally:
+        writer.resume()
+        writer.close(30.0)

@@ -179,9 +179,10 @@ class CheckpointManager:
         """Return once the snapshot of every save so far is taken: from then on the trainer
         may change the state (after a live save: once the host tensors it writes without a
         copy are written). Needed only after a deferred or live save; save(), load() and
-        close() call it first. Raises CommitTimeoutError at the deadline (checkpoint.timeout_s;
-        by default, for a live save, its write's own deadline), and once where a live save's
-        write timed out while a writer thread may still read the state."""
+        quiet() call it first (close() waits for the writes instead). Raises
+        CommitTimeoutError at the deadline (checkpoint.timeout_s; by default, for a live
+        save, its write's own deadline); where a live save's write timed out while a writer
+        thread still reads the state, at every call until that thread ended."""
         self._snapshotter.fence(timeout_s)
 
     @contextlib.contextmanager

@@ -42,7 +42,9 @@ class SaveStats:
     # conversion); a reused plan finds its write items without it once a save learned
     # where they are (format/write_resolution.py). None until the plan ran.
     plan_converted: bool | None = None
-    # "now", or "deferred": the copy (stage_s) ran in the background, after save() returned.
+    # "now"; "deferred": the copy (stage_s) ran in the background, after save() returned;
+    # "live": as "deferred", but the host tensors were written from the trainer's memory
+    # without a copy (bytes_zero_copy), the fence waiting for those writes.
     snapshot: str = "now"
     # The wait, on the save thread, for the save group's agreement (ranks that went ahead
     # on a cached plan): the peers' arrival, which save() itself no longer waits for.
@@ -190,8 +192,11 @@ class SaveJob:
     # Set once the snapshot is taken (for a deferred one, on the save thread; for a live one,
     # once its writes ended): fence() waits.
     snapshot_taken: threading.Event = field(default_factory=threading.Event)
-    # Set with it where the trainer must not take the state back: fence() raises this.
+    # A live write that outlasted its deadline while writer threads still ran: they cannot
+    # be stopped and may still read the trainer's tensors, so fence() raises `fence_error`
+    # until `reads_ended` is set (by the last of those threads to end), then opens.
     fence_error: str | None = None
+    reads_ended: threading.Event | None = None
 
     @property
     def step(self) -> int:

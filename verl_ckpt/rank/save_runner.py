@@ -135,6 +135,18 @@ class SaveRunner:
         """On the save thread: a deferred copy (then fence() returns); for a save whose plan
         is reused, the agreement, begin_step and the plan (while save() copies, if save()
         handed the job over before its copy: job.copied); then steps 3-4."""
+        try:
+            if self._prepare_in_background(job):
+                self._write_and_report(job)
+        finally:
+            # However the save thread's part ended (a KeyboardInterrupt, which no `except
+            # Exception` sees, included): a snapshot that will not be taken now never will,
+            # and a fence left waiting for it would wait out its deadline at every call.
+            job.snapshot_taken.set()
+
+    def _prepare_in_background(self, job: SaveJob) -> bool:
+        """What steps 1-2 left to the save thread; whether the write goes ahead (False: the
+        step failed elsewhere first)."""
         phase = Phase.STAGE
         try:
             if job.path.deferred:
@@ -164,12 +176,12 @@ class SaveRunner:
             self.abandon(job, phase, exc)
             job.stats.error = f"{type(exc).__name__}: {exc}"
             logger.warning("%s: not saving step %d: %s", self._link.client.who, job.step, exc)
-            return
-        except Exception as exc:
+            return False
+        except BaseException as exc:  # a KeyboardInterrupt too: the slot, the finalizer
             self.abandon(job, phase, exc)
             job.stats.error = f"{type(exc).__name__}: {exc}"
             raise self._failed(job, f"{type(exc).__name__}: {exc}") from exc
-        self._write_and_report(job)
+        return True
 
     def abandon(self, job: SaveJob, phase: Phase, exc: BaseException) -> None:
         """Steps 1-2 failed after the staging slot was taken: free it, and tell the
@@ -219,24 +231,15 @@ class SaveRunner:
                 job.deadline,
                 (self._role, self._rank),
                 copied,
-                live_storages=frozenset(
-                    entry.tensor.untyped_storage().data_ptr() for entry in job.copy.live
-                ),
+                live_storages=self._laid_out_by_memory(job),
             )
             check_live_unchanged(job.copy.live, job.path.live)
             self._fill_report(job, report, outcomes)
             return None
         except WriteTimeout as exc:
             buffers_free = not exc.buffers_in_use
-            if exc.buffers_in_use and job.path.live and job.copy.live:
-                # Writer threads cannot be stopped: they may still read the trainer's
-                # tensors, which the fence must then not hand back as free (I4).
-                job.fence_error = (
-                    f"{self._role} rank {self._rank}: the live snapshot of step {job.step} "
-                    f"under {self._root} was not written within checkpoint.timeout_s, and a "
-                    "writer thread may still read the state: it must not be changed yet "
-                    f"({exc})"
-                )
+            if not buffers_free and job.path.live and job.copy.live:
+                self._keep_fenced(job, exc)
             return self._link.failure(Phase.WRITE, exc)
         except CopyFailed as exc:
             return self._link.failure(Phase.STAGE, exc)
@@ -248,8 +251,32 @@ class SaveRunner:
             self._snapshotter.give_back(job, buffers_free)
             job.copy.live = []
             # A live snapshot's tensors are written (or never will be): the trainer may
-            # change them from here on, so its fence opens only now.
+            # change them from here on, so its fence opens only now (where writer threads
+            # outlasted the deadline, once they ended: _keep_fenced).
             job.snapshot_taken.set()
+
+    @staticmethod
+    def _laid_out_by_memory(job: SaveJob) -> frozenset[int]:
+        """The storages laid out at their own offset within a page (WriteOptions): a live
+        snapshot's only. A tensor that offload-aware staging writes in place (snapshot now
+        or deferred) is re-allocated by its trainer between saves: laid out by its address,
+        it would change the write results at every step, and the finalizer's forecast of
+        `.metadata` (which compares them whole) would miss at every commit."""
+        if not job.path.live:
+            return frozenset()
+        return frozenset(entry.tensor.untyped_storage().data_ptr() for entry in job.copy.live)
+
+    def _keep_fenced(self, job: SaveJob, exc: WriteTimeout) -> None:
+        """A live write timed out while writer threads still run: they cannot be stopped
+        and may still read the trainer's tensors, which the fence must not hand back as free
+        (I4) before the last of them ended (exc.reads_ended)."""
+        job.fence_error = (
+            f"{self._role} rank {self._rank}: the live snapshot of step {job.step} under "
+            f"{self._root} is still being read by a writer thread (its write did not end "
+            "within checkpoint.timeout_s, and writer threads cannot be stopped): the state "
+            f"must not be changed until it ends ({exc})"
+        )
+        job.reads_ended = exc.reads_ended
 
     def _fill_report(self, job: SaveJob, report: RankReport, outcomes: list) -> None:
         """The rank's files (rank 0's common.pt and model spec written now), the DCP write

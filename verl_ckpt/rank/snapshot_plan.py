@@ -24,6 +24,7 @@ __all__ = [
     "check_copied_unchanged",
     "check_live_unchanged",
     "freeze_objects",
+    "hold_tensors",
     "live_bytes",
     "live_candidates",
     "nbytes",
@@ -67,6 +68,18 @@ class SaveTimeMarks:
         sources = [item.data for item in tensors]
         versions = {id(item): data._version for item, data in zip(tensors, sources, strict=True)}
         return cls(versions, device_ready_events(sources))
+
+
+def hold_tensors(tensors: list[ShardedTensor]) -> None:
+    """Point each item at a tensor of its own on the same memory (detach(): no copy, the
+    same version counter), inside a deferred or live save(). An item may hold the trainer's
+    parameter or optimizer tensor itself, and a trainer that rebinds its `.data` after save()
+    (moves it to the GPU for the rollout, swaps EMA weights in) changes what the item holds
+    while no version counter moves: the save would then copy or write the new values,
+    silently, or fail on a tensor that was never saved. The detached tensor keeps the
+    memory that save() saw."""
+    for item in tensors:
+        item.data = item.data.detach()
 
 
 def nbytes(tensor: torch.Tensor) -> int:

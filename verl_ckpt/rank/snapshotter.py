@@ -22,6 +22,7 @@ from verl_ckpt.rank.snapshot_plan import (
     SnapshotPlan,
     bind_buffers,
     check_copied_unchanged,
+    hold_tensors,
     live_bytes,
     live_candidates,
     split_live,
@@ -58,7 +59,12 @@ class Snapshotter:
         """What save() must read now: the buffers to copy into (a deferred save records
         only the version counters: which tensors to copy, and into which buffers, is chosen
         on the save thread before the copy) and rank 0's non-sharded state."""
-        marks = SaveTimeMarks.record(layout.tensors) if path.deferred else None
+        marks = None
+        if path.deferred:
+            # The instant of the snapshot (I4): the tensors it saves are those the items hold
+            # now, whatever the trainer binds to their `.data` before the fence.
+            hold_tensors(layout.tensors)
+            marks = SaveTimeMarks.record(layout.tensors)
         copy = None if path.deferred else self.acquire(layout)
         try:
             # Rank 0 writes the non-sharded part, always, as megatron-core does (its load
@@ -170,7 +176,7 @@ class Snapshotter:
 
     def fence(self, timeout_s: float | None = None) -> None:
         """Return once the last deferred snapshot is taken, or the last live one written
-        (CheckpointManager.fence)."""
+        and no writer thread reads it any more (CheckpointManager.fence)."""
         job = self._unfenced
         if job is None:
             return
@@ -178,6 +184,7 @@ class Snapshotter:
         if timeout_s is None and job.path.live:
             # A live snapshot is taken when its write ends, by the write's own deadline.
             timeout = max(timeout, time_left(job.deadline) + _LIVE_FENCE_SLACK_S)
+        deadline = deadline_in(timeout)
         if not job.snapshot_taken.wait(timeout):
             what = "written" if job.path.live else "taken"
             raise CommitTimeoutError(
@@ -185,9 +192,11 @@ class Snapshotter:
                 f"{job.step} under {self._root} was not {what} within {timeout:g}s (its save "
                 f"thread is {job.stats.doing})"
             )
+        # Shut at every call, not only the first, while a writer thread that outlasted the
+        # write's deadline may still read the state: the trainer must not change it yet.
+        if job.reads_ended is not None and not job.reads_ended.wait(time_left(deadline)):
+            raise CommitTimeoutError(job.fence_error)
         self._unfenced = None
-        if job.fence_error is not None:
-            raise CommitTimeoutError(job.fence_error)  # once, as a save's failure is
 
     def forget_unfenced(self) -> None:
         """The writes are drained: every snapshot was taken or failed."""

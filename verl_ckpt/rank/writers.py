@@ -14,8 +14,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
 from functools import partial
 from typing import Any, Protocol
@@ -91,12 +91,38 @@ class Writer(Protocol):
 
 
 class WriteTimeout(CommitTimeoutError):
-    """The write did not finish by its deadline; `buffers_in_use` says whether a writer may
-    still be reading the staged buffers (then they must never be reused)."""
+    """The write did not finish by its deadline. `reads_ended` is set once no writer reads
+    the staged buffers (or a live snapshot's tensors) any more: at once where nothing still
+    runs, else when the last of the writer threads `running` at the deadline ends."""
 
-    def __init__(self, message: str, buffers_in_use: bool) -> None:
+    def __init__(self, message: str, running: Sequence[Future] = ()) -> None:
         super().__init__(message)
-        self.buffers_in_use = buffers_in_use
+        self.reads_ended = _set_once_all_done(running)
+
+    @property
+    def buffers_in_use(self) -> bool:
+        """Whether a writer may still read the buffers now (then they must never be reused)."""
+        return not self.reads_ended.is_set()
+
+
+def _set_once_all_done(futures: Sequence[Future]) -> threading.Event:
+    """An event set by the last of `futures` to end (a done-callback: no thread polls)."""
+    ended = threading.Event()
+    left = len(futures)
+    lock = threading.Lock()
+
+    def one_ended(_: Future) -> None:
+        nonlocal left
+        with lock:
+            left -= 1
+            if left == 0:
+                ended.set()
+
+    if not futures:
+        ended.set()
+    for future in futures:
+        future.add_done_callback(one_ended)  # called at once if it already ended
+    return ended
 
 
 def _waiting_for(
@@ -188,7 +214,7 @@ class ThreadWriter(InlineWriter):
         if time_left(deadline) <= 0:
             # Late already (a slow agreement, begin_step or plan): start no thread, which
             # could not be stopped and would read the buffers (or a live tensor) past it.
-            raise WriteTimeout("the write could not start before its deadline", False)
+            raise WriteTimeout("the write could not start before its deadline")
         before = _waiting_for(copied, deadline)
         options = self._options_for(live_storages)
         futures = [
@@ -206,8 +232,11 @@ class ThreadWriter(InlineWriter):
         _, unfinished = wait_for_futures(futures, timeout=time_left(deadline))
         if unfinished:
             late = next(b for f, b in zip(futures, buckets, strict=True) if f in unfinished)
-            # The thread cannot be stopped and may still read the buffers.
-            raise WriteTimeout(f"writing {late[0]} did not finish in time", True)
+            # A bucket not started yet never starts: past the deadline it would read the
+            # buffers (or a live tensor) for a save that has failed. A running thread cannot
+            # be stopped and may still read them: the error says when the last one ends.
+            running = [future for future in unfinished if not future.cancel()]
+            raise WriteTimeout(f"writing {late[0]} did not finish in time", running)
         return [future.result() for future in futures]
 
     def close(self, timeout_s: float) -> None:
@@ -319,7 +348,7 @@ class ProcessWriter:
                 if time.monotonic() >= deadline:
                     # Stop our own hung writer, so that its buffers can be reused safely.
                     self._kill()
-                    raise WriteTimeout("the writer process did not finish in time", False) from None
+                    raise WriteTimeout("the writer process did not finish in time") from None
                 continue
             if done_job != job:
                 continue  # a late answer to a job that already timed out
