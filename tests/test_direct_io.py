@@ -698,3 +698,60 @@ def test_I5_a_device_that_stops_taking_held_writes_is_named_as_hung(tmp_path, mo
         )
     assert time.monotonic() - started < 1.8
     released.set()
+
+
+def test_a_device_error_in_a_queued_held_write_is_raised_within_a_few_writes(tmp_path, monkeypatch):
+    """Held writes are queued, not waited for, but not without bound: an error of the
+    device (ENOSPC here) is raised to the writer within a couple of writes after it, not
+    only once the whole file has been queued and finished. Faked, saying so: a full disk
+    cannot be produced on cue on the test's filesystem."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    expected, kept, actions = _held_file(tmp_path, [(300, 64, 9 * MiB, True)] * 12)
+    handed = []
+
+    def fill(stream) -> None:
+        for data, held in actions:
+            (stream.write_held if held else stream.write)(data)
+            handed.append(len(data))
+
+    with pytest.raises(OSError, match="rank.distcp") as caught:
+        write_checksummed(tmp_path / "rank.distcp", fill, options=DIRECT)
+    assert caught.value.errno == errno.ENOSPC
+    assert sum(1 for n in handed if n == 9 * MiB) <= 4, "the error waited for the whole file"
+
+
+def test_a_writer_that_fails_leaves_no_queued_write_running(tmp_path, monkeypatch):
+    """The writer fails (a copy that never came, a template mismatch) with held writes
+    queued: closing the file cancels those not started, and waits only for the one the
+    device is writing, so that a failed save stops writing at once. The device is slowed
+    (os.pwritev wrapped with a sleep) so that writes are still queued when it fails."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    real_pwritev = os.pwritev
+    requests = []
+
+    def slow(fd, buffers, offset):
+        requests.append(offset)
+        time.sleep(0.3)
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    expected, kept, actions = _held_file(tmp_path, [(300, 64, 9 * MiB, True)] * 4)
+
+    def fill(stream) -> None:
+        for data, held in actions:
+            (stream.write_held if held else stream.write)(data)
+        raise RuntimeError("the copy of the next tensor never came")
+
+    with pytest.raises(RuntimeError, match="never came"):
+        write_checksummed(tmp_path / "rank.distcp", fill, options=DIRECT)
+    started = len(requests)
+    time.sleep(1.0)
+    assert len(requests) == started, "a queued write went on after the file was closed"
+    assert started < 4

@@ -66,6 +66,10 @@ ZERO_COPY_MIN = 1 << 20
 _BUFFERS_KEPT = 4
 # The most pieces one vectored request may have (the kernel's UIO_MAXIOV).
 _IOV_MAX = 1024
+# Gathered jobs queued ahead of the device at most: enough that it never waits for the
+# writer, few enough that an error (ENOSPC, EIO) is raised within a job or two, and that a
+# failed file leaves little to cancel.
+_JOBS_AHEAD = 2
 
 
 def _split(
@@ -345,6 +349,15 @@ class DirectFile:
             self._gathered_bytes -= whole
             self._submit(self._pwrite_gathered, request, self._written)
             self._written += whole
+            if len(self._unchecked) >= _JOBS_AHEAD:
+                self._wait_for_oldest()
+
+    def _wait_for_oldest(self) -> None:
+        """Wait for the oldest job not waited for yet (raising its error)."""
+        oldest = self._unchecked[0]
+        if not self._ended_in_time(oldest, self._requests_ended):
+            raise _hung_error()
+        self._unchecked.pop(0).result()
 
     def _take_gathered(self, upto: int | None = None) -> list[np.ndarray]:
         """The gathered segments, then the buffer's bytes from _start to `upto` (whole
@@ -449,19 +462,22 @@ class DirectFile:
         if self._fd < 0:
             return
         fd, self._fd = self._fd, -1
+        still_running: list[str] = []
         try:
             if self._helper is not None:
-                # A write still running (the writer failed meanwhile) is waited for, bounded,
-                # so that its buffer is not unmapped under it; one already found hung is not
-                # waited for again.
-                if self._writing is not None and not self._hung:
-                    wait_for_futures([self._writing], timeout=_HELPER_WAIT_S)
-                self._helper.close(0.1 if self._hung else _HELPER_WAIT_S)
+                # Jobs not started are cancelled (the writer failed: what they would write
+                # is discarded); the one running is waited for, bounded, so that neither its
+                # buffer nor the descriptor goes away under it. One already found hung is
+                # not waited for again.
+                still_running = self._helper.close(0.1 if self._hung else _HELPER_WAIT_S)
         finally:
-            os.close(fd)
+            # A job still running writes through the descriptor: closed, its number could
+            # be reused by another file, which the job would then write into. Left open.
+            if not still_running:
+                os.close(fd)
             self._arrays.clear()
             # A buffer a hung write may still read is never handed out again.
-            if self._writing is None or self._writing.done():
+            if not still_running and (self._writing is None or self._writing.done()):
                 for buffer in self._buffers:
                     _buffers.give_back(buffer)
 
