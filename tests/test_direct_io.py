@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -381,14 +382,14 @@ def test_a_slice_is_hashed_while_the_device_writes_it(tmp_path):
     assert (written.size, written.checksum) == file_checksum(path)
 
 
-def _write_paused_in_thread(path: Path, view: memoryview, gate) -> tuple:
-    """write_checksummed(path, view) on a thread of its own, given half a second to go as
+def _write_paused_in_thread(path: Path, fill, gate) -> tuple:
+    """write_checksummed(path, fill) on a thread of its own, given half a second to go as
     far as the pause (started from inside the write) lets it; returns the thread and the
     list its WrittenFile will be appended to."""
     result: list = []
 
     def write() -> None:
-        result.append(write_checksummed(path, lambda s: s.write(view), gate, DIRECT))
+        result.append(write_checksummed(path, fill, gate, DIRECT))
 
     writer = threading.Thread(target=write)
     writer.start()
@@ -419,7 +420,7 @@ def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_pat
     memory, view = _aligned_bytes(24 * MiB, 0)
     path = tmp_path / "rank.distcp"
     expected = bytes(view)
-    writer, result = _write_paused_in_thread(path, view, gate)
+    writer, result = _write_paused_in_thread(path, lambda s: s.write(view), gate)
     assert requests == [0], "the rest of the slice was written during the pause"
     gate.set()  # quiet() ends: the write goes on where it stopped
     writer.join(10)
@@ -460,7 +461,7 @@ def test_a_pause_stops_the_hash_beside_a_direct_write_within_one_slice(tmp_path,
     monkeypatch.setitem(fsio._HASHERS, fsio.CHECKSUM_ALGORITHM, Counting)
     memory, view = _aligned_bytes(24 * MiB, 0)
     path = tmp_path / "rank.distcp"
-    writer, result = _write_paused_in_thread(path, view, gate)
+    writer, result = _write_paused_in_thread(path, lambda s: s.write(view), gate)
     assert sum(hashed) == 8 * MiB, "the rest of the slice was hashed during the pause"
     gate.set()
     writer.join(10)
@@ -512,11 +513,12 @@ def test_I5_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_
 # ---- held writes: gathered into whole vectored requests ------------------------------------
 
 
-def _held_file(directory: Path, pieces: list[tuple[int, int, bool]]) -> tuple[bytes, list]:
-    """A file of `pieces` (bytes before, lead within a page, nbytes; held or not), each
-    a header of random bytes padded so that the piece's memory and position agree modulo
-    the block (as the rank's writer lays a large storage out); returns the expected bytes
-    and the memory to keep alive until the caller is done."""
+def _held_file(pieces: list[tuple[int, int, int, bool]]) -> tuple[bytes, list, list]:
+    """A file of `pieces` (bytes before, lead within a page, nbytes, held or not), each
+    after a header of random bytes padded so that the piece's memory and position agree
+    modulo the block (as the rank's writer lays a large storage out); returns the expected
+    bytes, the memory to keep alive until the caller is done, and the (bytes, held) writes
+    that make the file."""
     kept, parts, actions = [], [], []
     position = 0
     for before, lead, nbytes, held in pieces:
@@ -529,6 +531,16 @@ def _held_file(directory: Path, pieces: list[tuple[int, int, bool]]) -> tuple[by
         actions += [(head, False), (bytes(pad), False), (view, held)]
         position += pad + nbytes
     return b"".join(parts), kept, actions
+
+
+def _filled_with(actions: list) -> Callable:
+    """A fill for write_checksummed: each (bytes, held) written, held ones by write_held."""
+
+    def fill(stream) -> None:
+        for data, held in actions:
+            (stream.write_held if held else stream.write)(data)
+
+    return fill
 
 
 @pytest.mark.parametrize(
@@ -559,14 +571,9 @@ def test_held_writes_go_in_whole_vectored_requests_and_the_file_is_exact(
         return wrote
 
     monkeypatch.setattr(os, "pwritev", counting)
-    expected, kept, actions = _held_file(tmp_path, pieces)
+    expected, kept, actions = _held_file(pieces)
     path = tmp_path / "rank.distcp"
-
-    def fill(stream) -> None:
-        for data, held in actions:
-            (stream.write_held if held else stream.write)(data)
-
-    written = write_checksummed(path, fill, options=DIRECT)
+    written = write_checksummed(path, _filled_with(actions), options=DIRECT)
     assert path.read_bytes() == expected
     assert (written.size, written.checksum) == file_checksum(path)
     assert requests and all(r <= 8 * MiB for r in requests), requests
@@ -590,12 +597,10 @@ def test_a_device_that_refuses_a_gathered_request_gets_copies(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "pwritev", refusing)
     expected, kept, actions = _held_file(
-        tmp_path, [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
+        [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
     )
     path = tmp_path / "rank.distcp"
-    written = write_checksummed(
-        path, lambda s: [s.write_held(d) if h else s.write(d) for d, h in actions], options=DIRECT
-    )
+    written = write_checksummed(path, _filled_with(actions), options=DIRECT)
     assert refused == [0]  # tried once, then copies for the rest of the file
     assert path.read_bytes() == expected
     assert (written.size, written.checksum) == file_checksum(path)
@@ -616,13 +621,9 @@ def test_a_filesystem_that_refuses_direct_writes_takes_held_ones_buffered(tmp_pa
 
     monkeypatch.setattr(os, "pwritev", refusing(real_pwritev))
     monkeypatch.setattr(os, "pwrite", refusing(real_pwrite))
-    expected, kept, actions = _held_file(
-        tmp_path, [(300, 64, 6 * MiB, True), (300, 64, 9 * MiB + 3, True)]
-    )
+    expected, kept, actions = _held_file([(300, 64, 6 * MiB, True), (300, 64, 9 * MiB + 3, True)])
     path = tmp_path / "rank.distcp"
-    written = write_checksummed(
-        path, lambda s: [s.write_held(d) if h else s.write(d) for d, h in actions], options=DIRECT
-    )
+    written = write_checksummed(path, _filled_with(actions), options=DIRECT)
     assert path.read_bytes() == expected
     assert (written.size, written.checksum) == file_checksum(path)
 
@@ -647,21 +648,10 @@ def test_a_pause_takes_hold_between_the_gathered_requests_of_held_writes(tmp_pat
 
     monkeypatch.setattr(os, "pwritev", pausing)
     expected, kept, actions = _held_file(
-        tmp_path, [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
+        [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
     )
     path = tmp_path / "rank.distcp"
-    result: list = []
-
-    def write() -> None:
-        def fill(stream) -> None:
-            for data, held in actions:
-                (stream.write_held if held else stream.write)(data)
-
-        result.append(write_checksummed(path, fill, gate, DIRECT))
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    writer.join(0.5)
+    writer, result = _write_paused_in_thread(path, _filled_with(actions), gate)
     assert requests == [0], "queued requests were written during the pause"
     gate.set()
     writer.join(10)
@@ -687,13 +677,13 @@ def test_I5_a_device_that_stops_taking_held_writes_is_named_as_hung(tmp_path, mo
 
     monkeypatch.setattr(os, "pwritev", device)
     expected, kept, actions = _held_file(
-        tmp_path, [(300, 64, 9 * MiB, True), (300, 64, 9 * MiB, True), (300, 64, 9 * MiB, True)]
+        [(300, 64, 9 * MiB, True), (300, 64, 9 * MiB, True), (300, 64, 9 * MiB, True)]
     )
     started = time.monotonic()
     with pytest.raises(OSError, match="hung"):
         write_checksummed(
             tmp_path / "hung.distcp",
-            lambda s: [s.write_held(d) if h else s.write(d) for d, h in actions],
+            _filled_with(actions),
             options=DIRECT,
         )
     assert time.monotonic() - started < 1.8
@@ -712,7 +702,7 @@ def test_a_device_error_in_a_queued_held_write_is_raised_within_a_few_writes(tmp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwritev", full)
-    expected, kept, actions = _held_file(tmp_path, [(300, 64, 9 * MiB, True)] * 12)
+    expected, kept, actions = _held_file([(300, 64, 9 * MiB, True)] * 12)
     handed = []
 
     def fill(stream) -> None:
@@ -742,11 +732,10 @@ def test_a_writer_that_fails_leaves_no_queued_write_running(tmp_path, monkeypatc
         return real_pwritev(fd, buffers, offset)
 
     monkeypatch.setattr(os, "pwritev", slow)
-    expected, kept, actions = _held_file(tmp_path, [(300, 64, 9 * MiB, True)] * 4)
+    expected, kept, actions = _held_file([(300, 64, 9 * MiB, True)] * 4)
 
     def fill(stream) -> None:
-        for data, held in actions:
-            (stream.write_held if held else stream.write)(data)
+        _filled_with(actions)(stream)
         raise RuntimeError("the copy of the next tensor never came")
 
     with pytest.raises(RuntimeError, match="never came"):

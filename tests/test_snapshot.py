@@ -60,19 +60,29 @@ def test_I4_deferred_snapshot_is_the_state_at_save_whatever_follows_the_fence(ra
     close_all(ranks, coordinator)
 
 
-def test_I4_a_change_before_the_fence_fails_the_deferred_save_loudly(ranks, tmp_path):
-    cfg = ckpt_config(tmp_path, snapshot="deferred")
+@pytest.mark.parametrize(
+    "snapshot, phase, match",
+    [
+        ("deferred", "stage", "modified in place before the deferred"),
+        ("live", "write", r"written without a copy were modified in place .* snapshot=live call"),
+    ],
+)
+def test_I4_a_change_before_the_fence_fails_the_save_loudly(
+    ranks, tmp_path, snapshot, phase, match
+):
+    cfg = ckpt_config(tmp_path, snapshot=snapshot)
     coordinator = open_with_step_1_committed(ranks, cfg)
-    # No fence: the trainer writes into its state while the critic's copy is held back.
-    save_changed_before_the_fence(ranks, coordinator, ranks["critic"][0], "critic")
+    # No fence: the trainer writes into its state while the critic's copy (deferred) or
+    # write (live) is held back.
+    save_changed_before_the_fence(ranks, coordinator, ranks["critic"][0], "critic", phase, match)
     assert read_tracker(cfg["root_dir"]) == 1
-    # The actor ranks' copies were not held back: whether they beat the change is a race,
-    # and either outcome is correct (a clean copy, or this same loud failure).
+    # The actor ranks were not held back: whether their copies or writes beat the change is
+    # a race, and either outcome is correct (a clean snapshot, or this same loud failure).
     for w in ranks["actor"]:
         try:
             ray.get(w.wait.remote())
         except CheckpointWriteError as exc:
-            assert "modified in place before the deferred" in str(exc)
+            assert re.search(match, str(exc))
     close_all(ranks, coordinator)
 
 
@@ -160,29 +170,6 @@ def test_I4_live_snapshot_writes_host_tensors_uncopied_and_its_fence_waits_for_t
     # may still be copied.
     assert all(s["bytes_zero_copy"] > s["bytes_staged"] for s in done)
     assert_restores(ranks, 2, before)
-    close_all(ranks, coordinator)
-
-
-def test_I4_a_change_before_the_fence_fails_the_live_save_loudly(ranks, tmp_path):
-    cfg = ckpt_config(tmp_path, snapshot="live")
-    coordinator = open_with_step_1_committed(ranks, cfg)
-    # No fence: the trainer writes into its state while the critic's write is held back.
-    save_changed_before_the_fence(
-        ranks,
-        coordinator,
-        ranks["critic"][0],
-        "critic",
-        phase="write",
-        match=r"written without a copy were modified in place .* snapshot=live call",
-    )
-    assert read_tracker(cfg["root_dir"]) == 1
-    # The actor ranks' writes were not held back: whether they ended before the change is a
-    # race, and either outcome is correct (a clean file, or this same loud failure).
-    for w in ranks["actor"]:
-        try:
-            ray.get(w.wait.remote())
-        except CheckpointWriteError as exc:
-            assert "written without a copy were modified" in str(exc)
     close_all(ranks, coordinator)
 
 
