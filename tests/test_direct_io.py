@@ -397,6 +397,24 @@ def _write_paused_in_thread(path: Path, fill, gate) -> tuple:
     return writer, result
 
 
+def _pause_at_the_first_request(monkeypatch, call: str) -> tuple[threading.Event, list]:
+    """A write gate (open), and os.`call` wrapped to shut it from inside the first request
+    (the trainer enters quiet() while it is written) and to record each request's offset."""
+    gate = threading.Event()
+    gate.set()
+    real = getattr(os, call)
+    requests: list = []
+
+    def pausing(fd, data, offset):
+        if not requests:
+            gate.clear()
+        requests.append(offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, call, pausing)
+    return gate, requests
+
+
 def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_path, monkeypatch):
     """A large slice written around the page cache goes to the device as back-to-back
     requests of 8 MiB on the file's helper thread: a pause (CheckpointManager.quiet) that
@@ -405,18 +423,7 @@ def test_a_pause_takes_hold_between_the_requests_of_a_large_direct_write(tmp_pat
     moment a real quiet() could not be placed at on purpose."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    gate = threading.Event()
-    gate.set()
-    real_pwrite = os.pwrite
-    requests = []
-
-    def pausing(fd, data, offset):
-        if not requests:
-            gate.clear()  # the trainer enters quiet() while the first request is written
-        requests.append(offset)
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", pausing)
+    gate, requests = _pause_at_the_first_request(monkeypatch, "pwrite")
     memory, view = _aligned_bytes(24 * MiB, 0)
     path = tmp_path / "rank.distcp"
     expected = bytes(view)
@@ -635,18 +642,7 @@ def test_a_pause_takes_hold_between_the_gathered_requests_of_held_writes(tmp_pat
     request (os.pwritev wrapped): the one moment a real quiet() could not be placed at."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    gate = threading.Event()
-    gate.set()
-    real_pwritev = os.pwritev
-    requests = []
-
-    def pausing(fd, buffers, offset):
-        if not requests:
-            gate.clear()
-        requests.append(offset)
-        return real_pwritev(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "pwritev", pausing)
+    gate, requests = _pause_at_the_first_request(monkeypatch, "pwritev")
     expected, kept, actions = _held_file(
         [(300, 64, 6 * MiB, True), (300, 64, 7 * MiB, True), (300, 64, 9 * MiB, True)]
     )

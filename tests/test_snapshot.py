@@ -131,17 +131,25 @@ def test_I4_fence_before_the_optimizer_makes_its_step_wait_for_the_snapshot(rank
     ray.get([w.fence_before_optimizer_steps.remote() for w in every_rank(ranks)])
     save_everyone(ranks, coordinator, 1)
     coordinator.wait_for_commit(1)
+    # A training step right after save(): its optimizer.step() fences first.
+    before, _ = _commit_step_2_with_the_critic_late(ranks, coordinator, "stage", "step")
+    assert_restores(ranks, 2, before)
+    close_all(ranks, coordinator)
+
+
+def _commit_step_2_with_the_critic_late(ranks, coordinator, phase: str, after: str) -> tuple:
+    """Every rank saves step 2 and does `after` at once, while `phase` of the critic (its
+    deferred copy, or its live write) starts 1 s late; step 2 commits. Returns every rank's
+    state as it was at save(), and the saves' stats."""
     critic = ranks["critic"][0]
-    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=sleep=1"))
+    ray.get(critic.set_env.remote(ENV_VAR, f"{phase}:critic=sleep=1"))
     try:
         before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
-        # A training step right after save(): its optimizer.step() fences first.
-        save_everyone(ranks, coordinator, 2, after="step")
+        second = save_everyone(ranks, coordinator, 2, after=after)
         coordinator.wait_for_commit(2)
     finally:
         ray.get(critic.set_env.remote(ENV_VAR, None))
-    assert_restores(ranks, 2, before)
-    close_all(ranks, coordinator)
+    return before, second
 
 
 def test_I4_live_snapshot_writes_host_tensors_uncopied_and_its_fence_waits_for_the_writes(
@@ -156,14 +164,9 @@ def test_I4_live_snapshot_writes_host_tensors_uncopied_and_its_fence_waits_for_t
     open_all(ranks, cfg)
     first = save_everyone(ranks, coordinator, 1)
     assert {s["snapshot"] for s in first} == {"now"}  # planned over the group: copied now
-    critic = ranks["critic"][0]
-    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=sleep=1"))
-    try:
-        before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
-        second = save_everyone(ranks, coordinator, 2, after="fence, inplace")
-        coordinator.wait_for_commit(2)
-    finally:
-        ray.get(critic.set_env.remote(ENV_VAR, None))
+    before, second = _commit_step_2_with_the_critic_late(
+        ranks, coordinator, "write", "fence, inplace"
+    )
     assert {s["snapshot"] for s in second} == {"live"}
     done = [s for w in every_rank(ranks) for s in ray.get(w.wait.remote()) if s["step"] == 2]
     # Every whole host tensor is written uncopied; only views (which megatron-core clones)
@@ -210,15 +213,8 @@ def test_I4_a_save_holds_the_tensors_of_save_whatever_the_trainer_binds_to_data_
     at save()."""
     cfg = ckpt_config(tmp_path, snapshot=snapshot)
     coordinator = open_with_step_1_committed(ranks, cfg)
-    critic = ranks["critic"][0]
     phase = "stage" if snapshot == "deferred" else "write"
-    ray.get(critic.set_env.remote(ENV_VAR, f"{phase}:critic=sleep=1"))
-    try:
-        before = ray.get([w.state_copy.remote() for w in every_rank(ranks)])
-        second = save_everyone(ranks, coordinator, 2, after="swap data")
-        coordinator.wait_for_commit(2)
-    finally:
-        ray.get(critic.set_env.remote(ENV_VAR, None))
+    before, second = _commit_step_2_with_the_critic_late(ranks, coordinator, phase, "swap data")
     assert {s["snapshot"] for s in second} == {snapshot}
     assert_restores(ranks, 2, before)
     close_all(ranks, coordinator)
