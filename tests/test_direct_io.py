@@ -740,3 +740,45 @@ def test_a_writer_that_fails_leaves_no_queued_write_running(tmp_path, monkeypatc
     time.sleep(1.0)
     assert len(requests) == started, "a queued write went on after the file was closed"
     assert started < 4
+
+
+def test_a_held_write_refused_after_its_file_closed_is_not_copied(tmp_path, monkeypatch):
+    """A request in flight when its file is closed (the writer gave up on a hung device, or
+    the save failed) may come back refused or short; the caller no longer holds the memory
+    then, so the rest is not copied from it (the copy would read it in this process, where
+    freed memory ends the trainer; the kernel's own reads of it are pinned and safe). The
+    device is faked, saying so: os.pwritev held on an event, then refused (EFAULT)."""
+    if not _direct_capable(tmp_path):
+        pytest.skip("the test's filesystem does not do O_DIRECT")
+    monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
+    entered, released = threading.Event(), threading.Event()
+
+    def hung_then_refused(fd, buffers, offset):
+        entered.set()
+        released.wait(30)
+        raise OSError(errno.EFAULT, "Bad address")
+
+    bounces = []
+    real_take = direct_io._buffers.take
+
+    def taking():  # a buffer taken for a copy of the caller's bytes
+        bounces.append(threading.current_thread().name)
+        return real_take()
+
+    monkeypatch.setattr(os, "pwritev", hung_then_refused)
+    expected, kept, actions = _held_file([(300, 64, 9 * MiB, True)] * 3)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    direct = open_direct(fd)
+    monkeypatch.setattr(direct_io._buffers, "take", taking)  # the file has its two already
+    with pytest.raises(OSError, match="hung"):
+        for data, held in actions:
+            direct.write(data, held=held)
+        direct.finish()
+    assert entered.is_set()
+    helper = direct._helper
+    direct.close()  # the writer gives up; the request is still in flight
+    released.set()  # ... and comes back refused
+    assert helper is not None and not helper.close(5), "the helper's job did not end"
+    assert bounces == [], "the caller's bytes were copied after the file closed"
+    running = direct._unchecked[0]  # the job in flight when the writer gave up
+    assert isinstance(running.exception(), OSError) and running.exception().errno == errno.EBADF

@@ -407,6 +407,11 @@ class DirectFile:
     def _write_copied(self, request: list[np.ndarray], skip: int, offset: int) -> None:
         """Write `request`'s bytes after the first `skip` at `offset + skip`, copied into a
         page-aligned buffer (through the page cache where the file refuses O_DIRECT)."""
+        if self._fd < 0:
+            # Closed under this job (its writer gave up: a hung device, a failed save): the
+            # caller no longer holds the memory, which a copy here would read in this
+            # process (the kernel's own reads of it are safe, pinned for the request).
+            raise OSError(errno.EBADF, "the file was closed while its write went on")
         bounce = _buffers.take()
         try:
             array = np.frombuffer(bounce, dtype=np.uint8)
