@@ -84,7 +84,7 @@ class Snapshotter:
             plan_reused=layout.reuse_plan,
             bytes_staged=0,
             bytes_zero_copy=live_bytes(copy) if copy is not None else 0,
-            snapshot="live" if path.live else "deferred" if path.deferred else "now",
+            snapshot=path.value if path.deferred else "now",
         )
         deadline = deadline_in(self._timeout_s)
         return SaveJob(layout, path, copy, new_save_id(), common, stats, deadline, marks)

@@ -347,8 +347,7 @@ class DirectFile:
             whole = self._gathered_bytes - self._gathered_bytes % _BUFFER_BYTES
             request, self._gathered = _split(self._gathered, whole)
             self._gathered_bytes -= whole
-            self._submit(self._pwrite_gathered, request, self._written)
-            self._written += whole
+            self._submit_segments(request, whole)
             if len(self._unchecked) >= _JOBS_AHEAD:
                 self._wait_for_oldest()
 
@@ -359,15 +358,19 @@ class DirectFile:
             raise _hung_error()
         self._unchecked.pop(0).result()
 
-    def _take_gathered(self, upto: int | None = None) -> list[np.ndarray]:
-        """The gathered segments, then the buffer's bytes from _start to `upto` (whole
-        blocks), emptied; _last_submitted is their length."""
+    def _submit_gathered(self, upto: int) -> None:
+        """Queue everything gathered, then the buffer's bytes from _start to `upto` (whole
+        blocks)."""
         segments = self._gathered
-        if upto is not None and upto > self._start:
+        if upto > self._start:
             segments.append(self._arrays[self._current][self._start : upto])
-        self._last_submitted = sum(segment.size for segment in segments)
         self._gathered, self._gathered_bytes = [], 0
-        return segments
+        self._submit_segments(segments, sum(segment.size for segment in segments))
+
+    def _submit_segments(self, segments: list[np.ndarray], nbytes: int) -> None:
+        """Queue `segments` (`nbytes` in all) to be written from the position _written."""
+        self._submit(self._pwrite_gathered, segments, self._written)
+        self._written += nbytes
 
     def _submit(self, job: Callable[..., None], *args: object) -> None:
         """Queue `job` for the helper; it is then the last one (_writing)."""
@@ -416,16 +419,10 @@ class DirectFile:
         try:
             array = np.frombuffer(bounce, dtype=np.uint8)
             filled = 0
-            for piece in request:
-                if skip >= piece.size:
-                    skip -= piece.size
-                    continue
-                part = piece[skip:]
-                skip = 0
-                array[filled : filled + part.size] = part
-                filled += part.size
-            written = sum(piece.size for piece in request) - filled
-            self._pwrite_view(memoryview(bounce)[:filled], offset + written)
+            for piece in _split(request, skip)[1]:
+                array[filled : filled + piece.size] = piece
+                filled += piece.size
+            self._pwrite_view(memoryview(bounce)[:filled], offset + skip)
             del array
         finally:
             _buffers.give_back(bounce)
@@ -443,8 +440,7 @@ class DirectFile:
         durable."""
         whole = self._filled - self._filled % BLOCK_BYTES
         if self._gathered or self._start:
-            self._submit(self._pwrite_gathered, self._take_gathered(whole), self._written)
-            self._written += self._last_submitted
+            self._submit_gathered(whole)
             self._wait_for_writing()
         else:
             self._wait_for_writing()
@@ -476,13 +472,14 @@ class DirectFile:
                 # not waited for again.
                 still_running = self._helper.close(0.1 if self._hung else _HELPER_WAIT_S)
         finally:
-            # A job still running writes through the descriptor: closed, its number could
-            # be reused by another file, which the job would then write into. Left open.
+            self._arrays.clear()
+            # A job still running (a hung write) writes through the descriptor and may read
+            # a buffer: closed, the descriptor's number could be reused by another file,
+            # which the job would then write into, and a buffer handed out again could be
+            # refilled under it. Both are left to it. Once no job runs, every one the helper
+            # was given has ended or was cancelled.
             if not still_running:
                 os.close(fd)
-            self._arrays.clear()
-            # A buffer a hung write may still read is never handed out again.
-            if not still_running and (self._writing is None or self._writing.done()):
                 for buffer in self._buffers:
                     _buffers.give_back(buffer)
 
@@ -500,8 +497,7 @@ class DirectFile:
             return
         self._wait_for_writing()
         if self._gathered or self._start:
-            self._submit(self._pwrite_gathered, self._take_gathered(nbytes), self._written)
-            self._written += self._last_submitted
+            self._submit_gathered(nbytes)
         else:
             self._submit(self._write_buffer, self._current, 0, nbytes, self._written)
             self._written += nbytes
