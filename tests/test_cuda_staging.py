@@ -131,10 +131,15 @@ def test_I4_device_destinations_are_read_through_host_memory_once(tmp_path):
         assert reader.direct_reads == len(state), writer
 
 
-def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(gpu_rank, tmp_path):
+@pytest.mark.parametrize("snapshot", ["deferred", "live"])
+def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(
+    gpu_rank, tmp_path, snapshot
+):
+    """A live snapshot writes only host tensors uncopied: device tensors take the deferred
+    copy onto a side stream, and its fence waits for the write as well."""
     placement = ray.get(gpu_rank["actor"][0].placement.remote())
     assert placement == {"backend": "nccl", "parameters": "cuda:0", "optimizer": "cuda:0"}
-    cfg = gpu_config(tmp_path, snapshot="deferred")
+    cfg = gpu_config(tmp_path, snapshot=snapshot)
     coordinator = CheckpointCoordinator(cfg, {"actor": 1})
     open_all(gpu_rank, cfg)
     first = save_everyone(gpu_rank, coordinator, 1)
@@ -144,8 +149,10 @@ def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(gpu_r
     # The copy of step 2 runs on a side stream after save() returns; the trainer fences,
     # then changes every parameter and optimizer tensor in place on the GPU.
     second = save_everyone(gpu_rank, coordinator, 2, after="fence, inplace")
-    assert {s["snapshot"] for s in second} == {"deferred"}
+    assert {s["snapshot"] for s in second} == {snapshot}
     coordinator.wait_for_commit(2)
+    (done,) = [s for s in ray.get(gpu_rank["actor"][0].wait.remote()) if s["step"] == 2]
+    assert done["bytes_staged"] > done["bytes_zero_copy"]  # the device state was copied
     assert read_tracker(cfg["root_dir"]) == 2
     ray.get(gpu_rank["actor"][0].load.remote(2))
     after = ray.get(gpu_rank["actor"][0].state_copy.remote())
@@ -159,8 +166,9 @@ def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(gpu_r
     close_all(gpu_rank, coordinator)
 
 
-def test_I4_a_device_change_before_the_fence_fails_the_deferred_save(gpu_rank, tmp_path):
-    cfg = gpu_config(tmp_path, snapshot="deferred")
+@pytest.mark.parametrize("snapshot", ["deferred", "live"])
+def test_I4_a_device_change_before_the_fence_fails_the_deferred_save(gpu_rank, tmp_path, snapshot):
+    cfg = gpu_config(tmp_path, snapshot=snapshot)
     coordinator = CheckpointCoordinator(cfg, {"actor": 1})
     open_all(gpu_rank, cfg)
     save_everyone(gpu_rank, coordinator, 1)
