@@ -11,8 +11,7 @@ Measured in one run, side by side:
              deferred snapshot);
   saves      verl_ckpt thread writer with snapshot "now", "deferred" and "live" (blocking,
              fence, time to commit), against DCP `async_save` with a pinned, asynchronous,
-             non-blocking `DefaultStager` (blocking, staging done, durable), same tensors, as
-             DTensors (as torchtitan saves) and as plain tensors (one rank needs no DTensor);
+             non-blocking `DefaultStager` (blocking, staging done, durable), same tensors;
   trainer    a burst of GPU compute (bf16 matrix products, what rollout and log-prob
              passes do in the idle window) alone, and started right after save() of each
              kind: the copy on the side stream must leave it alone;
@@ -42,13 +41,10 @@ from benchmarks.systems import FLOOR_VARIANTS, WriteFloor, verl_config
 
 __all__ = ["main"]
 
-# name: (stager, DTensors). Plain tensors as well: one torch release's DefaultStager failed
-# on DTensors (results_cuda.md), and a user with one rank would save plain tensors.
 DCP_STAGERS = {
-    "DCP async_save, DefaultStager async": ("default async", True),
-    "DCP async_save, DefaultStager async, plain tensors": ("default async", False),
-    "DCP async_save, DefaultStager": ("default", True),
-    "DCP async_save, BlockingAsyncStager cached": ("blocking", True),
+    "DCP async_save, DefaultStager async": "default async",
+    "DCP async_save, DefaultStager": "default",
+    "DCP async_save, BlockingAsyncStager cached": "blocking",
 }
 
 
@@ -178,14 +174,12 @@ def verl_saves(
     return out
 
 
-def dcp_saves(
-    state: RankState, root: Path, reps: int, burst: ComputeBurst, stager: str, dtensors: bool
-) -> dict:
-    """DCP `async_save` of the state as DTensors on a CUDA mesh (as torchtitan saves) or as
-    plain tensors (`dtensors` False), with a long-lived stager: "default async"
-    (`DefaultStager`, pinned, the device-to-host copy on DCP's staging thread), "default"
-    (the same, copying inside async_save) or "blocking" (`BlockingAsyncStager` with its
-    pinned staged state dict cached: torchtitan's earlier choice)."""
+def dcp_saves(state: RankState, root: Path, reps: int, burst: ComputeBurst, stager: str) -> dict:
+    """DCP `async_save` of the state as DTensors on a CUDA mesh (as torchtitan saves), with a
+    long-lived stager: "default async" (`DefaultStager`, pinned, the device-to-host copy on
+    DCP's staging thread), "default" (the same, copying inside async_save) or "blocking"
+    (`BlockingAsyncStager` with its pinned staged state dict cached: torchtitan's earlier
+    choice)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import (
         BlockingAsyncStager,
@@ -196,23 +190,33 @@ def dcp_saves(
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cuda", (1,))
-    if stager == "blocking":
-        stager_obj = BlockingAsyncStager(cache_staged_state_dict=True)
-    else:
+
+    def new_stager() -> Any:
+        if stager == "blocking":
+            return BlockingAsyncStager(cache_staged_state_dict=True)
         asynchronous = stager == "default async"
-        stager_obj = DefaultStager(StagingOptions(True, False, asynchronous, asynchronous))
+        return DefaultStager(StagingOptions(True, False, asynchronous, asynchronous))
+
+    stager_obj = new_stager()
     out: dict[str, list[float]] = {
         "blocking": [],
         "staged after burst": [],
         "durable": [],
         "burst after save": [],
+        "fresh stager per save": [],
     }
     try:
         for step in range(1, reps + 2):
+            # Some torch releases' async_save closes the stager it is given after the save
+            # (a closed DefaultStager fails the next stage with "KeyError: <class 'type'>"):
+            # there a user needs a new one, with new pinned buffers, for every save.
+            fresh = _closed_by_async_save(stager_obj)
+            if fresh:
+                stager_obj = new_stager()
             torch.cuda.synchronize()
             start = time.perf_counter()
             response = dcp.async_save(
-                state.dtensor_state_dict(mesh) if dtensors else state.tensors(),
+                state.dtensor_state_dict(mesh),
                 checkpoint_id=str(root / f"step_{step}"),
                 async_checkpointer_type=AsyncCheckpointerType.THREAD,
                 async_stager=stager_obj,
@@ -228,11 +232,18 @@ def dcp_saves(
             durable = time.perf_counter() - start
             if step == 1:
                 continue  # DCP's stager allocates its pinned buffers on the first save
-            for key, value in zip(out, (blocking, staged_s, durable, burst_s), strict=True):
+            for key, value in zip(out, (blocking, staged_s, durable, burst_s, fresh), strict=True):
                 out[key].append(value)
     finally:
         stager_obj.close()
     return out
+
+
+def _closed_by_async_save(stager: Any) -> bool:
+    """Whether `stager` was closed: DefaultStager.close() empties its state-dict stager's
+    copy table (a private attribute; a stager without one is never taken for closed)."""
+    table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+    return table is not None and not table
 
 
 def resume(state: RankState, root: Path, reps: int) -> dict[str, dict[str, list[float]]]:
@@ -335,6 +346,12 @@ def _report(results: dict[str, Any], nbytes: int) -> str:
         if fastest_dcp is not None:
             line += f", {seconds / dcp_runs[fastest_dcp]:.2f}x {fastest_dcp}'s"
         lines.append(line + ".")
+    for name, values in results["saves"].items():
+        if any(values.get("fresh stager per save", ())):
+            lines.append(
+                f"{name}: a new stager for every save (this torch's async_save closes the "
+                "stager it is given), its pinned buffers allocated anew each time."
+            )
     for name, error in results["errors"].items():
         lines.append(f"\n{name} failed: {error}")
     if results.get("resume"):
@@ -395,10 +412,8 @@ def main(argv: list[str] | None = None) -> None:
             # copy, with the fence waiting for the write as well.
             "verl_ckpt thread, live": lambda d: verl_saves(state, d, "live", args.reps, burst),
         }
-        for name, (kind, dtensors) in DCP_STAGERS.items():
-            systems[name] = lambda d, kind=kind, dtensors=dtensors: dcp_saves(
-                state, d, args.reps, burst, kind, dtensors
-            )
+        for name, kind in DCP_STAGERS.items():
+            systems[name] = lambda d, kind=kind: dcp_saves(state, d, args.reps, burst, kind)
         for index, (name, run) in enumerate(systems.items()):
             if args.no_saves:
                 break
