@@ -363,6 +363,63 @@ def _report(results: dict[str, Any], nbytes: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def combined_runs(paths: list[str]) -> str:
+    """The headline figures of several runs' results_cuda.json side by side, with their
+    median and spread (`--combine`); nothing is re-measured. A system a run lacks is "-"."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    header = " | ".join(f"run {i}" for i in range(1, len(runs) + 1))
+    lines = [f"| figure | {header} | median (spread) |", "|---" * (len(runs) + 2) + "|"]
+
+    def row(name: str, values: list[float | None], unit: str = "s") -> None:
+        shown = ["-" if v is None else f"{v:.3f}{unit}" for v in values]
+        known = [v for v in values if v is not None]
+        spread = f"{median(known):.3f}{unit} ({min(known):.3f}-{max(known):.3f})" if known else "-"
+        lines.append(f"| {name} | " + " | ".join(shown) + f" | {spread} |")
+
+    def saved(run: dict, name: str, key: str) -> float | None:
+        return median(run["saves"][name][key]) if name in run["saves"] else None
+
+    floors_s = [median(run["floors"]["write floor"]) for run in runs]
+    peaks = [median(run["floors"]["pinned peak"]) for run in runs]
+    row("write floor", floors_s)
+    for name in ("copy_into, training stream", "copy_into, side stream"):
+        row(
+            f"{name} / pinned peak",
+            [median(r["staging"][name]) / p for r, p in zip(runs, peaks, strict=True)],
+            "x",
+        )
+    names = sorted(
+        {name for run in runs for name in run["saves"]}, key=lambda n: (n in DCP_STAGERS, n)
+    )
+    for key in ("blocking", "durable"):
+        for name in names:
+            row(f"{name}: {key}", [saved(run, name, key) for run in runs])
+    for name in (n for n in names if n not in DCP_STAGERS):
+        ours = [saved(run, name, "durable") for run in runs]
+        fastest = [
+            min(median(v["durable"]) for n, v in r["saves"].items() if n in DCP_STAGERS)
+            for r in runs
+        ]
+        row(
+            f"{name}: durable / write floor",
+            [o / f for o, f in zip(ours, floors_s, strict=True)],
+            "x",
+        )
+        row(
+            f"{name}: durable / fastest DCP",
+            [o / f for o, f in zip(ours, fastest, strict=True)],
+            "x",
+        )
+    for cache in ("warm", "cold"):
+        read = [median(r["resume"][cache]["read floor"]) for r in runs]
+        for variant in ("verl_ckpt load", "megatron-core load", "DCP load"):
+            values = [
+                median(r["resume"][cache][variant]) / f for r, f in zip(runs, read, strict=True)
+            ]
+            row(f"resume, {cache} cache: {variant} / read floor", values, "x")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=2.0)
@@ -371,7 +428,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--load-reps", type=int, default=3, help="0: no resume benchmark")
     parser.add_argument("--no-saves", action="store_true", help="floors, staging, resume only")
+    parser.add_argument(
+        "--combine", nargs="+", metavar="JSON", help="print the runs' figures side by side"
+    )
     args = parser.parse_args(argv)
+    if args.combine:
+        print(combined_runs(args.combine), end="")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.cuda_path needs a CUDA device")
     import ray
