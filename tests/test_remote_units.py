@@ -522,3 +522,42 @@ def test_a_remote_tracker_read_past_its_deadline_after_the_record_leaves_the_ste
     summary = commit_remote_step(store, root, 1, set(), 2, 60)
     assert summary.tracker is None
     assert find_commit_record(store, 1) is not None
+
+
+def test_I2_a_tracker_put_past_its_deadline_never_lands_after_a_newer_one(tmp_path):
+    """Found in the remote tier's review: a store call past its deadline keeps running in
+    its thread (a hung socket cannot be interrupted). A tracker PUT of step 5 that timed out
+    and landed later, after the next commit's PUT of step 6, moved the remote tracker back
+    (I2). Now a store sends no call on an object while an earlier one on it may still land:
+    the next call waits for it, within its own deadline, or fails naming it. A PUT held up
+    past its deadline and then landing cannot be produced for one request alone: this
+    store's first tracker PUT waits 2.5 s before it replaces the object."""
+    import time
+
+    from verl_ckpt.protocol.errors import CommitTimeoutError
+    from verl_ckpt.store.tracker import write_tracker
+
+    class FirstTrackerPutHeldUp(FsspecStore):
+        held = False
+
+        def put_bytes(self, rel: str, data: bytes, before_replace=None) -> None:
+            if rel == TRACKER_FILENAME and not self.held:
+                self.held = True
+                before_replace = lambda: time.sleep(2.5)  # noqa: E731
+            super().put_bytes(rel, data, before_replace)
+
+    store = FirstTrackerPutHeldUp(f"file://{tmp_path / 'remote'}", call_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(CommitTimeoutError):
+        write_tracker(store, 5)
+    # The next commit moves the tracker on, retried as the next commit would be.
+    for _ in range(3):
+        try:
+            write_tracker(store, 6)
+            break
+        except CommitTimeoutError as exc:
+            assert "an earlier call on it" in str(exc) and TRACKER_FILENAME in str(exc)
+    else:
+        raise AssertionError("the tracker never moved to step 6")
+    time.sleep(max(0.0, started + 3.5 - time.monotonic()))  # the held PUT has ended by now
+    assert read_tracker(store) == 6

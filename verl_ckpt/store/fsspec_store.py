@@ -11,7 +11,9 @@ connect and read timeouts for s3). Those alone do not bound a call: s3fs retries
 out request on top of botocore's attempts (a 2 s read timeout took 25 s with one attempt;
 the defaults, minutes). A store opened with `call_timeout_s` (start-up, the CLI) runs each
 of its calls through `call_with_deadline`, which ends it at that deadline naming the object
-(not the streams of a transfer, which have the transfer's own deadline).
+(not the streams of a transfer, which have the transfer's own deadline). Such a call keeps
+running in its thread and may still land: no later call on the same object is sent before
+it ended, so a late PUT of the tracker can never land after a newer one (I2).
 
 An object store cannot rename: a step is deleted record first, then its objects
 (`retire_step` returns the step's own name), and rollback deletes instead of archiving. A
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.store.base import PartPool, Publisher, Store
 from verl_ckpt.store.fsio import (
@@ -118,6 +121,9 @@ class FsspecStore(Store):
             ) from None
         self.path = path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
+        # Calls past their deadline, still running, by object (`_bounded`).
+        self._overrunning: dict[str, threading.Thread] = {}
+        self._overrunning_lock = threading.Lock()
 
     # ---- names ---------------------------------------------------------------------------
 
@@ -253,11 +259,44 @@ class FsspecStore(Store):
         return RemoteListing(steps)
 
     def _bounded(self, call: Callable[[], _T], rel: str) -> _T:
-        """`call()`, ended at `call_timeout_s` (if set) with an error naming `rel`'s URL."""
+        """`call()`, ended at `call_timeout_s` (if set) with an error naming `rel`'s URL.
+        A call on `rel` that outlasted its deadline may still land: this one is sent only
+        once it ended (waited for within this call's deadline). Sent beside it, this one
+        could land first and be undone by it: a tracker moved back (I2), a removed object
+        back."""
         if self.call_timeout_s is None:
             return call()
         where = self.uri(rel) if rel else self.url
-        return call_with_deadline(call, self.call_timeout_s, f"the remote tier {where}")
+        deadline = deadline_in(self.call_timeout_s)
+        self._after_overrunning_call(rel, deadline, where)
+        return call_with_deadline(
+            call,
+            time_left(deadline),
+            f"the remote tier {where}",
+            left_running=lambda thread: self._note_overrunning(rel, thread),
+        )
+
+    def _after_overrunning_call(self, rel: str, deadline: float, where: str) -> None:
+        with self._overrunning_lock:
+            earlier = self._overrunning.get(rel)
+        if earlier is None:
+            return
+        earlier.join(time_left(deadline))
+        if earlier.is_alive():
+            raise CommitTimeoutError(
+                f"the remote tier {where}: an earlier call on it outlasted its deadline and "
+                "may still land; no other is sent before it ends"
+            )
+        with self._overrunning_lock:
+            if self._overrunning.get(rel) is earlier:
+                del self._overrunning[rel]
+
+    def _note_overrunning(self, rel: str, thread: threading.Thread) -> None:
+        with self._overrunning_lock:
+            # Those that ended since are forgotten: the dict holds only calls still running.
+            for name in [n for n, t in self._overrunning.items() if not t.is_alive()]:
+                del self._overrunning[name]
+            self._overrunning[rel] = thread
 
 
 def check_store(url: str, storage_options: dict[str, Any], timeout_s: float) -> FsspecStore:
@@ -300,10 +339,16 @@ def describe_store_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def call_with_deadline(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
+def call_with_deadline(
+    fn: Callable[[], _T],
+    timeout_s: float,
+    what: str,
+    left_running: Callable[[threading.Thread], None] | None = None,
+) -> _T:
     """Run `fn` on a daemon thread; raise CommitTimeoutError naming `what` if it has not
     returned within `timeout_s` (the thread is left behind: a hung socket cannot be
-    interrupted, and a daemon thread does not keep the process alive)."""
+    interrupted, and a daemon thread does not keep the process alive; `left_running` is
+    given it first)."""
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -316,6 +361,8 @@ def call_with_deadline(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        if left_running is not None:
+            left_running(thread)
         raise CommitTimeoutError(f"{what} did not answer within {timeout_s:g}s")
     if "error" in result:
         raise result["error"]
