@@ -431,6 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--combine", nargs="+", metavar="JSON", help="print the runs' figures side by side"
     )
+    parser.add_argument(
+        "--rotate", type=int, default=0, help="start the verl_ckpt systems at this one"
+    )
     args = parser.parse_args(argv)
     if args.combine:
         print(combined_runs(args.combine), end="")
@@ -471,10 +474,14 @@ def main(argv: list[str] | None = None) -> None:
             "verl_ckpt thread, deferred": lambda d: verl_saves(
                 state, d, "deferred", args.reps, burst
             ),
-            # Device tensors are copied by a live snapshot too (split_live): the deferred
-            # copy, with the fence waiting for the write as well.
+            # Device tensors are copied by a live snapshot too (split_live), as by a
+            # deferred one: with nothing written uncopied, its fence opens after the copy.
             "verl_ckpt thread, live": lambda d: verl_saves(state, d, "live", args.reps, burst),
         }
+        # Rotated (--rotate), so that runs can tell a system's figures from its position.
+        names = list(systems)
+        turn = args.rotate % len(names)
+        systems = {name: systems[name] for name in names[turn:] + names[:turn]}
         for name, kind in DCP_STAGERS.items():
             systems[name] = lambda d, kind=kind: dcp_saves(state, d, args.reps, burst, kind)
         for index, (name, run) in enumerate(systems.items()):

@@ -136,7 +136,7 @@ def test_I4_deferred_snapshot_of_device_state_on_nccl_loads_back_bit_exact(
     gpu_rank, tmp_path, snapshot
 ):
     """A live snapshot writes only host tensors uncopied: device tensors take the deferred
-    copy onto a side stream, and its fence waits for the write as well."""
+    copy onto a side stream, as with snapshot=deferred."""
     placement = ray.get(gpu_rank["actor"][0].placement.remote())
     assert placement == {"backend": "nccl", "parameters": "cuda:0", "optimizer": "cuda:0"}
     cfg = gpu_config(tmp_path, snapshot=snapshot)
