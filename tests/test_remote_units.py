@@ -556,8 +556,49 @@ def test_I2_a_tracker_put_past_its_deadline_never_lands_after_a_newer_one(tmp_pa
             write_tracker(store, 6)
             break
         except CommitTimeoutError as exc:
-            assert "an earlier call on it" in str(exc) and TRACKER_FILENAME in str(exc)
+            # Held back behind the first PUT, or (sent as it ended) past its own deadline.
+            assert TRACKER_FILENAME in str(exc), exc
     else:
         raise AssertionError("the tracker never moved to step 6")
     time.sleep(max(0.0, started + 3.5 - time.monotonic()))  # the held PUT has ended by now
     assert read_tracker(store) == 6
+
+
+def test_I2_a_remote_recovery_left_running_past_its_deadline_never_moves_the_tracker_back(
+    tmp_path, monkeypatch
+):
+    """Found by review: the remote tier's recovery at a finalizer start (roll the remote
+    tracker forward) runs under a deadline of its own; past it, it went on in its thread,
+    and its tracker PUT could land after a later commit's, moving the tracker back (I2).
+    Now the store sends no tracker call before that thread ended. A store that stalls
+    during recovery and then answers cannot be produced for that one sequence: the
+    recovery here waits 2.5 s, then writes the tracker of step 1."""
+    import time
+
+    from verl_ckpt.protocol.errors import CommitTimeoutError
+    from verl_ckpt.remote import finalizer_tier
+    from verl_ckpt.store.tracker import write_tracker
+
+    def slow_recovery(store, **_):
+        time.sleep(2.5)
+        write_tracker(store, 1)
+        return 1
+
+    monkeypatch.setattr(finalizer_tier, "roll_tracker_forward", slow_recovery)
+    tier = finalizer_tier.RemoteTier(
+        {"url": f"file://{tmp_path / 'remote'}", "timeout_s": 1.0},
+        tmp_path / "ckpt",
+        {"actor": 1},
+        lambda step: None,
+    )
+    started = time.monotonic()  # the recovery was given up 1 s after it began
+    for _ in range(4):  # a commit's tracker PUT, tried again as the next commit would
+        try:
+            write_tracker(tier._store, 5)
+            break
+        except CommitTimeoutError as exc:
+            assert TRACKER_FILENAME in str(exc), exc
+    else:
+        raise AssertionError("the tracker never moved to step 5")
+    time.sleep(max(0.0, started + 2.5 - time.monotonic()))  # the recovery has ended
+    assert read_tracker(tier._store) == 5

@@ -31,7 +31,7 @@ from verl_ckpt.store.commit_record import (
     read_record_bytes,
 )
 from verl_ckpt.store.fsspec_store import call_with_deadline, describe_store_error
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, step_dir
+from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, DRIVER_ROLE, TRACKER_FILENAME, step_dir
 from verl_ckpt.store.open_store import open_store
 from verl_ckpt.store.recovery import roll_tracker_forward
 from verl_ckpt.store.retention import apply_retention
@@ -98,12 +98,15 @@ class RemoteTier:
         # A remote commit interrupted between record and tracker is rolled forward; a store
         # that does not answer now does not stop the local tier (start-up checked it).
         try:
+            # Left running past this deadline, it may still write the tracker: the store
+            # sends no other tracker call before it ended (I2).
             self._tracker = call_with_deadline(
                 lambda: roll_tracker_forward(
                     self._store, replace_unreadable=True, keyring=self._keyring
                 ),
                 min(60.0, self._timeout_s),
                 self.url,
+                left_running=lambda thread: self._store.hold_back(TRACKER_FILENAME, thread),
             )
         except Exception as exc:  # noqa: BLE001 - logged; the next remote commit retries
             logger.error("remote tier %s: recovery failed: %s", self.url, describe_store_error(exc))
@@ -233,9 +236,16 @@ class RemoteTier:
         def withdraw() -> bool:
             return withdraw_other_remote_record(self._store, step, self._local_record(step))
 
+        # Left running past this deadline, it may still remove the step's record: the store
+        # sends no other call on the record (the upload's own) before it ended.
+        record_rel = self._store.step_rel(step, COMMIT_RECORD_FILENAME)
         try:
             await asyncio.to_thread(
-                call_with_deadline, withdraw, min(60.0, self._timeout_s), self.url
+                call_with_deadline,
+                withdraw,
+                min(60.0, self._timeout_s),
+                self.url,
+                lambda thread: self._store.hold_back(record_rel, thread),
             )
         except Exception as exc:  # noqa: BLE001 - the remote tier never fails the local one
             error = describe_store_error(exc)

@@ -19,6 +19,7 @@ an acknowledged PUT, DELETE or completed multipart upload.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import BinaryIO
@@ -78,6 +79,11 @@ class Store(ABC):
     def step_rel(self, step: int, *parts: str) -> str:
         """The relative path of `parts` under step `step`."""
         return "/".join([step_name(step), *parts])
+
+    def hold_back(self, rel: str, thread: threading.Thread) -> None:  # noqa: B027
+        """`thread` was left running past a caller's deadline and may still change `rel`:
+        no call on `rel` is sent before it ended (FsspecStore). A local root is never
+        called under such a deadline: nothing to do."""
 
     # ---- reading -------------------------------------------------------------------------
 

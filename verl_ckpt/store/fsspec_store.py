@@ -12,8 +12,9 @@ out request on top of botocore's attempts (a 2 s read timeout took 25 s with one
 the defaults, minutes). A store opened with `call_timeout_s` (start-up, the CLI) runs each
 of its calls through `call_with_deadline`, which ends it at that deadline naming the object
 (not the streams of a transfer, which have the transfer's own deadline). Such a call keeps
-running in its thread and may still land: no later call on the same object is sent before
-it ended, so a late PUT of the tracker can never land after a newer one (I2).
+running in its thread and may still land: no later call of this store on the same object is
+sent before it ended (each fails until then), so a late PUT of the tracker can never land
+after a newer one of the same process (I2).
 
 An object store cannot rename: a step is deleted record first, then its objects
 (`retire_step` returns the step's own name), and rollback deletes instead of archiving. A
@@ -60,6 +61,9 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+# The least share of a call's deadline left to send it once an earlier call on its object
+# ended (FsspecStore._bounded).
+_LEAST_CALL_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -273,25 +277,30 @@ class FsspecStore(Store):
             call,
             time_left(deadline),
             f"the remote tier {where}",
-            left_running=lambda thread: self._note_overrunning(rel, thread),
+            left_running=lambda thread: self.hold_back(rel, thread),
+            stated_s=self.call_timeout_s,
         )
 
     def _after_overrunning_call(self, rel: str, deadline: float, where: str) -> None:
         with self._overrunning_lock:
             earlier = self._overrunning.get(rel)
-        if earlier is None:
+        # A sequence held back as a whole (hold_back) goes on sending its own calls.
+        if earlier is None or earlier is threading.current_thread():
             return
         earlier.join(time_left(deadline))
-        if earlier.is_alive():
+        # Sent with (next to) no time left, this call would be reported as failed and then
+        # left running, able to land after all: it is not sent (the caller tries again).
+        if earlier.is_alive() or time_left(deadline) < _LEAST_CALL_S * self.call_timeout_s:
             raise CommitTimeoutError(
                 f"the remote tier {where}: an earlier call on it outlasted its deadline and "
-                "may still land; no other is sent before it ends"
+                f"may still land; no other is sent before it ends (waited "
+                f"{self.call_timeout_s:g}s)"
             )
         with self._overrunning_lock:
             if self._overrunning.get(rel) is earlier:
                 del self._overrunning[rel]
 
-    def _note_overrunning(self, rel: str, thread: threading.Thread) -> None:
+    def hold_back(self, rel: str, thread: threading.Thread) -> None:
         with self._overrunning_lock:
             # Those that ended since are forgotten: the dict holds only calls still running.
             for name in [n for n, t in self._overrunning.items() if not t.is_alive()]:
@@ -344,11 +353,13 @@ def call_with_deadline(
     timeout_s: float,
     what: str,
     left_running: Callable[[threading.Thread], None] | None = None,
+    stated_s: float | None = None,
 ) -> _T:
     """Run `fn` on a daemon thread; raise CommitTimeoutError naming `what` if it has not
     returned within `timeout_s` (the thread is left behind: a hung socket cannot be
     interrupted, and a daemon thread does not keep the process alive; `left_running` is
-    given it first)."""
+    given it first). The error states `stated_s` (default `timeout_s`): the deadline as
+    configured, where `timeout_s` is what was left of it."""
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -363,7 +374,8 @@ def call_with_deadline(
     if thread.is_alive():
         if left_running is not None:
             left_running(thread)
-        raise CommitTimeoutError(f"{what} did not answer within {timeout_s:g}s")
+        stated = timeout_s if stated_s is None else stated_s
+        raise CommitTimeoutError(f"{what} did not answer within {stated:g}s")
     if "error" in result:
         raise result["error"]
     return result["value"]
