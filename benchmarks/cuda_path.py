@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.loads import READ_FLOORS
 from benchmarks.state import RankState, describe, spec_for_size
 from benchmarks.systems import FLOOR_VARIANTS, WriteFloor, verl_config
 
@@ -228,8 +230,14 @@ def dcp_saves(state: RankState, root: Path, reps: int, burst: ComputeBurst, stag
             if staging is not None:
                 staging.result()
             staged_s = time.perf_counter() - staged_start
-            getattr(response, "upload_completion", response).result()
+            upload = getattr(response, "upload_completion", response)
+            upload.result()
             durable = time.perf_counter() - start
+            # Done-callbacks run in the order they were added, after result() returned: once
+            # ours ran, async_save's own (which may close the stager) have run too.
+            callbacks_ran = threading.Event()
+            upload.add_done_callback(lambda _, ran=callbacks_ran: ran.set())
+            callbacks_ran.wait(60)
             if step == 1:
                 continue  # DCP's stager allocates its pinned buffers on the first save
             for key, value in zip(out, (blocking, staged_s, durable, burst_s, fresh), strict=True):
@@ -365,7 +373,8 @@ def _report(results: dict[str, Any], nbytes: int) -> str:
 
 def combined_runs(paths: list[str]) -> str:
     """The headline figures of several runs' results_cuda.json side by side, with their
-    median and spread (`--combine`); nothing is re-measured. A system a run lacks is "-"."""
+    median and spread (`--combine`); nothing is re-measured. A figure a run lacks (a system
+    it did not run, no resume section) is "-"."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     header = " | ".join(f"run {i}" for i in range(1, len(runs) + 1))
     lines = [f"| figure | {header} | median (spread) |", "|---" * (len(runs) + 2) + "|"]
@@ -376,8 +385,16 @@ def combined_runs(paths: list[str]) -> str:
         spread = f"{median(known):.3f}{unit} ({min(known):.3f}-{max(known):.3f})" if known else "-"
         lines.append(f"| {name} | " + " | ".join(shown) + f" | {spread} |")
 
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
     def saved(run: dict, name: str, key: str) -> float | None:
-        return median(run["saves"][name][key]) if name in run["saves"] else None
+        values = run.get("saves", {}).get(name, {}).get(key)
+        return median(values) if values else None
+
+    def fastest_dcp(run: dict) -> float | None:
+        found = [saved(run, name, "durable") for name in DCP_STAGERS]
+        return min((v for v in found if v is not None), default=None)
 
     floors_s = [median(run["floors"]["write floor"]) for run in runs]
     peaks = [median(run["floors"]["pinned peak"]) for run in runs]
@@ -385,36 +402,35 @@ def combined_runs(paths: list[str]) -> str:
     for name in ("copy_into, training stream", "copy_into, side stream"):
         row(
             f"{name} / pinned peak",
-            [median(r["staging"][name]) / p for r, p in zip(runs, peaks, strict=True)],
+            [ratio(median(r["staging"][name]), p) for r, p in zip(runs, peaks, strict=True)],
             "x",
         )
     names = sorted(
-        {name for run in runs for name in run["saves"]}, key=lambda n: (n in DCP_STAGERS, n)
+        {name for run in runs for name in run.get("saves", {})},
+        key=lambda n: (n in DCP_STAGERS, n),
     )
     for key in ("blocking", "durable"):
         for name in names:
             row(f"{name}: {key}", [saved(run, name, key) for run in runs])
     for name in (n for n in names if n not in DCP_STAGERS):
         ours = [saved(run, name, "durable") for run in runs]
-        fastest = [
-            min(median(v["durable"]) for n, v in r["saves"].items() if n in DCP_STAGERS)
-            for r in runs
-        ]
         row(
             f"{name}: durable / write floor",
-            [o / f for o, f in zip(ours, floors_s, strict=True)],
+            [ratio(o, f) for o, f in zip(ours, floors_s, strict=True)],
             "x",
         )
         row(
             f"{name}: durable / fastest DCP",
-            [o / f for o, f in zip(ours, fastest, strict=True)],
+            [ratio(o, fastest_dcp(r)) for o, r in zip(ours, runs, strict=True)],
             "x",
         )
     for cache in ("warm", "cold"):
-        read = [median(r["resume"][cache]["read floor"]) for r in runs]
+        found = [(r.get("resume") or {}).get(cache, {}) for r in runs]
+        read = [min((median(f[v]) for v in READ_FLOORS if f.get(v)), default=None) for f in found]
         for variant in ("verl_ckpt load", "megatron-core load", "DCP load"):
             values = [
-                median(r["resume"][cache][variant]) / f for r, f in zip(runs, read, strict=True)
+                ratio(median(f[variant]) if f.get(variant) else None, floor)
+                for f, floor in zip(found, read, strict=True)
             ]
             row(f"resume, {cache} cache: {variant} / read floor", values, "x")
     return "\n".join(lines) + "\n"

@@ -357,8 +357,10 @@ WRITE_PATH_NOTE = (
 
 LOAD_NOTE = (
     "Each variant loads this rank's share of the state into the ranks' live tensors, both "
-    "ranks at once, slowest rank counted; rotated order. The read floor reads the files this "
-    "rank wrote with plain reads into a buffer allocated beforehand. Both ranks start each "
+    "ranks at once, slowest rank counted; rotated order. The read floors read the files this "
+    "rank wrote with plain reads into a buffer allocated beforehand, one thread per file, in "
+    "reads of 16 MiB, or of 64 MiB with the kernel told that each file is read sequentially; "
+    "each ratio is against the faster of the two. Both ranks start each "
     "timed load together (a barrier once its state dicts are built). Each load is timed from "
     "its call into state dicts built beforehand, as the issue defines it (`load()` into the "
     "templates): the sharded templates (verl_ckpt, megatron-core) or DTensors (DCP) come from "
