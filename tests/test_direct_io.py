@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_ckpt.store import direct_io
+from verl_ckpt.store import device_queue, direct_io
 from verl_ckpt.store.checksummed_file import write_checksummed
 from verl_ckpt.store.direct_io import open_direct
 from verl_ckpt.store.fsio import WriteOptions, file_checksum
@@ -489,7 +489,7 @@ def test_I5_a_device_that_stops_taking_requests_is_named_as_hung_and_a_slow_one_
     device cannot be made to stop on cue."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
+    monkeypatch.setattr(device_queue, "_HELPER_WAIT_S", 0.5)
     real_pwrite = os.pwrite
     stopped = threading.Event()
     released = threading.Event()
@@ -662,7 +662,7 @@ def test_I5_a_device_that_stops_taking_held_writes_is_named_as_hung(tmp_path, mo
     faked (os.pwritev held on an event): a real device cannot be made to stop on cue."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
+    monkeypatch.setattr(device_queue, "_HELPER_WAIT_S", 0.5)
     real_pwritev = os.pwritev
     released = threading.Event()
 
@@ -750,7 +750,7 @@ def test_a_held_write_refused_after_its_file_closed_is_not_copied(tmp_path, monk
     device is faked, saying so: os.pwritev held on an event, then refused (EFAULT)."""
     if not _direct_capable(tmp_path):
         pytest.skip("the test's filesystem does not do O_DIRECT")
-    monkeypatch.setattr(direct_io, "_HELPER_WAIT_S", 0.5)
+    monkeypatch.setattr(device_queue, "_HELPER_WAIT_S", 0.5)
     entered, released = threading.Event(), threading.Event()
 
     def hung_then_refused(fd, buffers, offset):
@@ -775,10 +775,10 @@ def test_a_held_write_refused_after_its_file_closed_is_not_copied(tmp_path, monk
             direct.write(data, held=held)
         direct.finish()
     assert entered.is_set()
-    helper = direct._helper
+    queue = direct._queue
     direct.close()  # the writer gives up; the request is still in flight
     released.set()  # ... and comes back refused
-    assert helper is not None and not helper.close(5), "the helper's job did not end"
+    assert queue.started and not queue._pool.close(5), "the helper's job did not end"
     assert bounces == [], "the caller's bytes were copied after the file closed"
-    running = direct._unchecked[0]  # the job in flight when the writer gave up
+    running = queue.unchecked[0]  # the job in flight when the writer gave up
     assert isinstance(running.exception(), OSError) and running.exception().errno == errno.EBADF

@@ -32,12 +32,10 @@ import stat
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for_futures
 
 import numpy as np
 
-from verl_ckpt.protocol.threads import DaemonPool
+from verl_ckpt.store.device_queue import DeviceQueue, hung_error
 
 __all__ = ["BLOCK_BYTES", "ZERO_COPY_MIN", "DirectFile", "open_direct", "page_aligned_buffer"]
 
@@ -54,9 +52,6 @@ _PRIVATE = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMO
 # device that wants more alignment), EFAULT (memory the kernel cannot pin for the device,
 # such as some accelerators' host allocations), EOPNOTSUPP.
 _IN_PLACE_REFUSED = (errno.EINVAL, errno.EFAULT, errno.EOPNOTSUPP)
-# How long one buffer's write may take before the device is named as hung: 8 MiB; the
-# save's own deadline bounds the whole write as well.
-_HELPER_WAIT_S = 300.0
 # A write at least this large goes from the caller's memory where its address allows (see
 # DirectFile.write); below it, a copy into the buffer costs less than a request of its own.
 ZERO_COPY_MIN = 1 << 20
@@ -86,10 +81,6 @@ def _split(
         first.append(piece)
         nbytes -= piece.size
     return first, rest
-
-
-def _hung_error() -> OSError:
-    return OSError(errno.ETIMEDOUT, f"a direct write hung for {_HELPER_WAIT_S:.0f}s")
 
 
 def page_aligned_buffer(nbytes: int) -> mmap.mmap:
@@ -151,10 +142,9 @@ class DirectFile:
     """A write-only binary stream over `fd` (O_DIRECT set, empty): `write` and `tell` for
     torch.save and DCP's item writer; `finish` writes what the buffer holds; `close`.
 
-    Two buffers: while a helper thread writes a full one to the device, the writer fills
-    the other, so that the device never waits for the copy (the writer waits only when both
-    are full). The helper runs in the normal scheduling class: it takes next to no CPU, and
-    in the idle class it could be starved while the writer waits for it.
+    Two buffers: while a helper thread (DeviceQueue) writes a full one to the device, the
+    writer fills the other, so that the device never waits for the copy (the writer waits
+    only when both are full).
 
     A write of ZERO_COPY_MIN bytes or more whose address is congruent to the file position
     modulo the block is written from the caller's memory (by the helper, bounded as a
@@ -186,10 +176,7 @@ class DirectFile:
         self._filled = 0  # bytes in it
         self._written = 0  # bytes handed to the device (a multiple of BLOCK_BYTES until finish)
         self._direct = True
-        # The helper's last job, if it may still run; its end means every earlier one ended
-        # (one helper, first in first out), whose errors wait in _unchecked.
-        self._writing: Future | None = None
-        self._unchecked: list[Future] = []
+        self._queue = DeviceQueue()
         # Held writes and the buffer's blocks before each, not yet queued (they lie in the
         # file from self._written on); the current buffer's bytes before _start are in them
         # or in a queued job.
@@ -197,11 +184,6 @@ class DirectFile:
         self._gathered_bytes = 0
         self._start = 0
         self._between: Callable[[], None] | None = None
-        self._hung = False  # that write outlasted _HELPER_WAIT_S
-        self._helper: DaemonPool | None = None
-        # Requests the helper saw end (only it counts): a long in-place write is hung only
-        # once none ended for _HELPER_WAIT_S.
-        self._requests_ended = 0
         self._zero_copy = True  # until a write from the caller's memory is refused
         self.zero_copy_bytes = 0
 
@@ -263,20 +245,20 @@ class DirectFile:
         between: Callable[[], None] | None = None,
     ) -> int:
         """_pwrite_in_place on the helper (after the buffer handed over before it), waited
-        for while its requests go on ending: a device on which none ended for
-        _HELPER_WAIT_S is named as hung, not waited on for good. `beside` runs on this
-        thread meanwhile."""
-        ended = self._requests_ended
-        writing = self._helper_pool().submit(self._pwrite_in_place, view, offset, between)
+        for while its requests go on ending: a device on which none ended for a while
+        (DeviceQueue.ended_in_time) is named as hung, not waited on for good. `beside` runs
+        on this thread meanwhile."""
+        ended = self._queue.requests_ended
+        writing = self._queue.run(self._pwrite_in_place, view, offset, between)
         if beside is not None:
             try:
                 beside()
             except BaseException:
                 # The device may still read the caller's memory: never return before it ends.
-                self._ended_in_time(writing, ended)
+                self._queue.ended_in_time(writing, ended)
                 raise
-        if not self._ended_in_time(writing, ended):
-            raise _hung_error()
+        if not self._queue.ended_in_time(writing, ended):
+            raise hung_error()
         return writing.result()
 
     def _pwrite_in_place(
@@ -303,7 +285,7 @@ class DirectFile:
             # A short write off the block makes the next one EINVAL, which ends this above;
             # the buffers' own writes then fall back to the page cache (_write_buffer).
             done += wrote
-            self._requests_ended += 1
+            self._queue.request_ended()
         return done
 
     def _copy_in(
@@ -348,15 +330,8 @@ class DirectFile:
             request, self._gathered = _split(self._gathered, whole)
             self._gathered_bytes -= whole
             self._submit_segments(request, whole)
-            if len(self._unchecked) >= _JOBS_AHEAD:
-                self._wait_for_oldest()
-
-    def _wait_for_oldest(self) -> None:
-        """Wait for the oldest job not waited for yet (raising its error)."""
-        oldest = self._unchecked[0]
-        if not self._ended_in_time(oldest, self._requests_ended):
-            raise _hung_error()
-        self._unchecked.pop(0).result()
+            if len(self._queue.unchecked) >= _JOBS_AHEAD:
+                self._queue.wait_for_oldest()
 
     def _submit_gathered(self, upto: int) -> None:
         """Queue everything gathered, then the buffer's bytes from _start to `upto` (whole
@@ -369,14 +344,8 @@ class DirectFile:
 
     def _submit_segments(self, segments: list[np.ndarray], nbytes: int) -> None:
         """Queue `segments` (`nbytes` in all) to be written from the position _written."""
-        self._submit(self._pwrite_gathered, segments, self._written)
+        self._queue.submit(self._pwrite_gathered, segments, self._written)
         self._written += nbytes
-
-    def _submit(self, job: Callable[..., None], *args: object) -> None:
-        """Queue `job` for the helper; it is then the last one (_writing)."""
-        if self._writing is not None:
-            self._unchecked.append(self._writing)
-        self._writing = self._helper_pool().submit(job, *args)
 
     def _pwrite_gathered(self, segments: list[np.ndarray], offset: int) -> None:
         """On the helper: write `segments` (whole blocks, in file order) at `offset` in
@@ -405,7 +374,7 @@ class DirectFile:
             else:
                 self._write_copied(request, 0, offset)
             offset += nbytes
-            self._requests_ended += 1
+            self._queue.request_ended()
 
     def _write_copied(self, request: list[np.ndarray], skip: int, offset: int) -> None:
         """Write `request`'s bytes after the first `skip` at `offset + skip`, copied into a
@@ -441,9 +410,9 @@ class DirectFile:
         whole = self._filled - self._filled % BLOCK_BYTES
         if self._gathered or self._start:
             self._submit_gathered(whole)
-            self._wait_for_writing()
+            self._queue.wait_for_all()
         else:
-            self._wait_for_writing()
+            self._queue.wait_for_all()
             if whole:
                 self._write_buffer(self._current, 0, whole, self._written)
             self._written += whole
@@ -465,12 +434,10 @@ class DirectFile:
         fd, self._fd = self._fd, -1
         still_running: list[str] = []
         try:
-            if self._helper is not None:
-                # Jobs not started are cancelled (the writer failed: what they would write
-                # is discarded); the one running is waited for, bounded, so that neither its
-                # buffer nor the descriptor goes away under it. One already found hung is
-                # not waited for again.
-                still_running = self._helper.close(0.1 if self._hung else _HELPER_WAIT_S)
+            # Jobs not started are cancelled (the writer failed: what they would write is
+            # discarded); the one running is waited for, bounded, so that neither its buffer
+            # nor the descriptor goes away under it.
+            still_running = self._queue.close()
         finally:
             self._arrays.clear()
             # A job still running (a hung write) writes through the descriptor and may read
@@ -495,53 +462,19 @@ class DirectFile:
         buffer, once the helper's last job (which may read that one) ended."""
         if not nbytes and not self._gathered:
             return
-        self._wait_for_writing()
+        self._queue.wait_for_all()
         if self._gathered or self._start:
             self._submit_gathered(nbytes)
         else:
-            self._submit(self._write_buffer, self._current, 0, nbytes, self._written)
+            self._queue.submit(self._write_buffer, self._current, 0, nbytes, self._written)
             self._written += nbytes
         self._current = 1 - self._current
         self._filled = self._start = 0
 
-    def _wait_for_writing(self) -> None:
-        """Wait for the helper's jobs (raising the first error); a device on which none of
-        their requests ended for _HELPER_WAIT_S is named as hung."""
-        writing, self._writing = self._writing, None
-        if writing is None:
-            return
-        if not self._ended_in_time(writing, self._requests_ended):
-            self._writing = writing  # still reading its buffer: close() must not unmap it
-            raise _hung_error()
-        earlier, self._unchecked = self._unchecked, []
-        for job in earlier:  # ended before `writing` began
-            job.result()
-        writing.result()
-
-    def _helper_pool(self) -> DaemonPool:
-        """The helper thread that hands this file's writes to the device, started once."""
-        if self._helper is None:
-            self._helper = DaemonPool(1, "verl_ckpt_direct_write", normal_class=True)
-        return self._helper
-
-    def _ended_in_time(self, writing: Future, ended: int | None = None) -> bool:
-        """Whether the helper's `writing` ended before the device looked hung: _HELPER_WAIT_S
-        without it ending or, for an in-place write (`ended`: the helper's count of ended
-        requests when it was submitted), _HELPER_WAIT_S in which none of its requests
-        ended. If not, the file is hung, and close() does not wait for its helper again."""
-        while True:
-            done, _ = wait_for_futures([writing], timeout=_HELPER_WAIT_S)
-            if done:
-                return True
-            if ended is None or self._requests_ended == ended:
-                self._hung = True
-                return False
-            ended = self._requests_ended
-
     def _write_buffer(self, index: int, start: int, nbytes: int, offset: int) -> None:
         """Write `nbytes` of buffer `index` from `start` at file offset `offset`."""
         self._pwrite_view(memoryview(self._buffers[index])[start : start + nbytes], offset)
-        self._requests_ended += 1
+        self._queue.request_ended()
 
     def _pwrite_view(self, view: memoryview, offset: int) -> None:
         """Write `view` (page-aligned memory) at `offset`."""
