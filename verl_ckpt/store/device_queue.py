@@ -4,8 +4,8 @@ taking them (hung) from one that is only slow.
 
 Why a thread of its own: while it waits for the device, the writer goes on filling the next
 buffer, so that the device never waits for the copy. Why "hung" is judged by requests and not
-by jobs: one job may be many requests of _HELPER_WAIT_S's size; a long job whose requests go
-on ending is slow, not hung.
+by jobs: one job may be many requests (each a write of at most one buffer,
+direct_io._BUFFER_BYTES); a long job whose requests go on ending is slow, not hung.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from verl_ckpt.protocol.threads import DaemonPool
 
 __all__ = ["DeviceQueue", "hung_error"]
 
-# How long the device may take no request of a job (a request is one buffer, 8 MiB, or one
-# vectored request of that size) before it is named as hung; the save's own deadline bounds
-# the whole write as well.
+# How long the device may end no request of a job (one write of at most a buffer: from a
+# buffer, vectored, or from the caller's memory) before it is named as hung; the save's own
+# deadline bounds the whole write as well.
 _HELPER_WAIT_S = 300.0
 
 
@@ -40,8 +40,9 @@ class DeviceQueue:
         # (one helper, first in first out), whose errors wait in `unchecked`.
         self.last: Future | None = None
         self.unchecked: list[Future] = []
-        # Requests the helper saw end (only it counts): a long job is hung only once none of
-        # its requests ended for _HELPER_WAIT_S.
+        # Requests seen to end (on the helper, or on the writer once the helper is idle:
+        # DirectFile.finish): a long job is hung only once none of its requests ended for
+        # _HELPER_WAIT_S.
         self.requests_ended = 0
         self.hung = False  # a job outlasted _HELPER_WAIT_S: close() does not wait for it again
 
@@ -51,7 +52,8 @@ class DeviceQueue:
         return self._pool is not None
 
     def request_ended(self) -> None:
-        """Called on the helper as each request of a job ends."""
+        """Called as each request ends (on the helper, or on the writer while the helper is
+        idle)."""
         self.requests_ended += 1
 
     def submit(self, job: Callable[..., object], *args: object) -> None:
@@ -88,7 +90,8 @@ class DeviceQueue:
     def ended_in_time(self, job: Future, ended: int | None = None) -> bool:
         """Whether `job` ended before the device looked hung: _HELPER_WAIT_S without it
         ending or, given `ended` (the count of ended requests when it was queued),
-        _HELPER_WAIT_S in which none of its requests ended. If not, the queue is hung."""
+        _HELPER_WAIT_S in which none of its requests ended. If not, `hung` is set: close()
+        does not wait for the helper again."""
         while True:
             done, _ = wait_for_futures([job], timeout=_HELPER_WAIT_S)
             if done:
