@@ -778,7 +778,7 @@ def test_a_held_write_refused_after_its_file_closed_is_not_copied(tmp_path, monk
     queue = direct._queue
     direct.close()  # the writer gives up; the request is still in flight
     released.set()  # ... and comes back refused
-    assert queue.started and not queue._pool.close(5), "the helper's job did not end"
+    assert queue._pool is not None and not queue._pool.close(5), "the helper's job did not end"
     assert bounces == [], "the caller's bytes were copied after the file closed"
     running = queue.unchecked[0]  # the job in flight when the writer gave up
     assert isinstance(running.exception(), OSError) and running.exception().errno == errno.EBADF

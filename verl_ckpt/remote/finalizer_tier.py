@@ -353,7 +353,7 @@ class RemoteTier:
             return False
         if status is None:
             # Not there, or another save's record (or an unreadable one): upload it again.
-            rel = f"{step_dir('', step).name}/{COMMIT_RECORD_FILENAME}"
+            rel = self._store.step_rel(step, COMMIT_RECORD_FILENAME)
             try:
                 local, remote = await asyncio.to_thread(
                     lambda: (

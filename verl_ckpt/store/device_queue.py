@@ -46,11 +46,6 @@ class DeviceQueue:
         self.requests_ended = 0
         self.hung = False  # a job outlasted _HELPER_WAIT_S: close() does not wait for it again
 
-    @property
-    def started(self) -> bool:
-        """Whether the helper thread was ever started."""
-        return self._pool is not None
-
     def request_ended(self) -> None:
         """Called as each request ends (on the helper, or on the writer while the helper is
         idle)."""

@@ -63,7 +63,7 @@ __all__ = [
 _T = TypeVar("_T")
 # The least share of a call's deadline left to send it once an earlier call on its object
 # ended (FsspecStore._bounded).
-_LEAST_CALL_S = 0.1
+_LEAST_CALL_SHARE = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class FsspecStore(Store):
         earlier.join(time_left(deadline))
         # Sent with (next to) no time left, this call would be reported as failed and then
         # left running, able to land after all: it is not sent (the caller tries again).
-        if earlier.is_alive() or time_left(deadline) < _LEAST_CALL_S * self.call_timeout_s:
+        if earlier.is_alive() or time_left(deadline) < _LEAST_CALL_SHARE * self.call_timeout_s:
             raise CommitTimeoutError(
                 f"the remote tier {where}: an earlier call on it outlasted its deadline and "
                 f"may still land; no other is sent before it ends (waited "
