@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import threading
@@ -458,9 +457,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("benchmarks.cuda_path needs a CUDA device")
     import ray
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(
-        address="local",
+    from recipes.local_ray import init_local_ray
+
+    # On loopback: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, set by benchmarks/__init__.py before
+    # ray was imported (init_local_ray refuses a Ray that would bind elsewhere).
+    init_local_ray(
         _node_ip_address="127.0.0.1",
         num_cpus=4,
         include_dashboard=False,

@@ -10,11 +10,15 @@ that only counts: the real one would end the Ray that this test worker's other t
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
 
 from recipes import local_ray
+from tests.conftest import REPO_ROOT
 
 RAY_NODE_TIMEOUT = Exception(
     "The current node timed out during startup. This could happen because some of the raylet "
@@ -56,3 +60,45 @@ def test_a_second_time_out_and_every_other_error_are_raised_as_they_are(monkeypa
     with pytest.raises(ValueError, match="bad option"):
         local_ray.init_local_ray()
     assert calls == [{"address": "local"}]
+
+
+def _fresh_python(code: str) -> str:
+    """`code` run by a fresh interpreter of this checkout without the suite's
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (conftest sets it): its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_ray_asked_on_loopback_that_would_bind_elsewhere_is_refused_before_it_starts():
+    """Found in session 23: the CPU benchmark asked for 127.0.0.1, but Ray (which reads its
+    switch when imported) bound every run to the machine's reachable address. Now refused,
+    in one line naming the variable, before anything starts."""
+    out = _fresh_python(
+        "import ray\n"
+        "from recipes.local_ray import init_local_ray\n"
+        "try:\n"
+        "    init_local_ray(_node_ip_address='127.0.0.1', num_cpus=1, include_dashboard=False)\n"
+        "except RuntimeError as exc:\n"
+        "    print('REFUSED', exc, ray.is_initialized())\n"
+        "else:\n"
+        "    print('BOUND', ray.util.get_node_ip_address())\n"
+        "    ray.shutdown()\n"
+    )
+    assert out.startswith("REFUSED") and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in out, out
+    assert out.strip().endswith("False"), out
+
+
+def test_the_benchmarks_keep_ray_on_loopback():
+    """Every benchmark module imports the package first, which turns Ray's multi-node
+    resolution off before ray is imported."""
+    out = _fresh_python(
+        "import benchmarks.run, benchmarks.cuda_path\n"
+        "from ray._private import ray_constants\n"
+        "print(ray_constants.ENABLE_RAY_CLUSTER)\n"
+    )
+    assert out.strip() == "False", out
