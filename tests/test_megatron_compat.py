@@ -517,3 +517,35 @@ def test_megatron_cores_torch_version_check_is_memoised_and_answers_as_its_own()
     for version in ("2.6a0", "1.0", "99.0", torch.__version__.split("+")[0]):
         for equality in (True, False):
             assert check(version, equality) == utils.is_torch_min_version(version, equality)
+
+
+# The public sharding API (ShardedTensor, ShardedObject, ...) is what a trainer itself builds
+# its state dicts with; every other megatron-core module is an internal of its release.
+_PUBLIC_MEGATRON = {"megatron.core.dist_checkpointing.mapping"}
+
+
+def test_megatron_core_internals_are_imported_by_megatron_compat_only():
+    """docs/limits.md: a release that moves megatron-core's internals needs changes in
+    format/megatron_compat.py only. Every other module of the package imports at most its
+    public sharding API."""
+    import ast
+
+    package = REPO_ROOT / "verl_ckpt"
+    compat = package / "format" / "megatron_compat.py"
+    elsewhere = []
+    for path in sorted(package.rglob("*.py")):
+        if path == compat:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] == "megatron" and name not in _PUBLIC_MEGATRON:
+                    elsewhere.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {name}")
+    assert not elsewhere, "megatron-core internals outside megatron_compat.py: " + ", ".join(
+        elsewhere
+    )

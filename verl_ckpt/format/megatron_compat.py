@@ -298,6 +298,12 @@ def validate_sharding(items: list[ShardedBase], group: dist.ProcessGroup | None)
             _validate_sharding_for_key(shardings)
 
 
+def _objects_for_dcp(objects: dict[str, list]) -> dict[str, Any]:
+    """megatron-core's conversion of `ShardedObject`s for DCP (serialised as its save would),
+    for a plan whose tensors are found without it (write_resolution)."""
+    return mcore_torch.mcore_to_pyt_state_dict(objects, False)
+
+
 def plan_save(
     sharded_part: dict,
     checkpoint_dir: Path,
@@ -320,7 +326,9 @@ def plan_save(
         sharded_part, keep_only_main_replica=True
     )
     if cache is not None and cache.resolution is not None:
-        write_buckets = cache.resolution.write_buckets(flat, checkpoint_dir, files_per_rank)
+        write_buckets = cache.resolution.write_buckets(
+            flat, checkpoint_dir, files_per_rank, _objects_for_dcp
+        )
         if write_buckets is not None:
             # DCP's planning makes the directory it plans for (its prepare_local_plan).
             Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)

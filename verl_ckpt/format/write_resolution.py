@@ -19,12 +19,13 @@ Protocol step 1 (plan): megatron_compat.plan_save, verl_ckpt/protocol/__init__.p
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from verl_ckpt.format.torch_format import StorageGeometry, storage_geometry
@@ -128,11 +129,16 @@ class WriteResolution:
         return cls(tuple(buckets), files_per_rank)
 
     def write_buckets(
-        self, flat: dict[str, list], checkpoint_dir: Path | str, files_per_rank: int
+        self,
+        flat: dict[str, list],
+        checkpoint_dir: Path | str,
+        files_per_rank: int,
+        convert_objects: Callable[[dict[str, list]], dict[str, Any]],
     ) -> list | None:
         """The buckets over `flat`'s data, as the planner would resolve them; None where a
         shard's data is no longer placed as learned, or the files are split otherwise (the
-        caller converts instead)."""
+        caller converts instead). `convert_objects` is megatron-core's conversion for DCP
+        (from megatron_compat, the one place that calls its internals)."""
         if files_per_rank != self._files_per_rank or any(k not in flat for k in self._object_keys):
             return None
         found = [[_data_as_learned(flat, spec) for spec in b.tensors] for b in self._buckets]
@@ -140,9 +146,7 @@ class WriteResolution:
             return None
         # megatron-core serialises the objects, as its conversion would (a list of each
         # key's objects' data, one file entry per key).
-        objects = mcore_torch.mcore_to_pyt_state_dict(
-            {key: flat[key] for key in self._object_keys}, False
-        )
+        objects = convert_objects({key: flat[key] for key in self._object_keys})
         buckets = []
         for bucket, datas in zip(self._buckets, found, strict=True):
             bytes_data = [(item, objects[item.index.fqn]) for item in bucket.objects]

@@ -129,11 +129,12 @@ class StagingConfig:
 
     # Page-locked host buffers for device tensors (faster, asynchronous device-to-host copies).
     pin_memory: bool = True
-    # Write host-resident tensors (an offloaded optimizer, CPU parameters) from the live
-    # tensors without a copy. Safe when the trainer replaces their storage (offload/reload)
-    # rather than writing into them; an in-place change before the bytes are written is
-    # detected by the tensor's version counter and fails the save loudly. Ignored with
-    # writer.mode=process, which can read only shared memory (those tensors are copied).
+    # Write host-resident optimizer state (an offloaded optimizer's) from the live tensors
+    # without a copy; parameters, updated in place at every step, are still copied. Safe
+    # when the trainer replaces that state's storage (offload/reload) rather than writing
+    # into it; an in-place change before the bytes are written is detected by the tensor's
+    # version counter and fails the save loudly. Ignored with writer.mode=process, which
+    # can read only shared memory (those tensors are copied).
     offload_aware: bool = False
 
 
