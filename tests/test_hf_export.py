@@ -69,6 +69,17 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
+def commit_step_1(ranks: dict, cfg: dict) -> CheckpointCoordinator:
+    """Fresh models saved as step 1 under `cfg` by every rank, committed; the coordinator,
+    its ranks still open."""
+    fresh_models(ranks)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    save_everyone(ranks, coordinator, 1)
+    coordinator.wait_for_commit(1)
+    return coordinator
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     code = verl_ckpt_cli([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -390,12 +401,7 @@ def test_an_export_of_a_step_whose_shard_changed_since_its_commit_is_refused(
     valid export record, and a cut shard ended `verl-ckpt export` with torch's traceback."""
     cfg = config(tmp_path, hf_model=False)
     root = Path(cfg["root_dir"])
-    fresh_models(ranks)
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    save_everyone(ranks, coordinator, 1)
-    coordinator.wait_for_commit(1)
-    close_all(ranks, coordinator)
+    close_all(ranks, commit_step_1(ranks, cfg))
     shard = max((step_dir(root, 1) / "actor").glob("*.distcp"), key=lambda p: p.stat().st_size)
     damage(shard)
     out_dir = tmp_path / "actor_hf"
@@ -403,3 +409,55 @@ def test_an_export_of_a_step_whose_shard_changed_since_its_commit_is_refused(
     assert code == 1 and out == "", out
     assert str(shard) in err and err.count("\n") == 1, err
     assert not out_dir.exists()
+
+
+def test_with_signing_a_planted_export_is_neither_verified_nor_taken_for_done(
+    ranks, tmp_path, capsys
+):
+    """Found by review: export records were never signed, and one without the save it came
+    from passed for the step's own. With checkpoint.signing, weights planted at
+    `<step>/actor/huggingface/` with a record that matches them (unsigned, or signed with
+    another key) printed "OK Hugging Face export" under `verl-ckpt verify --signing-key-file`
+    and "already exported" under `verl-ckpt export`. The finalizer's exports are signed now;
+    a planted one fails verify in one line and is exported over."""
+    from verl_ckpt.hf.record import read_export_record
+    from verl_ckpt.store.fsio import file_checksum
+    from verl_ckpt.store.signing import Keyring
+
+    key_file = tmp_path / "team.key"
+    key_file.write_bytes(b"k3y-0f-the-team-s3cr3t-bytes-42\n")
+    cfg = config(tmp_path, signing={"key_file": str(key_file)})
+    root = Path(cfg["root_dir"])
+    coordinator = commit_step_1(ranks, cfg)
+    assert {o["state"] for o in coordinator.wait_for_exports()} == {"done"}
+    close_all(ranks, coordinator)
+    directory = export_dir(step_dir(root, 1), "actor")
+    assert read_export_record(directory).signature is not None
+    key = ("--signing-key-file", key_file)
+    code, out, err = run_cli(capsys, "verify", root, "--step", 1, *key)
+    assert code == 0 and "OK Hugging Face export of actor (gpt2)" in out, out + err
+
+    genuine = (directory / "model.safetensors").read_bytes()
+    for attacker in (None, Keyring([b"an-attacker-of-their-own-key"])):
+        planted = directory / "model.safetensors"
+        planted.write_bytes(b"planted weights")
+        raw = json.loads((directory / EXPORT_RECORD_FILENAME).read_text())
+        entry = next(e for e in raw["files"] if e["path"] == "model.safetensors")
+        entry["size"], entry["checksum"] = file_checksum(planted)
+        raw["source_record_sha256"] = None
+        raw.pop("signature", None)
+        if attacker is not None:
+            raw["signature"] = attacker.sign(raw)
+        (directory / EXPORT_RECORD_FILENAME).write_text(json.dumps(raw))
+        assert verify_export(directory)[1] == []  # sizes and checksums match: only a key tells
+
+        code, out, err = run_cli(capsys, "verify", root, "--step", 1, *key)
+        assert code == 1 and "OK Hugging Face export" not in out, out + err
+        why = "unsigned" if attacker is None else "signed with another key"
+        assert f"export {directory} is refused" in out + err and why in out + err, out + err
+
+        code, out, err = run_cli(capsys, "export", root, "--step", 1, "--role", "actor", *key)
+        assert code == 0 and "already exported" not in out, out + err
+        assert (directory / "model.safetensors").read_bytes() == genuine
+        code, out, err = run_cli(capsys, "verify", root, "--step", 1, *key)
+        assert code == 0 and "OK Hugging Face export of actor (gpt2)" in out, out + err

@@ -196,3 +196,39 @@ def test_I5_the_export_queue_keeps_a_bounded_number_of_ended_outcomes(tmp_path):
     assert len(outcomes) == OUTCOMES_KEPT + 1
     assert [o["step"] for o in outcomes] == list(range(1000 - OUTCOMES_KEPT, 1001))
     assert outcomes[-1]["state"] == "queued"
+
+
+def test_an_export_checks_each_declared_tensor_size_before_allocating_it():
+    """Found by review: the export allocated whatever size `.metadata` (data from the root)
+    declared for a tensor, then read its chunks: a huge size ran the node out of memory, and
+    chunks leaving a gap published the allocation's old bytes. Now refused, naming the
+    tensor, before any allocation."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from verl_ckpt.hf.export import _check_extents
+    from verl_ckpt.protocol.errors import CheckpointError
+
+    def meta(size, *chunks):
+        return TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32),
+            torch.Size(size),
+            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+        )
+
+    whole = meta((4, 6), ((0, 0), (2, 6)), ((2, 0), (2, 6)))
+    _check_extents({"w": whole}, 4 * 6 * 4, "role")
+    with pytest.raises(CheckpointError, match=r"tensor w of 96 bytes, more than .* \(95 bytes\)"):
+        _check_extents({"w": whole}, 95, "role")
+    huge = meta((1 << 40, 1 << 20), ((0, 0), (1, 1)))
+    with pytest.raises(CheckpointError, match="declares tensor w of"):
+        _check_extents({"w": huge}, 1 << 30, "role")
+    gap = meta((4, 6), ((0, 0), (2, 6)))
+    with pytest.raises(CheckpointError, match="cover 12 of its 24 elements"):
+        _check_extents({"w": gap}, 1 << 20, "role")
+    outside = meta((4, 6), ((0, 0), (2, 6)), ((3, 0), (2, 6)))
+    with pytest.raises(CheckpointError, match="a chunk of tensor w outside its shape"):
+        _check_extents({"w": outside}, 1 << 20, "role")

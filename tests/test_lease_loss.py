@@ -294,6 +294,27 @@ def test_a_planted_lock_file_link_never_truncates_its_target(tmp_path):
     assert target.read_text() == "do not truncate me"
 
 
+def test_a_planted_lock_file_hard_link_never_truncates_its_target(tmp_path):
+    """Found by review: `.verl_ckpt.lock` hard-linked to another file (which the kernel allows
+    to its owner, or anywhere with fs.protected_hardlinks=0) was truncated and rewritten with
+    the holder's record."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("do not truncate me")
+    os.link(target, root / LOCK_FILENAME)
+    with pytest.raises(RootLockedError) as refused:
+        RootLock.acquire(root, purpose="job")
+    assert str(refused.value) == (
+        f"checkpoint root {root} cannot be locked: {root / LOCK_FILENAME} is a hard link to "
+        "another file, not a lock file that verl_ckpt made; remove it"
+    )
+    assert target.read_text() == "do not truncate me"
+    (root / LOCK_FILENAME).unlink()
+    with RootLock.acquire(root, purpose="job") as lock:
+        assert lock.mode == "flock"
+
+
 def test_a_planted_fifo_neither_blocks_nor_locks(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()

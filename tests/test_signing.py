@@ -506,3 +506,18 @@ def test_cli_rollback_completing_an_interrupted_one_still_refuses_an_unsigned_ta
     with pytest.raises(CheckpointError, match=r"cannot be completed: .*unsigned"):
         recover_root(signed_root, Keyring([KEY]))
     assert tracker_of(signed_root) == 100
+
+
+def test_a_record_nested_too_deeply_is_one_unreadable_step_with_a_key_too(signed_root, key_file):
+    """A planted record of 100,000 nested lists: without a key it was already one step that
+    is not committed ("nested too deeply"); with one, its signature check raised
+    RecursionError, which no caller catches, out of start-up, recovery and retention."""
+    planted = step_dir(signed_root, 99)
+    planted.mkdir()
+    (planted / COMMIT_RECORD_FILENAME).write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(CommitRecordError, match="nested too deeply"):
+        read_commit_record(signed_root, 99, Keyring([KEY]))
+    state = recover_root(signed_root, Keyring([KEY]))
+    assert state.tracker == 2 and 99 in state.uncommitted
+    cfg = {"root_dir": str(signed_root), "signing": {"key_file": str(key_file)}}
+    assert start(cfg) == step_dir(signed_root, 2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import threading
 import time
@@ -656,3 +657,62 @@ def test_the_resume_reader_refuses_a_fifo_or_a_link_at_metadata_or_a_data_file(t
         with pytest.raises(OSError, match="not a regular file"):
             with reader(fifo_role).fs.create_stream(fifo_role / "__0_0.distcp", "rb"):
                 pass
+
+
+@pytest.mark.timeout(30)
+def test_a_planted_step_with_more_digits_than_a_tracker_holds_is_not_rolled_forward_to(tmp_path):
+    """Found by review: `global_step_<22 digits>` with a record that matches its files was a
+    committed step to recovery, which moved the tracker to it; a tracker holds at most 18
+    digits, so every later start refused the root, even once the step was gone."""
+    root = tmp_path / "ckpt"
+    record = committed_step(root, 2)
+    huge = 10**21
+    planted = step_dir(root, huge)
+    planted.mkdir()
+    for entry in record.files:
+        (planted / entry.path).parent.mkdir(parents=True, exist_ok=True)
+        (planted / entry.path).write_bytes((step_dir(root, 2) / entry.path).read_bytes())
+    plant_record(planted, replace(record, step=huge))
+    state = recover_root(root)
+    assert read_tracker(root) == 2 and state.committed == (2,)
+    with pytest.raises(CommitRecordError, match="is not from 0 to"):
+        read_commit_record(planted)
+    with pytest.raises(ValueError, match="is not from 0 to"):
+        write_tracker(root, huge)
+    assert read_tracker(root) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("planted", ["fifo", "link to /dev/zero"])
+def test_a_fifo_or_a_link_at_metadata_json_fails_a_load_instead_of_blocking_it(tmp_path, planted):
+    """Found by review: every rank's load hands the role's directory to megatron-core, whose
+    plain open() of `metadata.json` waited forever on a FIFO planted there (the default
+    `verify_checksums_on_load=false` checks nothing first) and read a link to /dev/zero
+    until memory ran out. The load now fails at once, naming the file."""
+    from verl_ckpt.format.megatron_compat import load_role_dir
+
+    role = tmp_path / "actor"
+    role.mkdir()
+    config = role / "metadata.json"
+    if planted == "fifo":
+        os.mkfifo(config)
+    else:
+        config.symlink_to("/dev/zero")
+    outcome: dict = {}
+
+    def load() -> None:
+        try:
+            load_role_dir({}, role)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        if planted == "fifo":  # a writer's open and close give the blocked reader its EOF
+            os.close(os.open(config, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"the load still reads the {planted} at metadata.json after 10 s")
+    error = outcome.get("error")
+    assert isinstance(error, OSError), error
+    assert str(config) in str(error) and re.search("not a regular file|symbolic link", str(error))

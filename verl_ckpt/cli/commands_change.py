@@ -133,14 +133,16 @@ def cmd_export(store: Store, args: argparse.Namespace) -> int:
     changes_root = args.out is None or _inside_root(store, Path(args.out))
     step = pick_step(store, args.step)
     if args.keyring is not None:
-        read_commit_record(store, step, args.keyring)  # refused before any file is read
+        # Refused before torch is imported; export_role checks the record again as it reads
+        # it (the step may change meanwhile), and signs the export's record.
+        read_commit_record(store, step, args.keyring)
     path = store.path(store.step_rel(step))
     from verl_ckpt.hf.export import export_role  # torch: seconds to import, only here
 
     def export() -> object:
         try:
             shard = args.max_shard_mb << 20
-            return export_role(path, args.role, args.architecture, args.out, shard)
+            return export_role(path, args.role, args.architecture, args.out, shard, args.keyring)
         except CheckpointConfigError as exc:  # a role, architecture or OUT the user typed
             raise CliError(str(exc), EXIT_USAGE) from None
 

@@ -33,7 +33,12 @@ from verl_ckpt.remote.transfer import copy_files
 from verl_ckpt.startup.resume_check import QUARANTINE_DIRNAME
 from verl_ckpt.startup.root_lock import is_locked, read_holder
 from verl_ckpt.store.base import Store
-from verl_ckpt.store.commit_record import CommitRecord, find_commit_record, read_commit_record
+from verl_ckpt.store.commit_record import (
+    CommitRecord,
+    find_commit_record,
+    read_commit_record,
+    read_commit_record_and_digest,
+)
 from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
     DELETING_PREFIX,
@@ -183,7 +188,7 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     step = pick_step(store, args.step)
     # CommitRecordError: not committed, corrupt; SignatureError (with --signing-key-*):
     # unsigned or signed with another key, before any other file of the step is read.
-    record = read_commit_record(store, step, args.keyring)
+    record, source = read_commit_record_and_digest(store, step, args.keyring)
     result = check_step_files(
         store, step, record.files, record.checksum_algorithm, args.threads, _TIMEOUT_S
     )
@@ -191,7 +196,7 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
     if record.step != step:
         where = store.uri(store.step_rel(step, COMMIT_RECORD_FILENAME))
         problems.insert(0, f"{where}: names step {record.step}, not {step}")
-    exports = _verify_exports(store, step, record, problems)
+    exports = _verify_exports(store, step, record, problems, args.keyring, source)
     speed = f" in {result.seconds:.3f} s ({result.gb_per_s:.2f} GB/s, {result.threads} threads)"
     status = print_verify_verdict(step, record, problems, speed)
     if status == 0:
@@ -203,10 +208,16 @@ def cmd_verify(store: Store, args: argparse.Namespace) -> int:
 
 
 def _verify_exports(
-    store: Store, step: int, record: CommitRecord, problems: list[str]
+    store: Store,
+    step: int,
+    record: CommitRecord,
+    problems: list[str],
+    keyring: Keyring | None,
+    source: str,
 ) -> list[str]:
     """Check every role's Hugging Face export that exists (step E; local roots only):
-    problems go to `problems`; a line per export that verified is returned."""
+    problems go to `problems`; a line per export that verified is returned. With a keyring,
+    an export's record must be signed and name this save of the step (`source`)."""
     if not isinstance(store, LocalStore):
         return []
     path = store.path(store.step_rel(step))
@@ -215,7 +226,7 @@ def _verify_exports(
         directory = export_dir(path, role)
         if role == DRIVER_ROLE or not directory.exists():
             continue
-        export, found = verify_export(directory)
+        export, found = verify_export(directory, keyring, source if keyring else None)
         problems.extend(found)
         if export is not None and not found:
             total = sum(entry.size for entry in export.files)

@@ -113,7 +113,7 @@ class CheckpointFinalizer:
             )
         # Step E: Hugging Face exports of committed steps, off the commit path.
         self._hf_plan = hf_exports
-        self._exports = ExportQueue(self._root, hf_exports)
+        self._exports = ExportQueue(self._root, hf_exports, keyring)
         # Every node must see this directory: ranks and the driver check this token.
         self._marker_token = uuid.uuid4().hex
         atomic_write_bytes(self._root / ROOT_MARKER_FILENAME, self._marker_token.encode())

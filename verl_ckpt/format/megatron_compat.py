@@ -65,6 +65,7 @@ from verl_ckpt.format.structure import Structure
 from verl_ckpt.format.torch_dist_dir import BACKEND, CHECKPOINTING_CONFIG
 from verl_ckpt.format.write_resolution import WriteResolution, see_shards, writable
 from verl_ckpt.protocol.errors import CheckpointError
+from verl_ckpt.store.fsio import read_regular
 
 __all__ = [
     "BACKEND",
@@ -84,6 +85,8 @@ __all__ = [
 # and each reads the other's file. A release that writes another field or value must fail
 # here, in every rank, before a step is saved with a stale metadata.json.
 _RELEASE_CONFIG = list(asdict(CheckpointingConfig(*BACKEND)).items())
+# A metadata.json is four short fields; a larger one is no file the finalizer wrote.
+_CONFIG_MAX_BYTES = 64 * 1024
 if _RELEASE_CONFIG != list(CHECKPOINTING_CONFIG.items())[: len(_RELEASE_CONFIG)]:
     raise ImportError(
         f"this megatron-core writes metadata.json as {dict(_RELEASE_CONFIG)}, "
@@ -539,6 +542,11 @@ def load_role_dir(
     sharding was validated at save time, so the load request's access-integrity check (an
     all-gather over the default group) is skipped, and reads are planned locally. Returns
     the loaded dict and how many tensors were read in place; `clock` is marked per phase."""
+    # megatron-core opens metadata.json with a plain open() before its strategies read
+    # anything: a FIFO planted there blocked the rank for good, and a link to /dev/zero filled
+    # its memory. Read first as a regular file, bounded (the error names it); a missing one is
+    # megatron-core's own "not a distributed checkpoint".
+    read_regular(Path(checkpoint_dir) / "metadata.json", _CONFIG_MAX_BYTES)
     strategy = _LocalLoadStrategy(clock)
     loaded = dist_checkpointing.load(
         sharded_state_dict,

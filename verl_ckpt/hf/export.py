@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -36,6 +37,7 @@ from verl_ckpt.hf.record import (
     describe_context_length,
     export_dir,
     read_export_record,
+    sign_export_record,
     verify_export,
     write_export_record,
 )
@@ -43,14 +45,10 @@ from verl_ckpt.protocol import faults
 from verl_ckpt.protocol.errors import CheckpointConfigError, CheckpointError, CommitRecordError
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.store.checksummed_file import write_checksummed
-from verl_ckpt.store.commit_record import (
-    FileEntry,
-    read_commit_record,
-    read_record_bytes,
-    record_digest,
-)
+from verl_ckpt.store.commit_record import FileEntry, read_commit_record_and_digest
 from verl_ckpt.store.fsio import fsync_dir, make_dir
 from verl_ckpt.store.layout import DRIVER_ROLE
+from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.verification import verify_files
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportSummary", "choose_mapping", "export_role"]
@@ -87,16 +85,19 @@ def export_role(
     architecture: str | None = None,
     out_dir: str | Path | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    keyring: Keyring | None = None,
 ) -> ExportSummary:
     """Export the Hugging Face weights of `role` from the committed step at `step_path` into
     `out_dir` (default: `<step>/<role>/huggingface/`). `architecture` names the mapping;
     None picks the one mapping that fits the saved model. Raises naming the path or key;
-    on any error nothing is published."""
+    on any error nothing is published. `keyring` (checkpoint.signing): the step's record
+    must be signed, the export record is signed, and an existing export counts only if its
+    record is signed and names this very save of the step."""
     started = time.perf_counter()
     step_path = Path(step_path)
-    record = read_commit_record(step_path)
+    # One read: the record checked and parsed, and the digest that names this save of it.
+    record, source = read_commit_record_and_digest(step_path, keyring=keyring)
     step = record.step
-    source = record_digest(read_record_bytes(step_path) or b"")
     role_dir = _committed_role_dir(step_path, role, record)
     spec = read_model_spec(role_dir)
     _refuse_value_model(spec, role, role_dir)
@@ -110,7 +111,7 @@ def export_role(
             f"OUT {out_dir} is the current directory or holds it: an export replaces OUT "
             "whole; name a new directory"
         )
-    existing = _existing_export(target, step, role, mapping.name, source, out_dir is None)
+    existing = _existing_export(target, step, role, mapping.name, source, out_dir is None, keyring)
     if existing is not None:
         files = existing.files
         return ExportSummary(
@@ -126,6 +127,8 @@ def export_role(
         )
     tensors = _model_tensors(role_dir)
     rules = _checked_rules(mapping, spec, tensors, role_dir)
+    data_bytes = sum(f.size for f in record.files if f.path.startswith(f"{role}/"))
+    _check_extents(tensors, data_bytes, role_dir)
     faults.inject(Phase.EXPORT, role)
     if out_dir is None:
         _remove_stale_temporaries(target)
@@ -139,7 +142,7 @@ def export_role(
         fsync_dir(tmp)
         # The record goes last: a directory holding it holds every file it names, durable.
         exported = ExportRecord(step, role, mapping.name, files, context, source)
-        write_export_record(tmp, exported)
+        write_export_record(tmp, sign_export_record(exported, keyring))
         _publish(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -228,24 +231,31 @@ def _refuse_value_model(spec: dict[str, Any], role: str, role_dir: Path) -> None
 
 
 def _existing_export(
-    target: Path, step: int, role: str, architecture: str, source: str, in_place: bool
+    target: Path,
+    step: int,
+    role: str,
+    architecture: str,
+    source: str,
+    in_place: bool,
+    keyring: Keyring | None,
 ) -> ExportRecord | None:
     """A complete export of this save of the step (`source`: its record_digest), of this
     role and architecture, already at `target`, that verifies. An export inside the step
-    whose record predates the source's hash is this save's (it sits in that very step)."""
+    whose record predates the source's hash is this save's (it sits in that very step),
+    unless signing is on: then its record must be signed and name `source`, since anyone who
+    can write the root can plant an export whose record matches its files."""
     if not target.is_dir():
         return None
     try:
-        record = read_export_record(target)
+        record = read_export_record(target, keyring)
     except CheckpointError:
         return None
     if (record.step, record.role, record.architecture) != (step, role, architecture):
         return None
-    if record.source_record_sha256 != source and not (
-        in_place and record.source_record_sha256 is None
-    ):
+    older_in_place = in_place and keyring is None and record.source_record_sha256 is None
+    if record.source_record_sha256 != source and not older_in_place:
         return None
-    _, problems = verify_export(target)
+    _, problems = verify_export(target, keyring)
     if problems:
         logger.warning("replacing the export at %s: %s", target, "; ".join(problems))
         return None
@@ -269,6 +279,39 @@ def _model_tensors(role_dir: Path) -> dict[str, Any]:
             f"{role_dir} holds no model tensors (was 'model' in checkpoint.save_contents?)"
         )
     return tensors
+
+
+def _check_extents(tensors: dict[str, Any], data_bytes: int, role_dir: Path) -> None:
+    """Every tensor's declared size (`.metadata`: data from the root) before any memory is
+    allocated for it: no larger than the role's committed files, and tiled by its saved
+    chunks, each within the tensor. A planted `.metadata` declaring a huge tensor would
+    otherwise exhaust the node's memory, and one whose chunks leave a gap would publish
+    whatever that memory held."""
+    for key, meta in tensors.items():
+        size = tuple(meta.size)
+        numel = math.prod(size)
+        nbytes = numel * meta.properties.dtype.itemsize
+        if nbytes > data_bytes:
+            raise CheckpointError(
+                f"{role_dir}: .metadata declares tensor {key} of {nbytes} bytes, more than the "
+                f"role's committed files hold ({data_bytes} bytes); nothing is exported"
+            )
+        covered = 0
+        for chunk in meta.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if not len(offsets) == len(sizes) == len(size) or any(
+                o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)
+            ):
+                raise CheckpointError(
+                    f"{role_dir}: .metadata declares a chunk of tensor {key} outside its "
+                    f"shape {list(size)}; nothing is exported"
+                )
+            covered += math.prod(chunk.sizes)
+        if covered != numel:
+            raise CheckpointError(
+                f"{role_dir}: the saved chunks of tensor {key} cover {covered} of its {numel} "
+                "elements; nothing is exported"
+            )
 
 
 def _checked_rules(
@@ -344,7 +387,8 @@ def _read_global_tensor(role_dir: Path, key: str, meta: Any) -> torch.Tensor:
 
     from verl_ckpt.format.safe_reader import SafeFileSystemReader, checkpoint_error_in
 
-    target = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+    # Zeros, not empty: what a read does not fill is never another allocation's bytes.
+    target = {key: torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)}
     with warnings.catch_warnings():
         # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

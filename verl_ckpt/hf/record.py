@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from verl_ckpt.protocol.errors import CommitRecordError
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
@@ -25,6 +26,7 @@ from verl_ckpt.store.fsio import (
     read_regular,
 )
 from verl_ckpt.store.layout import checked_relative_path
+from verl_ckpt.store.signing import Keyring, check_signed
 
 __all__ = [
     "EXPORT_DIRNAME",
@@ -35,6 +37,7 @@ __all__ = [
     "describe_context_length",
     "export_dir",
     "read_export_record",
+    "sign_export_record",
     "verify_export",
     "write_export_record",
 ]
@@ -64,6 +67,9 @@ class ExportRecord:
     format_version: int = EXPORT_FORMAT_VERSION
     checksum_algorithm: str = CHECKSUM_ALGORITHM
     exported_at: float = field(default_factory=time.time)
+    # With checkpoint.signing: as a commit record's (store/signing.py), over the rest of the
+    # record, the source's digest included; readers given a keyring refuse an export without.
+    signature: dict[str, str] | None = None
 
 
 def describe_context_length(positions: int | None) -> str:
@@ -78,13 +84,29 @@ def export_dir(step_path: Path, role: str) -> Path:
     return Path(step_path) / role / EXPORT_DIRNAME
 
 
+def _record_object(record: ExportRecord) -> dict[str, Any]:
+    """The record as the JSON object its file holds (what a signature covers)."""
+    return json.loads(json.dumps(asdict(record)))
+
+
+def sign_export_record(record: ExportRecord, keyring: Keyring | None) -> ExportRecord:
+    """`record` signed by the keyring's first key; itself without one."""
+    if keyring is None:
+        return record
+    unsigned = replace(record, signature=None)
+    return replace(record, signature=keyring.sign(_record_object(unsigned)))
+
+
 def write_export_record(directory: Path, record: ExportRecord) -> None:
     payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
     atomic_write_bytes(directory / EXPORT_RECORD_FILENAME, payload)
 
 
-def read_export_record(directory: Path) -> ExportRecord:
-    """The record of the export in `directory`; CommitRecordError naming the file."""
+def read_export_record(directory: Path, keyring: Keyring | None = None) -> ExportRecord:
+    """The record of the export in `directory`; CommitRecordError naming the file, and
+    SignatureError (one line, no key or MAC) when `keyring` is given and the record is
+    unsigned or signed with a key it does not hold: anyone who can write the root can write
+    an export and a record whose sizes and checksums match it."""
     path = Path(directory) / EXPORT_RECORD_FILENAME
     try:
         # Bounded, and a regular file only (never a FIFO or a device planted in its place).
@@ -103,6 +125,13 @@ def read_export_record(directory: Path) -> ExportRecord:
     raw = parse_versioned_json(
         data, f"export record {path}", EXPORT_FORMAT_VERSION, CommitRecordError
     )
+    if keyring is not None:
+        check_signed(
+            raw,
+            keyring,
+            f"export {directory} is refused: its record {EXPORT_RECORD_FILENAME}",
+            "none of its files was read",
+        )
     try:
         files = [FileEntry(**entry) for entry in raw.pop("files")]
         record = ExportRecord(files=files, **raw)
@@ -131,12 +160,21 @@ def _check_names(record: ExportRecord, path: Path) -> None:
         raise CommitRecordError(f"export record {path} is malformed: source_record_sha256")
 
 
-def verify_export(directory: Path) -> tuple[ExportRecord | None, list[str]]:
-    """Re-read every file the export record lists: (the record, the problems found)."""
+def verify_export(
+    directory: Path, keyring: Keyring | None = None, source: str | None = None
+) -> tuple[ExportRecord | None, list[str]]:
+    """Re-read every file the export record lists: (the record, the problems found). With
+    `keyring`, the record must be signed (read_export_record); with `source` (the
+    record_digest of the step's commit record), it must name that very save of the step."""
     try:
-        record = read_export_record(directory)
+        record = read_export_record(directory, keyring)
     except CommitRecordError as exc:
         return None, [str(exc)]
+    if source is not None and record.source_record_sha256 != source:
+        return record, [
+            f"export {directory} was not made from this save of step {record.step}: its "
+            "record names another commit record (or none)"
+        ]
     problems = []
     for entry in record.files:
         path = Path(directory) / entry.path

@@ -24,6 +24,7 @@ from verl_ckpt.hf.record import describe_context_length
 from verl_ckpt.protocol.config import HF_MODEL, CheckpointConfig
 from verl_ckpt.protocol.errors import CheckpointConfigError, CommitTimeoutError
 from verl_ckpt.store.layout import step_dir
+from verl_ckpt.store.signing import Keyring
 
 __all__ = ["ExportOutcome", "ExportPlan", "ExportQueue", "check_export_config", "plan_exports"]
 
@@ -97,9 +98,13 @@ class ExportQueue:
     """The finalizer's exports: one at a time, in a Ray task (in a thread without Ray).
     Lives on the finalizer's event loop: `submit` and `protected` never await."""
 
-    def __init__(self, root: Path, plan: ExportPlan | None) -> None:
+    def __init__(self, root: Path, plan: ExportPlan | None, keyring: Keyring | None = None) -> None:
         self._root = root
         self._plan = plan
+        # checkpoint.signing's keys: each export signs its record (hf/record.py), as the
+        # finalizer signs its commit records. Handed to the export's task as its argument,
+        # as the driver hands them to the finalizer; never logged.
+        self._keyring = keyring
         self._waiting: deque[int] = deque()
         self._running: int | None = None
         self._outcomes: dict[tuple[int, str], ExportOutcome] = {}
@@ -199,7 +204,13 @@ class ExportQueue:
         import ray
 
         plan = self._plan
-        args = (str(step_dir(self._root, step)), role, architecture, plan.max_shard_bytes)
+        args = (
+            str(step_dir(self._root, step)),
+            role,
+            architecture,
+            plan.max_shard_bytes,
+            self._keyring,
+        )
         if not ray.is_initialized():  # an in-process finalizer (tests, benchmarks)
             work = asyncio.to_thread(_export_task_body, *args)
             return await asyncio.wait_for(work, plan.timeout_s)
@@ -234,11 +245,12 @@ class ExportQueue:
 
 
 def _export_task_body(
-    step_path: str, role: str, architecture: str, max_shard_bytes: int
+    step_path: str, role: str, architecture: str, max_shard_bytes: int, keyring: Keyring | None
 ) -> dict[str, Any]:
     from verl_ckpt.hf.export import export_role
 
-    return asdict(export_role(step_path, role, architecture, None, max_shard_bytes))
+    summary = export_role(step_path, role, architecture, None, max_shard_bytes, keyring)
+    return asdict(summary)
 
 
 async def _result(ref: Any) -> Any:

@@ -229,9 +229,15 @@ def _open_lock_file(root: Path, path: Path) -> int:
             if exc.errno == errno.ELOOP:
                 raise _unusable_lock_file(root, path, "a symbolic link") from None
             raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
         os.close(fd)
         raise _unusable_lock_file(root, path, "not a regular file")
+    if status.st_nlink > 1:
+        # A hard link planted at the name (where the kernel allows one to another's file):
+        # the holder would truncate and rewrite the file it shares an inode with.
+        os.close(fd)
+        raise _unusable_lock_file(root, path, "a hard link to another file")
     return fd
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
 
-from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError, SignatureError
+from verl_ckpt.protocol.errors import CheckpointError, CommitRecordError
 from verl_ckpt.protocol.messages import FileEntry
 from verl_ckpt.protocol.versioned_json import parse_versioned_json
 from verl_ckpt.store.base import Store
@@ -30,11 +30,12 @@ from verl_ckpt.store.layout import (
     checked_relative_path,
     step_name,
     step_of_dir,
+    step_problem,
 )
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
 from verl_ckpt.store.record_cache import VerifiedRecords
-from verl_ckpt.store.signing import SIGNATURE_FIELD, Keyring, signature_problem
+from verl_ckpt.store.signing import SIGNATURE_FIELD, Keyring, check_signed
 
 __all__ = [
     "COMMIT_FORMAT_VERSION",
@@ -51,6 +52,7 @@ __all__ = [
     "newest_committed",
     "parse_commit_record",
     "read_commit_record",
+    "read_commit_record_and_digest",
     "read_record_bytes",
     "read_step_states",
     "record_digest",
@@ -186,6 +188,14 @@ def read_commit_record(
     a format version this code does not know; SignatureError when `keyring` is given and
     the record is unsigned or signed with a key it does not hold.
     """
+    return read_commit_record_and_digest(where, step, keyring)[0]
+
+
+def read_commit_record_and_digest(
+    where: Where, step: int | None = None, keyring: Keyring | None = None
+) -> tuple[CommitRecord, str]:
+    """read_commit_record, and the record_digest of the very bytes it checked and parsed
+    (what names this save of the step: one read, so the two cannot be of different saves)."""
     store, rel = locate_step(where, step)
     data = _read_bytes(store, rel)
     if data is None:
@@ -196,7 +206,7 @@ def read_commit_record(
             f"{COMMIT_RECORD_FILENAME} is missing (the save did not finish on every rank, or "
             "the step is being deleted)"
         )
-    return _parse_trusted(data, store, rel, keyring)
+    return _parse_trusted(data, store, rel, keyring), record_digest(data)
 
 
 def _record_uri(store: Store, rel: str) -> str:
@@ -240,19 +250,16 @@ def check_record_signature(data: bytes, keyring: Keyring | None, step_uri: str) 
         return
     try:
         raw = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json's stack
         return
     if not isinstance(raw, dict):
         return
-    problem = signature_problem(raw, keyring)
-    if problem is not None:
-        error = SignatureError(
-            f"step {step_uri} is refused: its commit record {COMMIT_RECORD_FILENAME} is "
-            f"{problem}, and checkpoint.signing accepts only key ids "
-            f"{', '.join(keyring.key_ids)}; none of its other files was read"
-        )
-        error.reason = problem
-        raise error
+    check_signed(
+        raw,
+        keyring,
+        f"step {step_uri} is refused: its commit record {COMMIT_RECORD_FILENAME}",
+        "none of its other files was read",
+    )
 
 
 def parse_commit_record(data: bytes, path: str | Path) -> CommitRecord:
@@ -297,8 +304,9 @@ def _is_int(value: object) -> bool:
 
 def _type_problem(record: CommitRecord) -> str | None:
     """What is wrong with the field types of a parsed record, if anything."""
-    if not _is_int(record.step) or record.step < 0:
-        return f"step {record.step!r} is not a non-negative integer"
+    problem = step_problem(record.step)
+    if problem is not None:
+        return problem
     for name, table in (
         ("participants", record.participants),
         ("state_participants", record.state_participants),

@@ -20,6 +20,7 @@ __all__ = [
     "ROOT_MARKER_FILENAME",
     "RUN_MARKER_FILENAME",
     "MAX_RECORDED_PATH",
+    "MAX_STEP",
     "TRACKER_FILENAME",
     "checked_relative_path",
     "list_step_dirs",
@@ -31,6 +32,7 @@ __all__ = [
     "step_dir",
     "step_name",
     "step_of_dir",
+    "step_problem",
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -45,10 +47,15 @@ RUN_MARKER_FILENAME = ".verl_ckpt_run"
 DELETING_PREFIX = ".deleting_"
 # The driver reports as one more participant under this role name.
 DRIVER_ROLE = "driver"
-# Only the name step_dir() makes: ASCII digits, no leading zero. `global_step_05` (or other
-# Unicode digits) would be read as step 5 while step_dir(5) names another directory, and
-# the tracker could then name a step whose directory does not exist (I1).
-_STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$", re.ASCII)
+# The largest step: 18 digits, what a tracker may hold (tracker.parse_tracker), below int64's
+# limit. A planted `global_step_<19 digits>` with a valid record was rolled forward to, and
+# left a tracker that no start could read again.
+MAX_STEP = 10**18 - 1
+# Only the name step_dir() makes: ASCII digits, no leading zero, at most MAX_STEP.
+# `global_step_05` (or other Unicode digits) would be read as step 5 while step_dir(5) names
+# another directory, and the tracker could then name a step whose directory does not exist
+# (I1).
+_STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]{0,17})$", re.ASCII)
 # A role names a directory of every step: one plain name (no separator, no "..", not hidden).
 _ROLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -135,6 +142,15 @@ def printable(name: object) -> str:
 def participant_state_file(name: str, index: int) -> str:
     """Where participant `name`[`index`] keeps its state, relative to the step directory."""
     return f"{name}/state_{index}.pt"
+
+
+def step_problem(step: object) -> str | None:
+    """Why `step` cannot be a step number, if it cannot: an integer from 0 to MAX_STEP."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"step {step!r} is not an integer"
+    if not 0 <= step <= MAX_STEP:
+        return f"step {step} is not from 0 to {MAX_STEP}"
+    return None
 
 
 def step_of_dir(path: str | Path) -> int | None:

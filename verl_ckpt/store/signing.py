@@ -26,13 +26,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from verl_ckpt.protocol.config import SigningConfig
-from verl_ckpt.protocol.errors import CheckpointConfigError
+from verl_ckpt.protocol.errors import CheckpointConfigError, SignatureError
 
 __all__ = [
     "SIGNATURE_ALGORITHM",
     "SIGNATURE_FIELD",
     "Keyring",
     "canonical_payload",
+    "check_signed",
     "key_id",
     "keyring_from",
     "load_keyring",
@@ -116,6 +117,20 @@ def signature_problem(raw: Mapping[str, Any], keyring: Keyring) -> str | None:
         # record changed after it was signed (or a forged id).
         return f"signed with another key (its MAC does not verify under key id {claimed})"
     return f"signed with another key (key id {claimed!r}, not accepted)"
+
+
+def check_signed(raw: Mapping[str, Any], keyring: Keyring, refused: str, unread: str) -> None:
+    """Raise SignatureError unless `raw` verifies under `keyring`, in one line: "`refused`
+    is <the problem>, and checkpoint.signing accepts only key ids ...; `unread`" (`refused`
+    names the thing and its record, `unread` says what was not read). Never a key or a MAC."""
+    problem = signature_problem(raw, keyring)
+    if problem is not None:
+        error = SignatureError(
+            f"{refused} is {problem}, and checkpoint.signing accepts only key ids "
+            f"{', '.join(keyring.key_ids)}; {unread}"
+        )
+        error.reason = problem
+        raise error
 
 
 def load_keyring(config: SigningConfig, key: str = "checkpoint.signing") -> Keyring | None:

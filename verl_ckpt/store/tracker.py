@@ -15,13 +15,19 @@ from verl_ckpt.protocol.errors import CheckpointError, TrackerError
 from verl_ckpt.protocol.phases import Phase
 from verl_ckpt.store.commit_record import locate_step
 from verl_ckpt.store.fsio import FileTooLarge, NotARegularFile, RenameNotDurable
-from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME, TRACKER_FILENAME
+from verl_ckpt.store.layout import (
+    COMMIT_RECORD_FILENAME,
+    MAX_STEP,
+    TRACKER_FILENAME,
+    step_problem,
+)
 from verl_ckpt.store.open_store import Where, as_store
 
 __all__ = [
     "TRACKER_MAX_BYTES",
     "CommitPhaseError",
     "advance_tracker",
+    "move_tracker",
     "parse_tracker",
     "read_tracker",
     "tracker_or_none",
@@ -89,8 +95,9 @@ def parse_tracker(raw: bytes, where: str) -> int:
             f"tracker {where} is not plain ASCII (a byte-order mark or binary data?): {raw[:20]!r}"
         ) from None
     body = text.strip(_ASCII_WHITESPACE)
-    # No step has more than 18 digits; int() refuses thousands of them with its own error.
-    if not body.isdigit() or len(body) > 18:
+    # No step has more digits than MAX_STEP; int() refuses thousands of them with its own
+    # error.
+    if not body.isdigit() or len(body) > len(str(MAX_STEP)):
         raise TrackerError(
             f"tracker {where} must hold one non-negative integer step, found {text[:40]!r}"
         )
@@ -100,8 +107,9 @@ def parse_tracker(raw: bytes, where: str) -> int:
 def write_tracker(where: Where, step: int) -> None:
     """Atomically point the tracker at `step` (store.put_bytes: locally tmp file, fsync,
     rename, directory fsync; one PUT on an object store)."""
-    if step < 0:
-        raise ValueError(f"tracker step must be >= 0, got {step}")
+    problem = step_problem(step)
+    if problem is not None:
+        raise ValueError(f"tracker: {problem}")
     store = as_store(where)
     store.put_bytes(
         TRACKER_FILENAME,
@@ -125,6 +133,14 @@ def advance_tracker(where: Where, step: int) -> int | None:
     """Step 6 (10 on a remote tier): point the tracker at the committed `step` unless it
     names a newer one (it never moves backwards: a late commit of an older step leaves it).
     Returns what the tracker names afterwards (None: there is none, or it could not be read).
+    move_tracker also says whether the move was made durable."""
+    return move_tracker(where, step)[0]
+
+
+def move_tracker(where: Where, step: int) -> tuple[int | None, bool]:
+    """advance_tracker's move, and whether what the tracker names is durable: False where it
+    was renamed to `step` but its directory's fsync failed, so that a power loss may bring
+    back the step before (which retention must then not delete).
 
     A failure before the tracker's rename withdraws the commit record, so that the store and
     the reported failure agree (unlinking needs no free space). After the rename nothing
@@ -148,15 +164,16 @@ def advance_tracker(where: Where, step: int) -> int | None:
             step,
             exc,
         )
-        return None
+        return None, True
     if current is not None and current >= step:
-        return current
+        return current, True
     try:
         write_tracker(store, step)
     except RenameNotDurable as exc:
         logger.warning(
             "tracker of %s moved to step %d, but not made durable: %s", store.url, step, exc
         )
+        return step, False
     except Exception as exc:
         if store.failed_put_left_old and withdraw_record(store, step):
             raise CommitPhaseError(Phase.TRACKER, exc) from exc
@@ -168,8 +185,8 @@ def advance_tracker(where: Where, step: int) -> int | None:
             step,
             exc,
         )
-        return current
-    return step
+        return current, True
+    return step, True
 
 
 def withdraw_record(where: Where, step: int | None = None) -> bool:
