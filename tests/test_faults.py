@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ from verl_ckpt.commit.client import actor_options
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
 from verl_ckpt.protocol.faults import ENV_VAR, ONCE_ENV_VAR, InjectedFault
 from verl_ckpt.store.commit_record import is_committed, read_commit_record
-from verl_ckpt.store.layout import list_step_dirs
+from verl_ckpt.store.layout import RUN_MARKER_FILENAME, list_step_dirs
 from verl_ckpt.store.verification import verify_files
 
 
@@ -60,7 +61,11 @@ def faulty_coordinator(cfg, roles, fault, disarmed_marker):
     finalizer = ray.remote(CheckpointFinalizer).options(
         **actor_options(root), runtime_env={"env_vars": env}
     )
-    handle = finalizer.remote(str(root), participants, cfg.get("max_ckpt_to_keep"), 1)
+    # With a run id, as start_finalizer starts it: a restart then tells this job's steps from
+    # an earlier job's leftovers by their run marker (admission.steps_lost_in_a_restart).
+    handle = finalizer.remote(
+        str(root), participants, cfg.get("max_ckpt_to_keep"), 1, run_id=uuid.uuid4().hex
+    )
     # Wait until it runs: only then is its name registered for the coordinator to find.
     ray.get(handle.describe.remote())
     coordinator = CheckpointCoordinator(cfg, roles)
@@ -357,7 +362,12 @@ def test_I1_I2_finalizer_killed_around_the_tracker(ranks, tmp_path, phase):
     marker.unlink()  # arm: the finalizer exits at this phase of step 2's commit
     save_everyone(ranks, coordinator, 2)
     root = Path(cfg["root_dir"])
+    # A committed step holds exactly its record's files: the run marker went with its commit.
+    assert not (step_dir(root, 1) / RUN_MARKER_FILENAME).exists()
     if phase == "commit":
+        # Found by review: the run marker went before the record was written, so the
+        # restarted finalizer (run id and all, as start_finalizer starts it) took step 2 for
+        # an earlier job's leftover; the wait then ran to its deadline naming every rank.
         with pytest.raises(StepNotCommittedError, match="lost"):
             coordinator.wait_for_commit(2, timeout_s=30)
         assert read_tracker(root) == 1

@@ -8,6 +8,7 @@ record, a tracker move and retention, with tiny files.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import inspect
 import logging
@@ -723,3 +724,39 @@ def test_I5_a_commit_never_waits_for_its_forecast(tmp_path, monkeypatch):
     loaded = {"w": torch.zeros(2, WIDTH)}
     dcp.load(loaded, checkpoint_id=directory, no_dist=True)
     assert torch.equal(loaded["w"][1], torch.full((WIDTH,), 21.0))
+
+
+def test_I3_no_step_is_deleted_after_a_tracker_move_that_was_not_made_durable(
+    tmp_path, monkeypatch
+):
+    """Found by review: the root's fsync after the tracker's rename to step 2 failed (logged:
+    a power loss may bring back the tracker naming step 1), and retention with
+    max_ckpt_to_keep=1 deleted step 1 all the same, leaving nothing that such a tracker
+    names. Retention now waits for a commit whose tracker is durable (step 3 here). A
+    failing directory fsync cannot be produced for real here (it needs a failing device):
+    injected, EIO on the root's fsync while the tracker names step 2."""
+    from verl_ckpt.store import fsio
+
+    real_fsync_dir = fsio.fsync_dir
+    fired = []
+
+    def root_fsync_failing_under_tracker_2(path):
+        if Path(path) == tmp_path and read_tracker(tmp_path) == 2:
+            fired.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync_dir(path)
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=1)
+        await save_driver_step(finalizer, 1)
+        monkeypatch.setattr(fsio, "fsync_dir", root_fsync_failing_under_tracker_2)
+        await save_driver_step(finalizer, 2)
+        await finalizer.drain(10.0)
+        assert fired, "the injected fault never fired"
+        assert sorted(list_step_dirs(tmp_path)) == [1, 2]
+        monkeypatch.setattr(fsio, "fsync_dir", real_fsync_dir)
+        await save_driver_step(finalizer, 3)
+        await finalizer.drain(10.0)
+
+    asyncio.run(run())
+    assert read_tracker(tmp_path) == 3 and sorted(list_step_dirs(tmp_path)) == [3]

@@ -219,6 +219,23 @@ class Committer:
         # Taken in the same turn of the event loop as the steps retention keeps: an upload
         # that ends while retention runs still finds its step in the spared ones below.
         uploading = self._uploading()
+        if not summary.durable:
+            # Old steps go only once a new tracker is durable (I3): a power loss may bring
+            # back the tracker, or the record, of the step before this one.
+            errors = [
+                f"not run: step {step}'s commit record or tracker move was not made durable "
+                "(a directory fsync failed), so no older step is deleted until a commit is"
+            ]
+        else:
+            errors = await self._run_retention(step, uploading)
+        # Only now may another step start (back-pressure counts the deleted step's
+        # directory until it is gone), whether or not retention succeeded.
+        self._ledger.retire(step)
+        self._changes.notify()
+        return errors
+
+    async def _run_retention(self, step: int, uploading: set[int]) -> list[str]:
+        """Retention after the commit of `step`, in the file thread; its errors."""
         try:
             # What it keeps is read here, on the event loop that changes it (a begin_step,
             # an export, an upload), never from the file thread while the loop runs.
@@ -234,10 +251,6 @@ class Committer:
             errors = [f"{type(exc).__name__}: {exc}"]
             # What it left is unknown: the end of any of these uploads runs it again.
             self._spared_for_uploads = uploading
-        # Only now may another step start (back-pressure counts the deleted step's
-        # directory until it is gone), whether or not retention succeeded.
-        self._ledger.retire(step)
-        self._changes.notify()
         return errors
 
     def _retention(self, keeps: list[int]) -> RetentionOutcome:

@@ -38,7 +38,7 @@ from verl_ckpt.store.retention import delete_step
 from verl_ckpt.store.signing import Keyring
 from verl_ckpt.store.tracker import (
     CommitPhaseError,
-    advance_tracker,
+    move_tracker,
     tracker_or_none,
     withdraw_record,
 )
@@ -66,6 +66,9 @@ class CommitSummary:
     ready_at: float = 0.0
     record_at: float = 0.0
     tracker_at: float = 0.0
+    # The record and the tracker's move were made durable. Where a directory fsync failed,
+    # a power loss may bring back the step before, which retention must then not delete.
+    durable: bool = True
 
 
 def commit_step(
@@ -95,9 +98,6 @@ def commit_step(
             if role != DRIVER_ROLE:
                 made = (metadata_files or {}).get(role)
                 files.extend(_complete_role(root, path, role, step, reports, made))
-        # The finalizer's mark of the job that opened the step goes: a committed step holds
-        # exactly the files its record names (and the record).
-        unlink_beneath(root, f"{step_name(step)}/{RUN_MARKER_FILENAME}")  # synced below
         # A declared participant's files have no .metadata whose write syncs their
         # directory: synced here, or a crash after the commit could keep the record and
         # lose the directory entry of a file it names.
@@ -111,18 +111,39 @@ def commit_step(
             files=files,
             state_participants=dict(state_participants or {}),
         )
-        _write_record(store, sign_record(record, keyring))
+        record_durable = _write_record(store, sign_record(record, keyring))
     except Exception as exc:
         raise CommitPhaseError(Phase.COMMIT, exc) from exc
     record_at = time.time()
+    # The finalizer's mark of the job that opened the step goes only now that the record is
+    # durable: a restart takes a marked step without a record for one of this job's that was
+    # lost with the old instance (admission.steps_lost_in_a_restart); unmarked before the
+    # record, a crash in between left it an earlier job's leftover, its waiters told nothing
+    # until their deadline. Not synced: a committed step is never lost, marked or not.
+    _drop_run_marker(root, step)
     # The tracker moves only after the record is durable (I1): the other order would name
     # a step that a crash could leave uncommitted.
-    tracker = advance_tracker(store, step)
+    tracker, tracker_durable = move_tracker(store, step)
     logger.info("committed step %d under %s", step, root)
     size = sum(f.size for f in files)
     return CommitSummary(
-        step, len(files), size, tracker, record_at=record_at, tracker_at=time.time()
+        step,
+        len(files),
+        size,
+        tracker,
+        record_at=record_at,
+        tracker_at=time.time(),
+        durable=record_durable and tracker_durable,
     )
+
+
+def _drop_run_marker(root: Path, step: int) -> None:
+    """Remove a committed step's run marker: it then holds exactly the files its record
+    names (and the record). A failure is logged, never raised: the step is committed."""
+    try:
+        unlink_beneath(root, f"{step_name(step)}/{RUN_MARKER_FILENAME}")
+    except OSError as exc:
+        logger.warning("step %d committed, but its run marker stays: %s", step, exc)
 
 
 def discard_failed_steps(root: Path, steps: Iterable[int]) -> list[str]:
@@ -230,11 +251,11 @@ def _complete_role(
     return entries
 
 
-def _write_record(store: LocalStore, record: CommitRecord) -> None:
-    """Step 5's record. Renamed into place but not made durable (the directory's fsync
-    failed), readers already see the step committed: it is withdrawn, so that disk and the
-    reported failure agree; where even that fails, the step stays committed (a restart would
-    find it so) and the commit goes on."""
+def _write_record(store: LocalStore, record: CommitRecord) -> bool:
+    """Step 5's record; whether it is durable. Renamed into place but not made durable (the
+    directory's fsync failed), readers already see the step committed: it is withdrawn, so
+    that disk and the reported failure agree; where even that fails, the step stays
+    committed (a restart would find it so), the commit goes on, and this returns False."""
     try:
         write_commit_record(store, record)
     except RenameNotDurable as exc:
@@ -246,3 +267,5 @@ def _write_record(store: LocalStore, record: CommitRecord) -> None:
             store.uri(step_name(record.step)),
             exc,
         )
+        return False
+    return True
