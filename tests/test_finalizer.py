@@ -760,3 +760,17 @@ def test_I3_no_step_is_deleted_after_a_tracker_move_that_was_not_made_durable(
 
     asyncio.run(run())
     assert read_tracker(tmp_path) == 3 and sorted(list_step_dirs(tmp_path)) == [3]
+
+
+@pytest.mark.parametrize("step", [-1, 10**18, True])
+def test_a_step_number_no_root_can_hold_is_refused_before_anything_is_written(tmp_path, step):
+    """From review: a save of step 10**18 (19 digits) wrote every byte into a directory that
+    no listing counts as a step, then failed at the tracker; -1 made `global_step_-1`."""
+
+    async def run() -> None:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, max_ckpt_to_keep=1)
+        with pytest.raises(CheckpointError, match=r"a step cannot be saved under .*: step"):
+            await finalizer.begin_step(step, "driver", 0, 1, 10.0)
+
+    asyncio.run(run())
+    assert not any(p.name.startswith("global_step_") for p in tmp_path.iterdir())

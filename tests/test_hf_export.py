@@ -461,3 +461,43 @@ def test_with_signing_a_planted_export_is_neither_verified_nor_taken_for_done(
         assert (directory / "model.safetensors").read_bytes() == genuine
         code, out, err = run_cli(capsys, "verify", root, "--step", 1, *key)
         assert code == 0 and "OK Hugging Face export of actor (gpt2)" in out, out + err
+
+
+@pytest.mark.parametrize("declared", ["huge", "a gap"])
+def test_an_export_refuses_a_tensor_size_its_step_cannot_hold(ranks, tmp_path, declared):
+    """From review: the export allocated whatever size the role's `.metadata` declared and
+    then read the saved chunks into it. In a root others can write (here unsigned, the
+    record rewritten to match), a huge size ran the node out of memory (torch refused it
+    with a traceback here), and a size whose chunks leave a gap published memory that no
+    chunk filled. Both are refused in one line naming the tensor, before any allocation."""
+    import dataclasses
+    import pickle
+
+    from verl_ckpt.format.safe_load import load_dcp_metadata
+    from verl_ckpt.protocol.errors import CheckpointError
+    from verl_ckpt.store.commit_record import read_commit_record, write_commit_record
+    from verl_ckpt.store.fsio import file_checksum
+
+    cfg = config(tmp_path, hf_model=False)
+    close_all(ranks, commit_step_1(ranks, cfg))
+    step = step_dir(Path(cfg["root_dir"]), 1)
+    path = step / "actor" / ".metadata"
+    metadata = load_dcp_metadata(path)
+    key = "embedding.word_embeddings.weight"
+    meta = metadata.state_dict_metadata[key]
+    rows = 1 << 40 if declared == "huge" else meta.size[0] * 2
+    metadata.state_dict_metadata[key] = dataclasses.replace(
+        meta, size=torch.Size((rows, *meta.size[1:]))
+    )
+    path.write_bytes(pickle.dumps(metadata))  # as a writer of the root would
+    size, checksum = file_checksum(path)
+    record = read_commit_record(step)
+    record.files = [
+        dataclasses.replace(e, size=size, checksum=checksum) if e.path == "actor/.metadata" else e
+        for e in record.files
+    ]
+    write_commit_record(step, record)
+    why = "more than the role's committed files hold" if declared == "huge" else "cover"
+    with pytest.raises(CheckpointError, match=f"tensor {key} .*{why}"):
+        export_role(step, "actor", "gpt2", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

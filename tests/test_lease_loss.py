@@ -307,7 +307,8 @@ def test_a_planted_lock_file_hard_link_never_truncates_its_target(tmp_path):
         RootLock.acquire(root, purpose="job")
     assert str(refused.value) == (
         f"checkpoint root {root} cannot be locked: {root / LOCK_FILENAME} is a hard link to "
-        "another file, not a lock file that verl_ckpt made; remove it"
+        "another file (a `cp -al` copy of a root shares it), not a lock file that verl_ckpt "
+        "made; remove it"
     )
     assert target.read_text() == "do not truncate me"
     (root / LOCK_FILENAME).unlink()

@@ -109,6 +109,35 @@ def test_I1_remote_commit_uploads_what_no_rank_confirmed_then_record_then_tracke
     assert summary.uploaded_here == 1 and read_tracker(tier) == 2
 
 
+def test_I3_a_remote_tracker_move_not_made_durable_is_told_so_retention_waits(
+    tmp_path, tier, monkeypatch
+):
+    """As the local tier's: a `file://` tier's tracker renamed to step 2 whose directory
+    fsync failed was reported like any other commit, and remote retention then deleted the
+    step a power loss could bring that tracker back to. The summary now says it is not
+    durable (the finalizer tier then skips its retention). The EIO is injected: a failing
+    directory fsync needs a failing device."""
+    import errno
+
+    from verl_ckpt.store import fsio
+
+    root = tmp_path / "ckpt"
+    committed_step(root, 1)
+    assert commit_remote_step(tier, root, 1, (), 2, 60).durable
+    real_fsync_dir = fsio.fsync_dir
+    remote = tmp_path / "remote"
+
+    def fsync_failing_under_tracker_2(path):
+        if Path(path) == remote and (remote / TRACKER_FILENAME).read_bytes().strip() == b"2":
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(fsio, "fsync_dir", fsync_failing_under_tracker_2)
+    committed_step(root, 2)
+    summary = commit_remote_step(tier, root, 2, (), 2, 60)
+    assert summary.tracker == 2 and not summary.durable
+
+
 def test_I2_remote_tracker_never_moves_backwards_and_is_rolled_forward(tmp_path, tier):
     root = tmp_path / "ckpt"
     for step in (1, 2):

@@ -683,12 +683,13 @@ def test_a_planted_step_with_more_digits_than_a_tracker_holds_is_not_rolled_forw
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("planted", ["fifo", "link to /dev/zero"])
+@pytest.mark.parametrize("planted", ["fifo", "link to /dev/zero", "deep nesting"])
 def test_a_fifo_or_a_link_at_metadata_json_fails_a_load_instead_of_blocking_it(tmp_path, planted):
     """Found by review: every rank's load hands the role's directory to megatron-core, whose
     plain open() of `metadata.json` waited forever on a FIFO planted there (the default
     `verify_checksums_on_load=false` checks nothing first) and read a link to /dev/zero
-    until memory ran out. The load now fails at once, naming the file."""
+    until memory ran out (and deep nesting raised RecursionError). The load now fails at
+    once, naming the file."""
     from verl_ckpt.format.megatron_compat import load_role_dir
 
     role = tmp_path / "actor"
@@ -696,6 +697,8 @@ def test_a_fifo_or_a_link_at_metadata_json_fails_a_load_instead_of_blocking_it(t
     config = role / "metadata.json"
     if planted == "fifo":
         os.mkfifo(config)
+    elif planted == "deep nesting":
+        config.write_bytes(b"[" * 30_000 + b"]" * 30_000)
     else:
         config.symlink_to("/dev/zero")
     outcome: dict = {}
@@ -714,5 +717,9 @@ def test_a_fifo_or_a_link_at_metadata_json_fails_a_load_instead_of_blocking_it(t
             os.close(os.open(config, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail(f"the load still reads the {planted} at metadata.json after 10 s")
     error = outcome.get("error")
+    if planted == "deep nesting":
+        assert isinstance(error, CheckpointError), error
+        assert str(error) == f"{config} is not megatron-core's checkpoint config (a JSON object)"
+        return
     assert isinstance(error, OSError), error
     assert str(config) in str(error) and re.search("not a regular file|symbolic link", str(error))

@@ -25,7 +25,13 @@ from verl_ckpt.protocol.event_loop import TaskSet
 from verl_ckpt.protocol.messages import BeginRequest, RankReport
 from verl_ckpt.store.commit_record import is_committed
 from verl_ckpt.store.fsio import make_dir, read_regular, write_in_place
-from verl_ckpt.store.layout import DRIVER_ROLE, RUN_MARKER_FILENAME, role_dir, step_dir
+from verl_ckpt.store.layout import (
+    DRIVER_ROLE,
+    RUN_MARKER_FILENAME,
+    role_dir,
+    step_dir,
+    step_number_problem,
+)
 from verl_ckpt.store.retention import delete_step
 
 __all__ = ["Admission", "check_participant", "steps_lost_in_a_restart"]
@@ -138,6 +144,11 @@ class Admission:
         """Wait for room to start `step` and remove its uncommitted leftover; its status in
         the ledger then. The caller joins its participants without awaiting after this: the
         step begins in the same turn of the event loop as the last check."""
+        problem = step_number_problem(step)
+        if problem is not None:
+            # A directory no listing counts as a step (store/layout.py), whose tracker no
+            # start could read: refused before anything is written.
+            raise CheckpointError(f"a step cannot be saved under {self._root}: {problem}")
         # A failed step whose last writer died settles only at its deadline, which nothing
         # else may notice: a new step is when its space is wanted.
         self._committer.discard_settled_failures()

@@ -91,6 +91,9 @@ class Committer:
         # until this finalizer commits, so an upload alone (the end of a run that committed
         # nothing uploads its newest step) never deletes a step (I3: only after a commit).
         self._spared_for_uploads: set[int] = set()
+        # Whether the last commit's record and tracker move were made durable: until one is,
+        # no retention runs (after that commit, nor when an upload it waited for ends).
+        self._last_commit_durable = True
         # The records retention found valid (by their bytes): after every commit it reads
         # every step's record, and with thousands of ranks parsing them again was most of
         # its time (store/record_cache.py). Used only in the file thread, one run at a time.
@@ -219,6 +222,7 @@ class Committer:
         # Taken in the same turn of the event loop as the steps retention keeps: an upload
         # that ends while retention runs still finds its step in the spared ones below.
         uploading = self._uploading()
+        self._last_commit_durable = summary.durable
         if not summary.durable:
             # Old steps go only once a new tracker is durable (I3): a power loss may bring
             # back the tracker, or the record, of the step before this one.
@@ -285,8 +289,10 @@ class Committer:
         # upload ended sets them once it is done, and this runs after it.
         async with self.file_work:
             uploading = self._uploading()
-            if not self._spared_for_uploads - uploading:
-                return  # no retention of this finalizer waits for an upload that ended
+            if not self._spared_for_uploads - uploading or not self._last_commit_durable:
+                # No retention of this finalizer waits for an upload that ended, or the last
+                # commit is not durable (_committed): the next durable commit runs it.
+                return
             try:
                 outcome = await asyncio.to_thread(
                     self.guarded,

@@ -119,8 +119,10 @@ def commit_step(
     # durable: a restart takes a marked step without a record for one of this job's that was
     # lost with the old instance (admission.steps_lost_in_a_restart); unmarked before the
     # record, a crash in between left it an earlier job's leftover, its waiters told nothing
-    # until their deadline. Not synced: a committed step is never lost, marked or not.
-    _drop_run_marker(root, step)
+    # until their deadline. Not synced: a committed step is never lost, marked or not. Kept
+    # with a record that is not durable: a power loss could take the record and not this.
+    if record_durable:
+        _drop_run_marker(root, step)
     # The tracker moves only after the record is durable (I1): the other order would name
     # a step that a crash could leave uncommitted.
     tracker, tracker_durable = move_tracker(store, step)

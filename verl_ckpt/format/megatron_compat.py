@@ -14,6 +14,7 @@ and the loads of load().
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pickle
 from collections.abc import Callable
@@ -535,6 +536,24 @@ def _local_chunks(fqn: str, value: Any) -> list[tuple[torch.Size, torch.Size, to
     return []
 
 
+def _check_config_file(path: Path) -> None:
+    """megatron-core opens `metadata.json` with a plain open() and json.load before its
+    strategies read anything: a FIFO planted there blocked the rank for good, a link to
+    /dev/zero filled its memory, and deep nesting raised RecursionError. Read first as a
+    regular file, bounded, and parsed (each refusal one line naming it); a missing one is
+    megatron-core's own "not a distributed checkpoint". A file swapped between this read
+    and megatron-core's is not caught: checks stand apart from loads (docs/security.md)."""
+    data = read_regular(path, _CONFIG_MAX_BYTES)
+    if data is None:
+        return
+    try:
+        config = json.loads(data)
+    except (ValueError, RecursionError):
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not megatron-core's checkpoint config (a JSON object)")
+
+
 def load_role_dir(
     sharded_state_dict: dict, checkpoint_dir: Path, clock: PhaseClock | None = None
 ) -> tuple[dict, int]:
@@ -542,11 +561,7 @@ def load_role_dir(
     sharding was validated at save time, so the load request's access-integrity check (an
     all-gather over the default group) is skipped, and reads are planned locally. Returns
     the loaded dict and how many tensors were read in place; `clock` is marked per phase."""
-    # megatron-core opens metadata.json with a plain open() before its strategies read
-    # anything: a FIFO planted there blocked the rank for good, and a link to /dev/zero filled
-    # its memory. Read first as a regular file, bounded (the error names it); a missing one is
-    # megatron-core's own "not a distributed checkpoint".
-    read_regular(Path(checkpoint_dir) / "metadata.json", _CONFIG_MAX_BYTES)
+    _check_config_file(Path(checkpoint_dir) / "metadata.json")
     strategy = _LocalLoadStrategy(clock)
     loaded = dist_checkpointing.load(
         sharded_state_dict,

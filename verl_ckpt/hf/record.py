@@ -85,7 +85,8 @@ def export_dir(step_path: Path, role: str) -> Path:
 
 
 def _record_object(record: ExportRecord) -> dict[str, Any]:
-    """The record as the JSON object its file holds (what a signature covers)."""
+    """The record as the JSON object its file holds (what a signature covers; the signature
+    field itself is left out of what it covers, store/signing.canonical_payload)."""
     return json.loads(json.dumps(asdict(record)))
 
 
@@ -98,7 +99,11 @@ def sign_export_record(record: ExportRecord, keyring: Keyring | None) -> ExportR
 
 
 def write_export_record(directory: Path, record: ExportRecord) -> None:
-    payload = json.dumps(asdict(record), indent=1, sort_keys=True).encode()
+    raw = asdict(record)
+    if raw["signature"] is None:
+        # Unsigned, as before signing: a verl_ckpt of then still reads the record.
+        del raw["signature"]
+    payload = json.dumps(raw, indent=1, sort_keys=True).encode()
     atomic_write_bytes(directory / EXPORT_RECORD_FILENAME, payload)
 
 

@@ -50,12 +50,12 @@ The code that does each step:
       | commit.batcher.NodeBatcher.submit, commit.aggregator.ReportAggregator.report_batch,
       | commit.finalizer.CheckpointFinalizer.report_batch, commit.intake.ReportIntake.take_batch
  5    | commit.committer.Committer.start_commit, commit.steps.commit_step
- 6    | store.tracker.advance_tracker
+ 6    | store.tracker.move_tracker
  7    | store.retention.apply_retention, store.retention.delete_step
  E    | hf.scheduler.ExportQueue.submit, hf.export.export_role
  8    | remote.rank_uploader.RankUploader.submit, remote.transfer.copy_files
  9    | remote.tier.commit_remote_step
- 10   | store.tracker.advance_tracker
+ 10   | store.tracker.move_tracker
  11   | store.retention.apply_retention, remote.finalizer_tier.RemoteTier.protected
  S    | driver.preemption.PreemptionGuard.stop_requested, driver.preemption.commit_before_deadline
 
@@ -134,10 +134,11 @@ withdraw the record, so that disk agrees with the failure it reports: a record r
 not made durable (its directory's fsync failed), or a tracker write that failed before its
 rename (6). Where even the withdrawal fails, the step stays committed. After the tracker's
 rename nothing un-commits a step; retention (7) never deletes the tracker's target, a step
-in flight, or anything at start-up. The remote tier (8-11, verl_ckpt/remote/) repeats this
-after the local commit and never delays it: record last, then tracker, never backwards;
-there a failed tracker PUT never withdraws the record (it may have landed), and the
-local tier's fault phases do not fire.
+in flight, or anything at start-up, and does not run after a commit whose record or tracker
+move was not made durable (a power loss could bring back the step before). The remote tier
+(8-11, verl_ckpt/remote/) repeats this after the local commit and never delays it: record
+last, then tracker, never backwards; there a failed tracker PUT never withdraws the record
+(it may have landed), and the local tier's fault phases do not fire.
 
 With checkpoint.signing (store/signing.py, docs/signing.md) the record of 5 is signed with
 the run's key (9 uploads the same bytes), and steps 0, 0' and 7 and the CLI trust only a

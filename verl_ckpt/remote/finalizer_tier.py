@@ -306,7 +306,8 @@ class RemoteTier:
 
     async def _commit_remotely(self, step: int) -> bool:
         """Steps 9 and 10 (commit_remote_step), under the remote work lock; whether the step
-        committed. A failure is logged: the remote tier never fails the local one."""
+        committed with a durable tracker (only then does remote retention run). A failure is
+        logged: the remote tier never fails the local one."""
         self._ledger.begin_commit(step)
         self._changes.notify()
         confirmed = self._ledger.confirmed_paths(step)
@@ -345,7 +346,13 @@ class RemoteTier:
             summary.tracker,
         )
         self._changes.notify()
-        return True
+        if not summary.durable:
+            logger.error(
+                "remote retention after step %d not run: the remote tracker's move was not made "
+                "durable, so no older remote step is deleted until a commit is",
+                step,
+            )
+        return summary.durable
 
     async def _needs_whole_upload(self, step: int) -> bool:
         status = self._ledger.status(step)

@@ -25,7 +25,7 @@ from verl_ckpt.store.commit_record import (
 )
 from verl_ckpt.store.layout import COMMIT_RECORD_FILENAME
 from verl_ckpt.store.open_store import Where, as_store
-from verl_ckpt.store.tracker import advance_tracker
+from verl_ckpt.store.tracker import move_tracker
 
 __all__ = ["RemoteCommitSummary", "commit_remote_step", "withdraw_other_remote_record"]
 
@@ -41,6 +41,9 @@ class RemoteCommitSummary:
     # whose upload failed or never came).
     uploaded_here: int
     tracker: int | None
+    # The tracker's move was made durable (a `file://` tier's directory fsync can fail):
+    # remote retention waits for a commit that is, as the local tier's does.
+    durable: bool = True
 
 
 def commit_remote_step(
@@ -90,9 +93,9 @@ def commit_remote_step(
     store.put_bytes(record_rel, record_bytes)
     # The tracker goes after the record: the other order could name a step that a failure
     # leaves without one.
-    tracker = advance_tracker(store, step)
+    tracker, durable = move_tracker(store, step)
     return RemoteCommitSummary(
-        step, len(record.files), sum(e.size for e in record.files), len(missing), tracker
+        step, len(record.files), sum(e.size for e in record.files), len(missing), tracker, durable
     )
 
 

@@ -24,7 +24,8 @@ Two mechanisms behind one interface:
   `LeaseGuard` of store/lock_record.py that the finalizer and the ranks check).
 
 The lock and lease files are opened without following links (a planted link must not
-redirect the holder's writes), created exclusively with mode 0o640, and read as untrusted
+redirect the holder's writes), a lock file with other hard links is refused (the holder
+would rewrite the file it shares), created exclusively with mode 0o640, and read as untrusted
 records (store/lock_record.py: bounded, one line naming a file that is no record). A job's
 purpose names its program and a hash of its arguments, never the arguments (`this_job`).
 
@@ -237,7 +238,9 @@ def _open_lock_file(root: Path, path: Path) -> int:
         # A hard link planted at the name (where the kernel allows one to another's file):
         # the holder would truncate and rewrite the file it shares an inode with.
         os.close(fd)
-        raise _unusable_lock_file(root, path, "a hard link to another file")
+        raise _unusable_lock_file(
+            root, path, "a hard link to another file (a `cp -al` copy of a root shares it)"
+        )
     return fd
 
 

@@ -29,8 +29,8 @@ from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
     checked_relative_path,
     step_name,
+    step_number_problem,
     step_of_dir,
-    step_problem,
 )
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import Where, as_store
@@ -304,7 +304,7 @@ def _is_int(value: object) -> bool:
 
 def _type_problem(record: CommitRecord) -> str | None:
     """What is wrong with the field types of a parsed record, if anything."""
-    problem = step_problem(record.step)
+    problem = step_number_problem(record.step)
     if problem is not None:
         return problem
     for name, table in (

@@ -32,7 +32,7 @@ __all__ = [
     "step_dir",
     "step_name",
     "step_of_dir",
-    "step_problem",
+    "step_number_problem",
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -144,7 +144,7 @@ def participant_state_file(name: str, index: int) -> str:
     return f"{name}/state_{index}.pt"
 
 
-def step_problem(step: object) -> str | None:
+def step_number_problem(step: object) -> str | None:
     """Why `step` cannot be a step number, if it cannot: an integer from 0 to MAX_STEP."""
     if not isinstance(step, int) or isinstance(step, bool):
         return f"step {step!r} is not an integer"

@@ -19,7 +19,7 @@ from verl_ckpt.store.layout import (
     COMMIT_RECORD_FILENAME,
     MAX_STEP,
     TRACKER_FILENAME,
-    step_problem,
+    step_number_problem,
 )
 from verl_ckpt.store.open_store import Where, as_store
 
@@ -107,7 +107,7 @@ def parse_tracker(raw: bytes, where: str) -> int:
 def write_tracker(where: Where, step: int) -> None:
     """Atomically point the tracker at `step` (store.put_bytes: locally tmp file, fsync,
     rename, directory fsync; one PUT on an object store)."""
-    problem = step_problem(step)
+    problem = step_number_problem(step)
     if problem is not None:
         raise ValueError(f"tracker: {problem}")
     store = as_store(where)
