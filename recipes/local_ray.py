@@ -33,9 +33,9 @@ def init_local_ray(log: logging.Logger | None = None, **options: Any) -> None:
     if loopback:
         _refuse_unless_loopback()
     _start(log, options)
-    if loopback and ray.util.get_node_ip_address() not in _LOOPBACK:
+    address = ray.util.get_node_ip_address() if loopback else None
+    if loopback and address not in _LOOPBACK:
         # What the check above cannot see: a later Ray that resolves loopback otherwise.
-        address = ray.util.get_node_ip_address()
         ray.shutdown()
         raise RuntimeError(f"Ray bound to {address}, not to 127.0.0.1 as asked; shut down")
 

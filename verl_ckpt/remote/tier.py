@@ -57,7 +57,7 @@ def commit_remote_step(
     """Steps 9 and 10 for `step`, committed in `root` (a local root, or any store): copy
     every file of its record that no rank `confirmed` (sent and verified against the
     record), check that every file is in `store` with its size, copy the record, then move
-    the tracker of `store` (advance_tracker, as the local commit does)."""
+    the tracker of `store` (move_tracker, as the local commit does)."""
     source = as_store(root)
     record_rel = source.step_rel(step, COMMIT_RECORD_FILENAME)
     record_bytes = read_record_bytes(source, step)

@@ -55,7 +55,7 @@ MAX_STEP = 10**18 - 1
 # `global_step_05` (or other Unicode digits) would be read as step 5 while step_dir(5) names
 # another directory, and the tracker could then name a step whose directory does not exist
 # (I1).
-_STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]{0,17})$", re.ASCII)
+_STEP_DIR = re.compile(rf"^global_step_(0|[1-9][0-9]{{0,{len(str(MAX_STEP)) - 1}}})$", re.ASCII)
 # A role names a directory of every step: one plain name (no separator, no "..", not hidden).
 _ROLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
