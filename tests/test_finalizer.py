@@ -774,3 +774,31 @@ def test_a_step_number_no_root_can_hold_is_refused_before_anything_is_written(tm
 
     asyncio.run(run())
     assert not any(p.name.startswith("global_step_") for p in tmp_path.iterdir())
+
+
+def test_I5_drain_waits_for_a_commit_that_began_while_it_waited(tmp_path, monkeypatch):
+    """From the last review's leads: drain() (the coordinator's close, before it kills the
+    finalizer) waited only for the tasks under way when it was called. A report that
+    completed another step while it waited started that step's commit, which drain() did
+    not wait for: the finalizer would be killed in the middle of it. Each commit is slowed
+    by the fault hook (a commit of a few files is otherwise over before a test can act)."""
+    monkeypatch.setenv(ENV_VAR, "commit=sleep=1")
+
+    async def report(finalizer: CheckpointFinalizer, step: int, directory: Path) -> None:
+        written = write_checksummed(directory / DRIVER_STATE_FILENAME, lambda s: s.write(b"x"))
+        entry = FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum)
+        await finalizer.report(RankReport(step, "driver", 0, 1, f"save{step}", files=[entry]))
+
+    async def run() -> list[int]:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, None, max_in_flight=2)
+        first = Path(await finalizer.begin_step(1, "driver", 0, 1, 30.0))
+        second = Path(await finalizer.begin_step(2, "driver", 0, 1, 30.0))
+        await report(finalizer, 1, first)  # step 1's commit starts (and takes 1 s)
+        drained = asyncio.create_task(finalizer.drain(30.0))
+        await asyncio.sleep(0.2)
+        assert not drained.done(), "drain() did not wait for step 1's commit"
+        await report(finalizer, 2, second)  # step 2's commit starts while drain() waits
+        return await drained
+
+    assert asyncio.run(run()) == []
+    assert read_tracker(tmp_path) == 2, "drain() returned before step 2's commit ended"

@@ -311,25 +311,22 @@ class CheckpointFinalizer:
         """Wait (up to `timeout_s`) for commits and retention already under way, so that a
         coordinator closing the job never kills the finalizer mid-commit; return the steps
         still collecting reports (those will not commit)."""
-        pending = self._background.pending()
-        if pending:
-            _, unfinished = await asyncio.wait(pending, timeout=timeout_s)
-            if unfinished:
-                committing = [
-                    s
-                    for s in self._ledger.in_flight()
-                    if self._ledger.status(s) is StepStatus.COMMITTING
-                ]
-                retiring = self._ledger.retiring()
-                running = f"the commit of steps {committing}" if committing or not retiring else ""
-                if retiring:
-                    after = f"the retention after steps {retiring}"
-                    running = f"{running} and {after}" if running else after
-                raise CommitTimeoutError(
-                    f"{running} under {self._root} did not end within "
-                    f"{timeout_s:.0f}s; the next start rolls forward any commit that got as "
-                    "far as its commit record"
-                )
+        if not await self._background.ended(timeout_s):
+            committing = [
+                s
+                for s in self._ledger.in_flight()
+                if self._ledger.status(s) is StepStatus.COMMITTING
+            ]
+            retiring = self._ledger.retiring()
+            running = f"the commit of steps {committing}" if committing or not retiring else ""
+            if retiring:
+                after = f"the retention after steps {retiring}"
+                running = f"{running} and {after}" if running else after
+            raise CommitTimeoutError(
+                f"{running} under {self._root} did not end within "
+                f"{timeout_s:.0f}s; the next start rolls forward any commit that got as "
+                "far as its commit record"
+            )
         # A finished task leaves the task set in its done callback, which runs on the next
         # turn of the loop: let it, so that nothing finished looks pending (also when every
         # task had finished before this call: their callbacks may not have run yet).

@@ -14,6 +14,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
+from verl_ckpt.protocol.deadlines import deadline_in, time_left
+
 __all__ = ["Changes", "TaskSet"]
 
 
@@ -54,6 +56,17 @@ class TaskSet:
 
     def pending(self) -> list[asyncio.Task]:
         return [task for task in self._tasks if not task.done()]
+
+    async def ended(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until no task is left; whether none is. Tasks spawned while
+        it waits are waited for too: a drain's caller kills the actor once this returns, and
+        a report that arrives meanwhile may start another commit."""
+        deadline = deadline_in(timeout_s)
+        while pending := self.pending():
+            _, unfinished = await asyncio.wait(pending, timeout=time_left(deadline))
+            if unfinished:
+                return False
+        return True
 
     def __len__(self) -> int:
         return len(self._tasks)

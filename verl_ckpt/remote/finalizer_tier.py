@@ -187,14 +187,11 @@ class RemoteTier:
             self._ledger.found_committed(newest)  # what the remote record says (no upload)
         # The tasks, not just the ledger: a task ends after its remote retention, which a
         # job that stops right after this must not cut short.
-        pending = self._tasks.pending()
-        if pending:
-            _, unfinished = await asyncio.wait(pending, timeout=timeout_s)
-            if unfinished:
-                raise CommitTimeoutError(
-                    f"uploads of steps {self._ledger.in_flight()} to {self.url} not finished "
-                    f"within {timeout_s:g}s"
-                )
+        if not await self._tasks.ended(timeout_s):
+            raise CommitTimeoutError(
+                f"uploads of steps {self._ledger.in_flight()} to {self.url} not finished "
+                f"within {timeout_s:g}s"
+            )
         return self.status(newest)
 
     def status(self, step: int | None = None) -> dict[str, Any]:
