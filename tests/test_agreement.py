@@ -277,8 +277,10 @@ def test_I5_a_close_past_its_deadline_leaves_no_writer_process_behind(ranks, tmp
     with pytest.raises(CommitTimeoutError, match=r"steps \[2\] not finished"):
         ray.get(first.close.remote(2.0))
     ray.get([second.save.remote(2), ranks["critic"][0].save.remote(2)])
-    coordinator.save_driver_state(2, {"step": 2})
     with pytest.raises(StepNotCommittedError, match=r"actor rank 0.*writer .*closed"):
+        # Rank 0's failed write may reach the finalizer before the driver's begin, which the
+        # failed step then refuses, naming it (seen in a suite run): either call raises it.
+        coordinator.save_driver_state(2, {"step": 2})
         coordinator.wait_for_commit(2)
     children = ray.get(first.process_info.remote())["children"]
     assert [cmd for _, cmd in children if "resource_tracker" not in cmd] == []

@@ -8,6 +8,7 @@ uninterrupted run trains, step for step.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -130,11 +131,18 @@ def run_then_kill(
 
 
 @pytest.fixture(scope="module")
-def async_reference(tmp_path_factory) -> dict[int, dict]:
-    """An uninterrupted async run of ASYNC_STEPS steps: {step: metrics}."""
+def async_reference_run(tmp_path_factory) -> Path:
+    """An uninterrupted async run of ASYNC_STEPS steps: its directory (its root `ckpt/`,
+    whose steps hold the rollout worker's state, and its `metrics.jsonl`)."""
     out = tmp_path_factory.mktemp("async_reference")
     run_to_end(out, out / "ckpt", *ASYNC, f"trainer.total_steps={ASYNC_STEPS}")
-    return read_metrics(out / "metrics.jsonl")
+    return out
+
+
+@pytest.fixture(scope="module")
+def async_reference(async_reference_run) -> dict[int, dict]:
+    """The uninterrupted async run's {step: metrics}."""
+    return read_metrics(async_reference_run / "metrics.jsonl")
 
 
 @pytest.mark.slow
@@ -202,24 +210,30 @@ def test_rollout_worker_killed_in_its_save_fails_that_step_and_the_next_commits(
     assert assert_same_steps(runs, async_reference) == set(range(1, 7))
 
 
-def test_a_resume_that_would_drop_the_rollout_state_is_refused_before_ray(tmp_path):
+def test_a_resume_that_would_drop_the_rollout_state_is_refused_before_ray(
+    tmp_path, async_reference_run
+):
     """A root whose newest step holds the rollout worker's state, resumed in sync mode (or
     with another worker count): one line naming the participant, exit status 2, before Ray
     starts, nothing changed (the coordinator refused it only after Ray had started, while
     the recipe had warned that the state would start afresh)."""
-    root = tmp_path / "ckpt"
-    run_to_end(tmp_path / "run1", root, *ASYNC, "trainer.total_steps=2")
-    assert read_tracker(root) == 2
+    # A copy of the uninterrupted async run's root (its newest step holds rollout[0]).
+    root = Path(shutil.copytree(async_reference_run / "ckpt", tmp_path / "ckpt"))
+    last = ASYNC_STEPS
+    assert read_tracker(root) == last and (step_dir(root, last) / "rollout").is_dir()
     for overrides in (("rollout.mode=sync",), (*ASYNC, "rollout.num_workers=2")):
         proc = start_recipe(
-            tmp_path / "run2", f"checkpoint.root_dir={root}", *overrides, "trainer.total_steps=4"
+            tmp_path / "run2",
+            f"checkpoint.root_dir={root}",
+            *overrides,
+            f"trainer.total_steps={last + 2}",
         )
         output, _ = proc.communicate(timeout=120)
         errors = [line for line in output.splitlines() if line.startswith("ppo_toy:")]
         assert proc.returncode == 2, output[-3000:]
         assert len(errors) == 1 and "rollout" in errors[0], output[-3000:]
         assert "Traceback" not in output and "Ray" not in output, output[-3000:]
-        assert read_tracker(root) == 2 and is_committed(step_dir(root, 2))
+        assert read_tracker(root) == last and is_committed(step_dir(root, last))
 
 
 @pytest.mark.slow
@@ -271,22 +285,20 @@ def test_replay_buffer_is_saved_with_the_step_and_a_resume_reuses_the_same_seque
 
 
 @pytest.mark.slow
-def test_a_replay_buffer_turned_on_at_a_resume_starts_empty(tmp_path):
+def test_a_replay_buffer_turned_on_at_a_resume_starts_empty(tmp_path, four_step_run):
     """Found by review: the start-up check allows a declared participant the resumed step
     lacks (it starts empty, docs/participants.md), but the recipe loaded the replay buffer
     from the step regardless, and the run exited after Ray started ("holds no state of
-    participant replay[0]")."""
-    small = (
-        "data.num_prompts=12",
-        "rollout.batch_size=8",
-        "actor.world_size=1",
-        "actor.tensor_parallel_size=1",
-        "checkpoint.save_freq=2",
-    )
-    root = tmp_path / "ckpt"
-    run_to_end(tmp_path / "run1", root, *small, "trainer.total_steps=2")
+    participant replay[0]"). Resumed: a copy of the session's run of 4 steps, saved without
+    a replay buffer."""
+    root = Path(shutil.copytree(four_step_run / "ckpt", tmp_path / "ckpt"))
+    assert read_tracker(root) == 4 and not (step_dir(root, 4) / "replay").exists()
     out = run_to_end(
-        tmp_path / "run2", root, *small, "rollout.replay_size=8", "trainer.total_steps=4"
+        tmp_path / "run2",
+        root,
+        "rollout.replay_size=32",  # the recipe's batch_size: each update reuses as many
+        "checkpoint.save_freq=2",
+        "trainer.total_steps=6",
     )
     assert "it holds no replay buffer; it starts empty" in out, out[-3000:]
-    assert read_tracker(root) == 4 and (step_dir(root, 4) / "replay" / "state_0.pt").is_file()
+    assert read_tracker(root) == 6 and (step_dir(root, 6) / "replay" / "state_0.pt").is_file()

@@ -42,10 +42,19 @@ pytestmark = pytest.mark.slow
 
 # Enough steps (0.3 to 0.5 s each) that a stop requested after step 2 arrives well before
 # the end on a loaded machine.
-# The session's uninterrupted run (conftest) has as many, with the same overrides.
-TOTAL = UNINTERRUPTED_STEPS
+TOTAL = 30
 # No scheduled save before the last step: whatever is committed was saved on preemption.
 UNSCHEDULED = ("checkpoint.save_freq=100", f"trainer.total_steps={TOTAL}")
+# Steps a resumed run trains past the stopped step: enough to show it goes on from there bit
+# for bit, and to commit its own last step (nothing in training depends on total_steps).
+RESUMED_STEPS = 2
+
+
+def resumed_to(stopped_at: int) -> tuple[str, str]:
+    """The overrides of a run that resumes from `stopped_at` and ends RESUMED_STEPS later."""
+    return ("checkpoint.save_freq=100", f"trainer.total_steps={stopped_at + RESUMED_STEPS}")
+
+
 _LOG_TIME = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[ppo_toy\]\[INFO\] - "
 
 
@@ -89,23 +98,27 @@ def assert_resumes_bit_exactly(tmp_path: Path, root: Path, stopped_at: int, firs
     both runs equals the uninterrupted run's."""
     assert verl_ckpt_cli(["verify", str(root), "--step", str(stopped_at)]) == 0
     resumed = tmp_path / "resumed" / "metrics.jsonl"
-    second = finish(start_recipe(tmp_path / "resumed", *UNSCHEDULED, f"checkpoint.root_dir={root}"))
+    second = finish(
+        start_recipe(tmp_path / "resumed", *resumed_to(stopped_at), f"checkpoint.root_dir={root}")
+    )
     assert_continued_exactly(root, stopped_at, first_run, second, resumed, ref)
 
 
 def assert_continued_exactly(
     root: Path, stopped_at: int, first_run: Path, second: str, second_run: Path, ref
 ) -> None:
-    """The second run (its output, its metrics file) resumed from the stopped step, and every
-    step of both runs equals the uninterrupted run's."""
+    """The second run (its output, its metrics file) resumed from the stopped step and ran to
+    its end (`resumed_to`), and every step of both runs equals the uninterrupted run's."""
     assert f"resumed from {step_dir(root, stopped_at)} (step {stopped_at})" in second
     before = read_metrics(first_run)
     after = read_metrics(second_run)
     assert sorted(before) == list(range(1, stopped_at + 1))
-    assert sorted(after) == list(range(stopped_at + 1, TOTAL + 1))
+    end = stopped_at + RESUMED_STEPS
+    assert end <= UNINTERRUPTED_STEPS, f"stopped at step {stopped_at}, past the reference run"
+    assert sorted(after) == list(range(stopped_at + 1, end + 1))
     for step, record in {**before, **after}.items():
         assert {k: record[k] for k in COMPARED} == {k: ref()[step][k] for k in COMPARED}, step
-    assert read_tracker(root) == TOTAL
+    assert read_tracker(root) == end
 
 
 def test_I1_I4_sigterm_to_the_recipe_saves_the_step_under_way_exits_75_and_resumes_exactly(
@@ -149,12 +162,12 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
     resumed = tmp_path / "resumed.jsonl"
     head = RayHead(extra_env={ENV_VAR: "commit=sleep=5"})
 
-    def submit(*overrides: str) -> subprocess.Popen:
+    def submit(steps: tuple[str, str], *overrides: str) -> subprocess.Popen:
         return subprocess.Popen(
             [
                 "bash",
                 str(REPO_ROOT / "recipes" / "submit_job.sh"),
-                *UNSCHEDULED,
+                *steps,
                 f"checkpoint.root_dir={root}",
                 *overrides,
             ],
@@ -167,7 +180,7 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
 
     try:
         head.wait_ready()
-        output = Output(submit(f"trainer.metrics_path={metrics}"))
+        output = Output(submit(UNSCHEDULED, f"trainer.metrics_path={metrics}"))
         job_id = output.wait_for(r"Job '(raysubmit_\w+)' submitted successfully", 120).group(1)
         seen = wait_for_steps(metrics, 2, output)
         # The request `ray job stop` sends, sent through Ray's job SDK as the CLI does: in a
@@ -183,7 +196,9 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
         under_way, committed = step_the_signal_arrived_in(text)
         assert stopped_at == committed and stopped_at in (under_way, under_way + 1)
         assert verl_ckpt_cli(["verify", str(root), "--step", str(stopped_at)]) == 0
-        second = Output(submit("checkpoint=sync", f"trainer.metrics_path={resumed}"))
+        second = Output(
+            submit(resumed_to(stopped_at), "checkpoint=sync", f"trainer.metrics_path={resumed}")
+        )
         second.wait_exit()
     finally:
         head.stop()
@@ -191,7 +206,7 @@ def test_I1_I4_ray_job_stop_commits_the_step_under_way_and_the_run_resumes_exact
     assert "succeeded" in second.text and "connected to the Ray cluster" in second.text
     assert_continued_exactly(root, stopped_at, metrics, second.text, resumed, uninterrupted)
     # The synchronous save of the last step carries its figures too.
-    last = read_metrics(resumed)[TOTAL]
+    last = read_metrics(resumed)[stopped_at + RESUMED_STEPS]
     assert last["ckpt_bytes"] > 100_000 and last["ckpt_write_s"] > 0, last
 
 

@@ -36,7 +36,7 @@ from verl_ckpt.commit.client import (
 from verl_ckpt.commit.finalizer import CheckpointFinalizer
 from verl_ckpt.commit.participant import ParticipantLink
 from verl_ckpt.protocol import Failure, Phase
-from verl_ckpt.protocol.deadlines import call_deadline
+from verl_ckpt.protocol.deadlines import call_deadline, deadline_in
 from verl_ckpt.protocol.errors import CheckpointError, StepNotCommittedError
 from verl_ckpt.protocol.messages import RankReport, ReportBatch
 from verl_ckpt.store.checksummed_file import write_checksummed
@@ -429,10 +429,12 @@ class _Rank:
         """Its files of the step it began (`begin`), reported through the node's aggregator."""
         self.aggregator.report(self.write(step, save_id, self.began).pack(), call_deadline(30.0))
 
-    def deliver_began(self, step: int, save_id: str) -> str | None:
+    def deliver_began(self, step: int, save_id: str, within_s: float | None = None) -> str | None:
         """Its files of the step it began (`begin`), delivered as a save delivers them
-        (ParticipantLink.deliver, 30 s): its failure, or None."""
-        failure = self.link.deliver(self.write(step, save_id, self.began), call_deadline(30.0))
+        (ParticipantLink.deliver; within `within_s`, by default a save's 30 s and the slack):
+        its failure, or None."""
+        deadline = call_deadline(30.0) if within_s is None else deadline_in(within_s)
+        failure = self.link.deliver(self.write(step, save_id, self.began), deadline)
         return None if failure is None else failure.describe()
 
     def report_through_aggregator_only(self, step: int, save_id: str) -> str:
@@ -495,8 +497,11 @@ def test_I5_ranks_whose_aggregator_hangs_report_directly_and_the_step_commits(ra
         ray.get([rank.begin.remote(1, f"a{i}") for i, rank in enumerate(ranks)], timeout=60)
         pid = ray.get(aggregator.__ray_call__.remote(lambda actor: os.getpid()), timeout=60)
         os.kill(pid, signal.SIGSTOP)
-        delivered = [rank.deliver_began.remote(1, f"a{i}") for i, rank in enumerate(ranks)]
-        assert ray.get(delivered, timeout=60) == [None, None]  # the old code: failed at 30 s
+        # Reports due within 20 s: the aggregator has the first half (a save's own
+        # deadline would leave it 30 s), the direct call the rest; the old code failed at
+        # the deadline.
+        delivered = [rank.deliver_began.remote(1, f"a{i}", 20.0) for i, rank in enumerate(ranks)]
+        assert ray.get(delivered, timeout=60) == [None, None]
         ray.get(finalizer.wait_for_commit.remote(1, 30.0), timeout=60)
     finally:
         if pid is not None:
