@@ -316,6 +316,30 @@ def test_I5_ctrl_c_during_a_first_save_frees_its_buffers_and_fails_the_step_at_o
     close_all(ranks, coordinator)
 
 
+def test_I5_ctrl_c_during_a_synchronous_write_fails_the_step_at_once(ranks, tmp_path):
+    """From the last review's leads: with synchronous saves (the `sync` preset: save()
+    writes the rank's files itself, on the training thread), a KeyboardInterrupt during the
+    write left save() before the rank's report, which only an `except Exception` sent: the
+    step waited out its deadline and then named the critic as never reporting. Now the
+    interrupted write is reported as the critic's failure (phase write) before the interrupt
+    goes on, and the next step commits. Injected as the test above."""
+    cfg = ckpt_config(tmp_path, async_save=False, writer={"mode": "inline"})
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=interrupt"))
+    others = [w.save.remote(1) for w in ranks["actor"]]
+    assert ray.get(critic.save_through_ctrl_c.remote(1)) == "KeyboardInterrupt"
+    ray.get(critic.set_env.remote(ENV_VAR, None))
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write\] KeyboardInterrupt"):
+        coordinator.wait_for_commit(1, timeout_s=30)
+    saved_or_refused(others, 1)
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2, timeout_s=60)
+    assert read_tracker(cfg["root_dir"]) == 2
+    close_all(ranks, coordinator)
+
+
 def test_I5_a_rank_failing_before_the_first_plan_leaves_no_peer_in_its_collective(ranks, tmp_path):
     """Found by CI (stop 62, in the test above): in a save that plans over the group (the
     first one), a rank whose begin_step was refused (the step had failed) or whose copy

@@ -199,7 +199,15 @@ class SaveRunner:
         job.stats.doing = DOING_WRITE
         started = time.perf_counter()
         report = self._link.new_report(job.step, job.save_id)
-        report.failure = self._write(job, report)
+        try:
+            report.failure = self._write(job, report)
+        except BaseException as exc:  # a KeyboardInterrupt (a sync save writes on the
+            # trainer's thread), which _write's `except Exception` does not turn into a
+            # failure: reported before it goes on, so that the step fails now, naming this
+            # rank's write, instead of waiting for a report until its deadline.
+            job.stats.error = f"{type(exc).__name__}: {exc}"
+            self._link.report_failure(job.step, job.save_id, Phase.WRITE, exc)
+            raise
         job.stats.doing = DOING_REPORT
         reporting = time.perf_counter()
         job.stats.write_s = reporting - started
