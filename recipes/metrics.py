@@ -12,7 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WRITE_FIGURES", "MetricsLog", "is_write_figures", "read_metrics"]
+__all__ = [
+    "WRITE_FIGURES",
+    "MetricsLog",
+    "is_write_figures",
+    "metrics_path_problem",
+    "read_metrics",
+]
 
 # The keys of a save's write-figures line, besides `step`.
 WRITE_FIGURES = ("ckpt_write_s", "ckpt_bytes")
@@ -50,6 +56,24 @@ class MetricsLog:
             # Flushed line by line: a killed job keeps every line written before the kill.
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+
+
+def metrics_path_problem(path: str | None) -> str | None:
+    """Why the metrics file cannot be written (its directory made, the file opened for
+    appending, as MetricsLog does), or None: checked before Ray starts, where a bad path
+    was a traceback after Ray and the workers had started."""
+    if not path:
+        return None
+    refused = f"trainer.metrics_path={path!r} cannot be written"
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except FileExistsError:  # mkdir's, of a directory that is something else
+        return f"{refused}: {Path(path).parent} is no directory"
+    except OSError as exc:
+        return f"{refused}: {exc.strerror or exc}"
+    return None
 
 
 def is_write_figures(record: dict[str, Any]) -> bool:

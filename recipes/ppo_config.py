@@ -8,12 +8,17 @@ worker starts.
 Unknown keys are one line each, naming the nearest known key (verl_ckpt.unknown_keys), exit
 status 2: `check_overrides` refuses them on the command line before Hydra composes (Hydra's
 own refusal is a five-line block without a suggestion), and `to_recipe_config` in the composed
-config (a key appended with `+key=...` is otherwise dropped without a word).
+config (a key appended with `+key=...` is otherwise dropped without a word). Hydra's other
+refusals (a value of the wrong type, a preset that does not exist, an override it cannot
+parse) are one line too: `check_composes` composes the config before @hydra.main does.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from verl_ckpt import CheckpointConfig, to_checkpoint_config, unknown_keys
@@ -162,6 +167,7 @@ class PPOToyConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
+        self._check_finite()
         self._check_trainer()
         self._check_model()
         self._check_rollout()
@@ -179,6 +185,18 @@ class PPOToyConfig:
     def sequence_length(self) -> int:
         """Positions the models see: the prompt plus all response tokens but the last."""
         return self.rollout.prompt_length + self.rollout.response_length - 1
+
+    def _check_finite(self) -> None:
+        # First: NaN passes every range check below (each of its comparisons is false), and
+        # inf most of them; both then fail after Ray started, or train on garbage.
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            if section.name == "checkpoint" or not dataclasses.is_dataclass(values):
+                continue  # the checkpoint config checks its own numbers
+            for key in dataclasses.fields(values):
+                value = getattr(values, key.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    _fail(f"{section.name}.{key.name}", value, "must be a finite number")
 
     def _check_trainer(self) -> None:
         t = self.trainer
@@ -323,6 +341,59 @@ def check_overrides(overrides: list[str]) -> None:
         problems.extend(unknown_keys(PPOToyConfig, tree))
     if problems:
         raise RecipeConfigError("; ".join(problems))
+
+
+# Lines of Hydra's and OmegaConf's errors that locate rather than explain (the key is in the
+# first line already; the search path is Hydra's own).
+_LOCATING_LINES = ("full_key:", "reference_type=", "object_type=", "provider=", "See https://")
+
+
+def check_composes(overrides: list[str], config_dir: Path) -> None:
+    """Compose the recipe's config for these command-line overrides, as @hydra.main will
+    next: a value of the wrong type, a preset that does not exist, an override Hydra's
+    grammar cannot parse, is RecipeConfigError in one line (Hydra's own report is a block
+    of five to twelve lines, exit status 1). Command lines with Hydra options (-m, --cfg,
+    --config-name, ...) are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    from verl_ckpt import register_configs
+
+    register_configs()  # the schemas the presets and ppo_toy.yaml list first
+    register_recipe_configs()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+            compose("ppo_toy", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        line = _one_line(exc)
+        if isinstance(exc, OverrideParseException):
+            line += " (Hydra's override grammar: quote a value that holds special characters)"
+        raise RecipeConfigError(line) from None
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra's error and its cause in one line: what went wrong, which override, and the
+    options to choose from (a preset's), without the lines that only locate it."""
+    parts: list[str] = []
+    options: list[str] = []
+    for error in (exc, exc.__cause__):
+        for line in str(error or "").splitlines():
+            if line.startswith("\t") and options:
+                options.append(line.strip())
+                continue
+            line = line.strip()
+            if line.startswith("Config search path"):
+                break
+            if line.startswith("Available options in"):
+                options = [line.rstrip(":")]
+            elif line.strip("^ ") and not line.startswith(_LOCATING_LINES):
+                parts.append(line.rstrip("."))
+    if options:
+        parts.append(f"{options[0]}: {', '.join(options[1:])}")
+    return "; ".join(dict.fromkeys(parts))
 
 
 def to_recipe_config(cfg: Any) -> PPOToyConfig:

@@ -54,10 +54,12 @@ from omegaconf import DictConfig  # noqa: E402
 import verl_ckpt
 from recipes.hydra_records import redact_hydra_records
 from recipes.local_ray import init_local_ray
+from recipes.metrics import metrics_path_problem
 from recipes.ppo_config import (
     ROLES,
     PPOToyConfig,
     RecipeConfigError,
+    check_composes,
     check_overrides,
     register_recipe_configs,
     to_recipe_config,
@@ -192,9 +194,13 @@ def main(dict_cfg: DictConfig) -> None:
         )
         if before_ray(cfg, start):
             return
+        problem = metrics_path_problem(cfg.trainer.metrics_path)
     except verl_ckpt.CheckpointError as exc:
         print(f"ppo_toy: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if problem is not None:
+        print(f"ppo_toy: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     torch.set_num_threads(1)
     try:
         stopped = run(cfg, start)
@@ -211,10 +217,12 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 def refuse_unknown_overrides(argv: list[str]) -> None:
-    """Before Hydra composes: an override of a key the schema lacks is our one line and exit
-    status 2 (Hydra's own refusal is a five-line block, exit status 1, with no suggestion)."""
+    """Before Hydra composes: an override of a key the schema lacks, a value of the wrong
+    type, a preset that does not exist, is our one line and exit status 2 (Hydra's own
+    refusal is a block of five lines or more, exit status 1, with no suggestion)."""
     try:
         check_overrides(argv)
+        check_composes(argv, REPO_ROOT / "configs")
     except RecipeConfigError as exc:
         print(f"ppo_toy: invalid config: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -25,9 +26,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from recipes.groups import describe_snapshot
-from recipes.ppo_config import RecipeConfigError, check_overrides, to_recipe_config
+from recipes.ppo_config import (
+    RecipeConfigError,
+    check_composes,
+    check_overrides,
+    to_recipe_config,
+)
 from recipes.resume_plan import dropped_state
-from tests.test_recipe import finish, start_recipe
+from tests.test_recipe import finish, recipe_env, start_recipe
 from tests.test_resume_fit import saved_root  # noqa: F401 - a fixture
 from verl_ckpt import CheckpointConfigError, step_dir, to_checkpoint_config
 from verl_ckpt.hf.record import EXPORT_RECORD_FILENAME, export_dir
@@ -116,6 +122,67 @@ def test_command_line_overrides_are_checked_against_the_schema():
 
 
 @pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["checkpoint.save_freq=ten"],
+            "Error merging override checkpoint.save_freq=ten; Value 'ten' of type 'str' could "
+            "not be converted to Integer",
+        ),
+        (
+            ["checkpoint=snc"],
+            "In 'ppo_toy': Could not find 'checkpoint/snc'; Available options in 'checkpoint': "
+            "async, base_checkpoint, offload, sync",
+        ),
+        (
+            ["checkpoint.remote.storage_options.endpoint_url=http://127.0.0.1:9"],
+            "Could not override 'checkpoint.remote.storage_options.endpoint_url'; To append to "
+            "your config use +checkpoint.remote.storage_options.endpoint_url=http://127.0.0.1:9;"
+            " Key 'endpoint_url' is not in struct",
+        ),
+        (
+            ["checkpoint.root_dir=~/ckpt"],
+            "LexerNoViableAltException: checkpoint.root_dir=~/ckpt (Hydra's override grammar: "
+            "quote a value that holds special characters)",
+        ),
+    ],
+)
+def test_a_value_hydra_refuses_is_one_line(overrides, line):
+    """Found by review: only unknown keys were our one line; a value of the wrong type, a
+    preset that does not exist or an override Hydra cannot parse was Hydra's block of five
+    to twelve lines, exit status 1 (the recipe's run of it: the test below)."""
+    with pytest.raises(RecipeConfigError) as refused:
+        check_composes(["hydra.run.dir=/tmp/x", *overrides], REPO_ROOT / "configs")
+    assert str(refused.value) == line
+
+
+def test_hydra_options_and_good_overrides_are_left_to_hydra():
+    configs = REPO_ROOT / "configs"
+    check_composes(["hydra.run.dir=/tmp/x", "checkpoint=sync", "trainer.total_steps=3"], configs)
+    check_composes(["--cfg", "job", "checkpoint.save_freq=ten"], configs)
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"trainer": {"cpus_per_worker": math.nan}}, "trainer.cpus_per_worker"),
+        ({"trainer": {"startup_timeout_s": math.inf}}, "trainer.startup_timeout_s"),
+        ({"actor": {"lr": math.inf}}, "actor.lr"),
+        ({"algorithm": {"clip_ratio": math.nan}}, "algorithm.clip_ratio"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_naming_the_key(settings, key):
+    """Found by review: NaN passed every range check (its comparisons are all false), then
+    trainer.cpus_per_worker=nan was a traceback after the root was locked, and actor.lr=nan
+    trained on garbage."""
+    with pytest.raises(RecipeConfigError) as refused:
+        to_recipe_config(OmegaConf.create(settings))
+    assert str(refused.value).startswith(f"{key}=") and "must be a finite number" in str(
+        refused.value
+    )
+
+
+@pytest.mark.parametrize(
     ("override", "line"),
     [
         (
@@ -129,6 +196,11 @@ def test_command_line_overrides_are_checked_against_the_schema():
         (
             "+checkpoint.save_frq=2",
             "unknown key checkpoint.save_frq (did you mean checkpoint.save_freq?)",
+        ),
+        (
+            "checkpoint.save_freq=ten",
+            "Error merging override checkpoint.save_freq=ten; Value 'ten' of type 'str' could "
+            "not be converted to Integer",
         ),
     ],
 )
@@ -261,3 +333,31 @@ def test_recipe_refuses_an_export_of_its_critic_before_ray():
     cfg = OmegaConf.create({"checkpoint": {"hf_export": {"architectures": {"critic": "gpt2"}}}})
     with pytest.raises(RecipeConfigError, match="the critic is a value model"):
         to_recipe_config(cfg)
+
+
+def test_a_metrics_path_that_cannot_be_written_is_one_line_before_ray(tmp_path):
+    """Found by review: the metrics file was opened by the trainer after Ray and the
+    finalizer had started, and an OSError there was a traceback."""
+    not_a_directory = tmp_path / "a_file"
+    not_a_directory.write_text("")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.ppo_toy",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"checkpoint.root_dir={tmp_path / 'ckpt'}",
+            f"trainer.metrics_path={not_a_directory / 'metrics.jsonl'}",
+        ],
+        cwd=REPO_ROOT,
+        env=recipe_env(),
+        capture_output=True,
+        text=True,
+        timeout=BEFORE_RAY_DEADLINE_S,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert output.strip() == (
+        f"ppo_toy: error: trainer.metrics_path='{not_a_directory / 'metrics.jsonl'}' cannot be "
+        f"written: {not_a_directory} is no directory"
+    ), output

@@ -208,6 +208,12 @@ def test_I3_delete_removes_commit_record_first_and_next_retention_finishes(tmp_p
         ({"max_ckpt_to_keep": 0}, "checkpoint.max_ckpt_to_keep"),
         ({"resume_mode": "sometimes"}, "checkpoint.resume_mode"),
         ({"resume_mode": "resume_path"}, "checkpoint.resume_from_path"),
+        # Found by review: ignored without a word unless resume_mode=resume_path.
+        ({"resume_from_path": "/x/global_step_1"}, "checkpoint.resume_from_path"),
+        (
+            {"resume_mode": "disable", "resume_from_path": "/x/global_step_1"},
+            "checkpoint.resume_from_path",
+        ),
         ({"save_contents": ["model", "weights"]}, "checkpoint.save_contents"),
         ({"max_in_flight": 0}, "checkpoint.max_in_flight"),
         ({"report_group_size": -1}, "checkpoint.report_group_size"),

@@ -384,6 +384,15 @@ class CheckpointConfig:
                 self.resume_from_path,
                 "resume_mode=resume_path needs a global_step_<N> directory here",
             )
+        if self.resume_from_path and self.resume_mode != "resume_path":
+            # Ignored otherwise: the run would start from the tracker's step (or afresh) while
+            # its user believes it resumed from this one.
+            _fail(
+                "resume_from_path",
+                self.resume_from_path,
+                f"only resume_mode=resume_path reads it, and resume_mode={self.resume_mode} "
+                "would ignore it: set checkpoint.resume_mode=resume_path, or leave it null",
+            )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             _fail("max_in_flight", self.max_in_flight, "must be an integer >= 1")
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < math.inf):
