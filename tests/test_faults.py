@@ -340,6 +340,30 @@ def test_I5_ctrl_c_during_a_synchronous_write_fails_the_step_at_once(ranks, tmp_
     close_all(ranks, coordinator)
 
 
+def test_I5_a_report_that_fails_before_it_is_sent_fails_the_step_at_once(ranks, tmp_path):
+    """From helper-54's review: a rank whose report failed before it left the rank (packing
+    it, or the fault hook's `raise` here) returned the failure to its trainer but never told
+    the finalizer, so the step waited out its deadline and then named the rank as never
+    reporting. Now the rank reports its failure (phase report) in a call of its own."""
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "report:critic=raise"))
+    saved = [w.save.remote(1) for w in every_rank(ranks)]
+    coordinator.save_driver_state(1, {"step": 1})
+    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[report\] InjectedFault"):
+        coordinator.wait_for_commit(1, timeout_s=30)
+    ray.get(critic.set_env.remote(ENV_VAR, None))
+    saved_or_refused(saved, 1)
+    with pytest.raises(CheckpointError, match=r"critic rank 0 \[report\]"):
+        ray.get(critic.wait.remote())  # the critic's failure, raised to its trainer once
+    save_everyone(ranks, coordinator, 2)
+    coordinator.wait_for_commit(2, timeout_s=60)
+    assert read_tracker(cfg["root_dir"]) == 2
+    close_all(ranks, coordinator)
+
+
 def test_I5_a_rank_failing_before_the_first_plan_leaves_no_peer_in_its_collective(ranks, tmp_path):
     """Found by CI (stop 62, in the test above): in a save that plans over the group (the
     first one), a rank whose begin_step was refused (the step had failed) or whose copy

@@ -30,7 +30,8 @@ from pathlib import Path
 from verl_ckpt.commit.aggregator import AggregatorLost, AggregatorTimeout, NodeAggregator
 from verl_ckpt.commit.client import FinalizerClient
 from verl_ckpt.protocol import Failure, Phase, faults
-from verl_ckpt.protocol.deadlines import RPC_SLACK_S, call_deadline, time_left
+from verl_ckpt.protocol.deadlines import RPC_SLACK_S, call_deadline, deadline_in, time_left
+from verl_ckpt.protocol.errors import CommitTimeoutError
 from verl_ckpt.protocol.messages import BeginRequest, RankReport
 
 __all__ = ["ParticipantLink", "new_save_id"]
@@ -132,6 +133,12 @@ class ParticipantLink:
         except Exception as exc:  # noqa: BLE001 - the step cannot commit without this report
             if report.failure is None:
                 report.failure = self.failure(Phase.REPORT, exc)
+            if not isinstance(exc, CommitTimeoutError):
+                # The report may never have left this process (packing it failed): the
+                # finalizer is told in a call of its own, or the step waits for this report
+                # until its deadline. One that reached it (a refusal) ignores this one. Not
+                # after a call that timed out: a second would wait as long.
+                self._send_failure(report.step, report.save_id, report.failure, RPC_SLACK_S)
         return report.failure
 
     def report_failure(self, step: int, save_id: str, phase: Phase, exc: BaseException) -> None:
@@ -139,10 +146,15 @@ class ParticipantLink:
         begin): the step then fails for every participant now, instead of at its deadline.
         A report that cannot be delivered is logged: the original failure is what the
         caller raises."""
+        self._send_failure(step, save_id, self.failure(phase, exc))
+
+    def _send_failure(
+        self, step: int, save_id: str, failure: Failure, within_s: float | None = None
+    ) -> None:
         report = self.new_report(step, save_id)
-        report.failure = self.failure(phase, exc)
+        report.failure = failure
         try:
-            self._send(report, None)
+            self._send(report, None if within_s is None else deadline_in(within_s))
         except Exception as error:  # noqa: BLE001 - the original failure is what matters
             logger.warning(
                 "%s: could not report the failure of step %d: %s", self.client.who, step, error
