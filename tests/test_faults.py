@@ -340,6 +340,29 @@ def test_I5_ctrl_c_during_a_synchronous_write_fails_the_step_at_once(ranks, tmp_
     close_all(ranks, coordinator)
 
 
+def test_I5_ctrl_c_in_the_drivers_save_fails_the_step_at_once(ray_local, tmp_path, monkeypatch):
+    """From helper-54's review: a KeyboardInterrupt (Ctrl-C reaches the driver's main
+    thread) while the driver wrote its state left save_driver_state without a report: a
+    trainer that caught it waited for the step until its deadline, and the next step's
+    begin behind it. Now the driver's failure is reported (phase write), then the
+    interrupt goes on. Injected: a real SIGINT cannot be made to land inside the write."""
+    from verl_ckpt.driver import coordinator as coordinator_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    cfg = ckpt_config(tmp_path)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    try:
+        monkeypatch.setattr(coordinator_module, "safe_state_bytes", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            coordinator.save_driver_state(1, {"step": 1})
+        with pytest.raises(StepNotCommittedError, match=r"driver rank 0 \[write\] Keyboard"):
+            coordinator.wait_for_commit(1, timeout_s=30)
+    finally:
+        coordinator.close()
+
+
 def test_I5_a_report_that_fails_before_it_is_sent_fails_the_step_at_once(ranks, tmp_path):
     """From helper-54's review: a rank whose report failed before it left the rank (packing
     it, or the fault hook's `raise` here) returned the failure to its trainer but never told

@@ -149,12 +149,13 @@ class CheckpointCoordinator:
         save_id = new_save_id()
         try:
             directory = self._link.begin(step, save_id, timeout_s)
-        except Exception as exc:
+        except BaseException as exc:  # a KeyboardInterrupt in the driver's wait for room too
             # The ranks save this step: fail it now rather than at its deadline.
             self._link.report_failure(step, save_id, Phase.PLAN, exc)
             raise
         report = self._link.new_report(step, save_id)
         path = directory / DRIVER_STATE_FILENAME
+        interrupted = None
         try:
             # Checked to load back with weights_only=True (load_driver_state) now: a state
             # that could not be resumed fails its own save, not the resume that needs it.
@@ -164,7 +165,12 @@ class CheckpointCoordinator:
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
         except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
             report.failure = self._link.failure(Phase.WRITE, exc)
+        except BaseException as exc:  # a KeyboardInterrupt: reported too, then raised as is
+            report.failure = self._link.failure(Phase.WRITE, exc)
+            interrupted = exc
         self._link.report(report)
+        if interrupted is not None:
+            raise interrupted
         if report.failure is not None:
             raise CheckpointError(
                 f"driver state of step {step} not saved ({path}): {report.failure.message}"
