@@ -249,6 +249,22 @@ def _tracker_names_missing_step(root: Path) -> None:
     ("argv", "damage", "code", "names"),
     [
         pytest.param(["ls", "{root}/nope"], None, 2, "{root}/nope does not exist", id="no-root"),
+        # From review: listed as a root holding nothing yet (exit 0), and a bad protocol was
+        # named as checkpoint.remote.url, a key the command line never mentions.
+        pytest.param(
+            ["ls", "file://{root}/nope"],
+            None,
+            2,
+            "ROOT file://{root}/nope does not exist or is not a directory",
+            id="no-file-url-root",
+        ),
+        pytest.param(
+            ["ls", "nosuch://{root}"],
+            None,
+            2,
+            "ROOT='nosuch://{root}' is invalid: Protocol not known: nosuch",
+            id="bad-protocol",
+        ),
         pytest.param(
             ["verify", "{root}/latest_checkpointed_iteration.txt"],
             None,

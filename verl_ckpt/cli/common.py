@@ -45,9 +45,15 @@ def open_root(text: str, args: argparse.Namespace) -> Store:
     if not is_remote_url(text):
         return LocalStore(_check_root(Path(text)))
     try:
-        return open_store(text, _storage_options(args), call_timeout_s=args.timeout)
+        options = _storage_options(args)
+        store = open_store(text, options, call_timeout_s=args.timeout, setting="ROOT")
     except CheckpointConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
+    # A bucket's prefix without objects is an empty root; a local directory that is not
+    # there is a mistyped ROOT, as for a plain path (it was listed as holding no step).
+    if store.is_local and not store.fs.isdir(store.path):
+        raise CliError(f"ROOT {text} does not exist or is not a directory", EXIT_USAGE)
+    return store
 
 
 def _check_root(root: Path) -> Path:

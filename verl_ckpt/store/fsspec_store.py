@@ -105,7 +105,9 @@ class FsspecStore(Store):
         url: str,
         storage_options: dict[str, Any] | None = None,
         call_timeout_s: float | None = None,
+        setting: str = "checkpoint.remote.url",
     ) -> None:
+        """`setting`: what the user gave the URL as, named by the errors of a bad one."""
         import fsspec
 
         self.call_timeout_s = call_timeout_s
@@ -116,13 +118,11 @@ class FsspecStore(Store):
             self.fs, path = fsspec.core.url_to_fs(self.url, **options)
         except ImportError as exc:
             raise CheckpointConfigError(
-                f"checkpoint.remote.url={url!r} needs a package that is not installed: {exc} "
+                f"{setting}={url!r} needs a package that is not installed: {exc} "
                 "(pip install 'verl_ckpt[s3]' for s3://)"
             ) from None
         except ValueError as exc:
-            raise CheckpointConfigError(
-                f"checkpoint.remote.url={url!r} is invalid: {exc}"
-            ) from None
+            raise CheckpointConfigError(f"{setting}={url!r} is invalid: {exc}") from None
         self.path = path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         # Calls past their deadline, still running, by object (`_bounded`).

@@ -25,9 +25,11 @@ def open_store(
     path_or_url: str | os.PathLike,
     storage_options: dict[str, Any] | None = None,
     call_timeout_s: float | None = None,
+    setting: str = "checkpoint.remote.url",
 ) -> Store:
     """A LocalStore for a path, an FsspecStore for a URL (`storage_options` and, for each
-    of its calls, the deadline `call_timeout_s`: see fsspec_store.py)."""
+    of its calls, the deadline `call_timeout_s`: see fsspec_store.py; `setting` names
+    where the URL came from in its errors)."""
     text = os.fspath(path_or_url)
     if not is_remote_url(text):
         return LocalStore(text)
@@ -42,7 +44,7 @@ def open_store(
     # Imported here: fsspec (and s3fs) only where a URL is used.
     from verl_ckpt.store.fsspec_store import FsspecStore
 
-    return FsspecStore(text, storage_options, call_timeout_s=call_timeout_s)
+    return FsspecStore(text, storage_options, call_timeout_s=call_timeout_s, setting=setting)
 
 
 def as_store(where: Where) -> Store:
