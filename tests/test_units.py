@@ -220,6 +220,15 @@ def test_I3_delete_removes_commit_record_first_and_next_retention_finishes(tmp_p
         ({"timeout_s": -1}, "checkpoint.timeout_s"),
         ({"writer": {"mode": "fork"}}, "checkpoint.writer.mode"),
         ({"writer": {"threads": 0}}, "checkpoint.writer.threads"),
+        # From review: ignored without a word by the writer process and a synchronous save.
+        (
+            {"writer": {"mode": "process", "write_while_copying": True}},
+            "checkpoint.writer.write_while_copying",
+        ),
+        (
+            {"async_save": False, "writer": {"write_while_copying": True}},
+            "checkpoint.writer.write_while_copying",
+        ),
         ({"root_dir": ""}, "checkpoint.root_dir"),
         # A NUL byte: a bare ValueError from the first filesystem call, before.
         ({"root_dir": "ckpt\0x"}, "checkpoint.root_dir"),

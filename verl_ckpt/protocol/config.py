@@ -401,6 +401,16 @@ class CheckpointConfig:
             self.writer = WriterConfig(**self.writer)
         if isinstance(self.staging, dict):
             self.staging = StagingConfig(**self.staging)
+        if self.writer.write_while_copying and not (
+            self.async_save and self.writer.mode == "thread"
+        ):
+            # Ignored otherwise: the writer process and a synchronous save write once the
+            # whole copy ended.
+            _fail(
+                "writer.write_while_copying",
+                True,
+                "needs the thread writer (async_save=true and writer.mode=thread)",
+            )
         if self.snapshot != "now" and not self.writes_in_background:
             _fail(
                 "snapshot",
