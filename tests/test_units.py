@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -567,3 +568,14 @@ def test_the_driver_and_participants_write_their_files_without_torchs_checkpoint
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["[]"], done.stdout
+
+
+def test_a_root_under_the_home_directory_is_expanded():
+    """From review: root_dir "~/ckpt" (in YAML or Python; Hydra's command line wants it
+    quoted) made a directory named "~" in the working directory."""
+    step = "~/x/global_step_1"
+    config = to_checkpoint_config(
+        {"root_dir": "~/ckpt", "resume_mode": "resume_path", "resume_from_path": step}
+    )
+    assert config.root_dir == os.path.expanduser("~/ckpt") != "~/ckpt"
+    assert config.resume_from_path == os.path.expanduser(step)

@@ -356,6 +356,10 @@ class CheckpointConfig:
             # No filesystem call takes one: it would fail later as a bare ValueError.
             if "\0" in str(getattr(self, key) or ""):
                 _fail(key, getattr(self, key), "is no path: it holds a NUL byte")
+            if isinstance(getattr(self, key), str):
+                # "~/ckpt" made a directory named "~" in the working directory (signing's
+                # key files were already expanded so).
+                setattr(self, key, os.path.expanduser(getattr(self, key)))
         if not isinstance(self.save_freq, int):
             _fail("save_freq", self.save_freq, "must be an integer (<= 0 disables saving)")
         if self.max_ckpt_to_keep is not None and (
