@@ -178,7 +178,10 @@ class StateParticipant:
                 options=WriteOptions(beneath=str(self.handle.root)),
             )
             report.files.append(FileEntry(rel, written.size, written.checksum))
-        except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
+        except BaseException as exc:  # noqa: BLE001 - reported, so that the step fails at once
+            # A BaseException too (a KeyboardInterrupt, a SystemExit from the state's own
+            # pickling): on this thread nobody else would see it, and the step would wait
+            # for this report until its deadline.
             report.failure = self._link.failure(Phase.WRITE, exc)
         failure = self._link.deliver(report, deadline=max(deadline, deadline_in(1.0)))
         if failure is not None:
@@ -208,7 +211,9 @@ class StateParticipant:
             raise CommitTimeoutError(
                 f"{self.handle.label}: its previous save did not end within {timeout_s:.0f}s"
             ) from None
-        self._pending = None
+        finally:
+            if pending.done():  # ended, however: what it raised is raised once, here
+                self._pending = None
 
     def _check_open(self) -> None:
         if self._closed:
