@@ -299,15 +299,20 @@ def test_I5_ctrl_c_during_a_first_save_frees_its_buffers_and_fails_the_step_at_o
     "staging pool exhausted" at every later save, and the step waited out its deadline.
     The interrupt is injected (VERL_CKPT_FAULT `interrupt`, before the copy): a real SIGINT
     does not reach a call running in a Ray actor."""
-    cfg = ckpt_config(tmp_path)
+    ctrl_c_in_the_critics_save(ranks, ckpt_config(tmp_path), "stage", r"critic rank 0 \[stage\]")
+
+
+def ctrl_c_in_the_critics_save(ranks: dict, cfg: dict, phase: str, named: str) -> None:
+    """The critic's save(1) interrupted in `phase` in a trainer that catches Ctrl-C: step 1
+    fails at once, naming the critic (`named`), and step 2 commits."""
     coordinator = CheckpointCoordinator(cfg, ROLES)
     open_all(ranks, cfg)
     critic = ranks["critic"][0]
-    ray.get(critic.set_env.remote(ENV_VAR, "stage:critic=interrupt"))
+    ray.get(critic.set_env.remote(ENV_VAR, f"{phase}:critic=interrupt"))
     others = [w.save.remote(1) for w in ranks["actor"]]
     assert ray.get(critic.save_through_ctrl_c.remote(1)) == "KeyboardInterrupt"
     ray.get(critic.set_env.remote(ENV_VAR, None))
-    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[stage\]"):
+    with pytest.raises(StepNotCommittedError, match=named):
         coordinator.wait_for_commit(1, timeout_s=30)
     saved_or_refused(others, 1)
     save_everyone(ranks, coordinator, 2)
@@ -324,20 +329,7 @@ def test_I5_ctrl_c_during_a_synchronous_write_fails_the_step_at_once(ranks, tmp_
     interrupted write is reported as the critic's failure (phase write) before the interrupt
     goes on, and the next step commits. Injected as the test above."""
     cfg = ckpt_config(tmp_path, async_save=False, writer={"mode": "inline"})
-    coordinator = CheckpointCoordinator(cfg, ROLES)
-    open_all(ranks, cfg)
-    critic = ranks["critic"][0]
-    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=interrupt"))
-    others = [w.save.remote(1) for w in ranks["actor"]]
-    assert ray.get(critic.save_through_ctrl_c.remote(1)) == "KeyboardInterrupt"
-    ray.get(critic.set_env.remote(ENV_VAR, None))
-    with pytest.raises(StepNotCommittedError, match=r"critic rank 0 \[write\] KeyboardInterrupt"):
-        coordinator.wait_for_commit(1, timeout_s=30)
-    saved_or_refused(others, 1)
-    save_everyone(ranks, coordinator, 2)
-    coordinator.wait_for_commit(2, timeout_s=60)
-    assert read_tracker(cfg["root_dir"]) == 2
-    close_all(ranks, coordinator)
+    ctrl_c_in_the_critics_save(ranks, cfg, "write", r"critic rank 0 \[write\] KeyboardInterrupt")
 
 
 def test_I5_ctrl_c_in_the_drivers_save_fails_the_step_at_once(ray_local, tmp_path, monkeypatch):
