@@ -355,6 +355,28 @@ def test_I5_ctrl_c_in_the_drivers_save_fails_the_step_at_once(ray_local, tmp_pat
         coordinator.close()
 
 
+def test_I5_a_save_still_queued_when_its_manager_closes_fails_its_step_at_once(ranks, tmp_path):
+    """From helper-54's review: with max_in_flight=2, a close() whose drain timed out stopped
+    the save thread, which cancelled the save queued behind the running one: that save
+    never began, never reported, and its step waited out its deadline. Now it is reported
+    as the critic's failure of the step when the manager closes. The running write is held
+    by the fault hook (sleep), as a slow disk would hold it."""
+    cfg = ckpt_config(tmp_path, max_in_flight=2)
+    coordinator = CheckpointCoordinator(cfg, ROLES)
+    open_all(ranks, cfg)
+    critic = ranks["critic"][0]
+    ray.get(critic.set_env.remote(ENV_VAR, "write:critic=sleep=8"))
+    for step in (1, 2):
+        ray.get([w.save.remote(step) for w in every_rank(ranks)])
+        coordinator.save_driver_state(step, {"step": step})
+    with pytest.raises(ray.exceptions.RayTaskError, match="CommitTimeoutError"):
+        ray.get(critic.close.remote(1.0))
+    ray.get(critic.set_env.remote(ENV_VAR, None))
+    with pytest.raises(StepNotCommittedError, match=r"step 2 .*critic rank 0 \[plan\]"):
+        coordinator.wait_for_commit(2, timeout_s=30)
+    close_all(ranks, coordinator)
+
+
 def test_I5_a_report_that_fails_before_it_is_sent_fails_the_step_at_once(ranks, tmp_path):
     """From helper-54's review: a rank whose report failed before it left the rank (packing
     it, or the fault hook's `raise` here) returned the failure to its trainer but never told

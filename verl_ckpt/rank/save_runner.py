@@ -74,6 +74,8 @@ class SaveRunner:
         self._writer = writer
         self._thread = save_thread
         self._uploads = uploads
+        # The save thread's queued jobs, until each ends or is cancelled (_left_the_queue).
+        self._queued: dict[Future, SaveJob] = {}
         self._pending = PendingWrites(
             config.max_in_flight, f"{self._role} rank {self._rank}", float(config.timeout_s)
         )
@@ -105,9 +107,7 @@ class SaveRunner:
     def hand_over(self, job: SaveJob) -> None:
         """A save on a cached plan: the save thread takes the job over before save()'s copy
         (job.started), and plans beside it."""
-        job.started = self._thread.submit(
-            self._in_background, job, label=f"save of step {job.step}"
-        )
+        job.started = self._submit(job)
 
     def hand_over_failed(self, job: SaveJob) -> None:
         """save()'s copy failed after the hand-over: the save thread's write fails on it,
@@ -125,11 +125,30 @@ class SaveRunner:
             return
         future = job.started
         if future is None:
-            label = f"save of step {job.step}"
-            future = self._thread.submit(self._in_background, job, label=label)
+            future = self._submit(job)
         self._pending.add(job.step, job.deadline, future, job.stats)
         if job.path.deferred:
             self._snapshotter.deferred(job)
+
+    def _submit(self, job: SaveJob) -> Future:
+        """`job`'s background part, queued on the save thread; a job cancelled there (close()
+        while it still waited behind another) reports its step's failure."""
+        future = self._thread.submit(self._in_background, job, label=f"save of step {job.step}")
+        self._queued[future] = job
+        future.add_done_callback(self._left_the_queue)
+        return future
+
+    def _left_the_queue(self, future: Future) -> None:
+        job = self._queued.pop(future, None)
+        if job is None or not future.cancelled():
+            return
+        # Never begun by this rank (a save on a cached plan begins on the save thread) or
+        # never written: either way the step cannot commit, and its other participants
+        # would wait for this rank until its deadline. The slot goes with the closing pool.
+        phase = Phase.PLAN if job.path.plans_in_background else Phase.WRITE
+        job.snapshot_taken.set()
+        closed = self._failed(job, "its checkpoint manager closed before the save could run")
+        self._link.report_failure(job.step, job.save_id, phase, closed)
 
     def _in_background(self, job: SaveJob) -> None:
         """On the save thread: a deferred copy (then fence() returns); for a save whose plan
@@ -335,9 +354,14 @@ class SaveRunner:
         returns what the save thread still ran at the deadline."""
         if self._uploads is not None:
             self._uploads.close(deadline)
-        if self._thread is not None:
-            return self._thread.close(time_left(deadline))
-        return []
+        if self._thread is None:
+            return []
+        still_running = self._thread.close(time_left(deadline))
+        # The saves queued behind one that outlasted the deadline will not run: cancelled
+        # now (their callback reports them), so that their steps fail at once.
+        for future in list(self._queued):
+            future.cancel()
+        return still_running
 
 
 def _done_future() -> Future:
