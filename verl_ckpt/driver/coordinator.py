@@ -163,11 +163,10 @@ class CheckpointCoordinator:
             below = WriteOptions(beneath=str(self.root))  # no link redirects it (fsio)
             written = write_checksummed(path, lambda stream: stream.write(data), options=below)
             report.files.append(FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum))
-        except Exception as exc:  # noqa: BLE001 - reported, so that the step fails at once
+        except BaseException as exc:  # noqa: BLE001 - reported, so that the step fails at once
             report.failure = self._link.failure(Phase.WRITE, exc)
-        except BaseException as exc:  # a KeyboardInterrupt: reported too, then raised as is
-            report.failure = self._link.failure(Phase.WRITE, exc)
-            interrupted = exc
+            if not isinstance(exc, Exception):
+                interrupted = exc  # a KeyboardInterrupt: raised as it is once reported
         self._link.report(report)
         if interrupted is not None:
             raise interrupted
