@@ -51,7 +51,12 @@ from verl_ckpt.store.commit_record import (
     write_commit_record,
 )
 from verl_ckpt.store.fsio import ChecksummingWriter
-from verl_ckpt.store.layout import DRIVER_STATE_FILENAME, list_step_dirs, step_dir
+from verl_ckpt.store.layout import (
+    COMMIT_RECORD_FILENAME,
+    DRIVER_STATE_FILENAME,
+    list_step_dirs,
+    step_dir,
+)
 from verl_ckpt.store.tracker import read_tracker, write_tracker
 from verl_ckpt.store.verification import verify_files
 
@@ -802,3 +807,28 @@ def test_I5_drain_waits_for_a_commit_that_began_while_it_waited(tmp_path, monkey
 
     assert asyncio.run(run()) == []
     assert read_tracker(tmp_path) == 2, "drain() returned before step 2's commit ended"
+
+
+def test_I5_after_a_closing_drain_a_last_report_fails_its_step_instead_of_committing(tmp_path):
+    """From the last review's leads: the coordinator's close() drains, then waits for the
+    Hugging Face exports, then kills the finalizer. A step's last report that arrived after
+    the drain (while close() waited for the exports) started a commit, which the kill could
+    cut between the commit record and the tracker, though close() had logged that the step
+    would not commit. After a closing drain the step fails instead, naming the close."""
+
+    async def run() -> tuple[list[int], str]:
+        finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, None)
+        directory = Path(await finalizer.begin_step(1, "driver", 0, 1, 30.0))
+        uncommitted = await finalizer.drain(10.0, closing=True)
+        written = write_checksummed(directory / DRIVER_STATE_FILENAME, lambda s: s.write(b"x"))
+        entry = FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum)
+        await finalizer.report(RankReport(1, "driver", 0, 1, "save1", files=[entry]))
+        with pytest.raises(StepNotCommittedError) as failed:
+            await finalizer.wait_for_commit(1, 10.0)
+        return uncommitted, str(failed.value)
+
+    uncommitted, failure = asyncio.run(run())
+    assert uncommitted == [1]
+    assert f"the coordinator of {tmp_path} closed before its last report arrived" in failure
+    assert read_tracker(tmp_path) is None
+    assert not (step_dir(tmp_path, 1) / COMMIT_RECORD_FILENAME).exists()

@@ -275,8 +275,11 @@ class FinalizerClient:
         deadline = deadline or call_deadline(timeout_s)
         return self._call("wait_for_commit", step, timeout_s, deadline=deadline)
 
-    def drain(self, timeout_s: float, *, deadline: float | None = None) -> list[int]:
-        return self._call("drain", timeout_s, deadline=deadline or call_deadline(timeout_s))
+    def drain(
+        self, timeout_s: float, closing: bool = False, *, deadline: float | None = None
+    ) -> list[int]:
+        deadline = deadline or call_deadline(timeout_s)
+        return self._call("drain", timeout_s, closing, deadline=deadline)
 
     def wait_for_exports(
         self, timeout_s: float, *, deadline: float | None = None

@@ -28,7 +28,7 @@ from verl_ckpt.commit.steps import (
 )
 from verl_ckpt.hf.scheduler import ExportQueue
 from verl_ckpt.protocol import Failure, Phase, describe_failures
-from verl_ckpt.protocol.errors import RootLockedError
+from verl_ckpt.protocol.errors import CheckpointError, RootLockedError
 from verl_ckpt.protocol.event_loop import Changes, TaskSet
 from verl_ckpt.protocol.messages import RankReport
 from verl_ckpt.store.layout import DRIVER_ROLE, role_dir
@@ -98,6 +98,9 @@ class Committer:
         # every step's record, and with thousands of ranks parsing them again was most of
         # its time (store/record_cache.py). Used only in the file thread, one run at a time.
         self._verified_records = VerifiedRecords(keyring)
+        # Set when the coordinator closes (after its drain): no commit may start after that,
+        # since the finalizer is killed once the exports ended, possibly in the middle of it.
+        self._closed_by: str | None = None
 
     def recent(self, step: int) -> CommitSummary | None:
         """The summary of a recent commit of `step`, if this finalizer made it."""
@@ -110,9 +113,19 @@ class Committer:
         background."""
         # Committing from here on: a duplicate report can no longer start a second commit.
         entry = self._ledger.begin_commit(step)
+        if self._closed_by is not None:
+            self._commit_failed(
+                step, CheckpointError(f"{self._closed_by} before its last report arrived")
+            )
+            return
         # The commit runs on its own: the last reporter (often the driver, in its training
         # loop) is not kept waiting for fsyncs it does not need to see.
         self._tasks.spawn(self._commit(step, list(entry.reports.values()), time.time()))
+
+    def refuse_new_commits(self, closed_by: str) -> None:
+        """From now on a step whose last report arrives fails, naming `closed_by`, instead
+        of starting a commit that nothing would wait for."""
+        self._closed_by = closed_by
 
     # ---- failed steps --------------------------------------------------------------------
 

@@ -307,10 +307,12 @@ class CheckpointFinalizer:
         """Wait until `step` committed; raise naming who is missing or what failed."""
         return await self._waiters.wait_for_commit(step, timeout_s)
 
-    async def drain(self, timeout_s: float) -> list[int]:
+    async def drain(self, timeout_s: float, closing: bool = False) -> list[int]:
         """Wait (up to `timeout_s`) for commits and retention already under way, so that a
         coordinator closing the job never kills the finalizer mid-commit; return the steps
-        still collecting reports (those will not commit)."""
+        still collecting reports. `closing`: those will not commit (a last report arriving
+        later fails its step, naming the close), since the coordinator goes on to wait for
+        the exports and then kills the finalizer, which could cut a commit begun meanwhile."""
         if not await self._background.ended(timeout_s):
             committing = [
                 s
@@ -331,6 +333,9 @@ class CheckpointFinalizer:
         # turn of the loop: let it, so that nothing finished looks pending (also when every
         # task had finished before this call: their callbacks may not have run yet).
         await asyncio.sleep(0)
+        if closing:
+            # In the same turn of the loop as the answer: no report can slip in between.
+            self._committer.refuse_new_commits(f"the coordinator of {self._root} closed")
         return self._ledger.in_flight()
 
     async def wait_for_exports(self, timeout_s: float) -> list[dict[str, Any]]:

@@ -244,7 +244,7 @@ class CheckpointCoordinator:
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         deadline = deadline_in(timeout)
         try:
-            uncommitted = self.drain(timeout)
+            uncommitted = self._client.drain(timeout, closing=True)
             if uncommitted:
                 logger.warning(
                     "closing %s with steps %s still waiting for reports: they will not commit",
