@@ -809,26 +809,40 @@ def test_I5_drain_waits_for_a_commit_that_began_while_it_waited(tmp_path, monkey
     assert read_tracker(tmp_path) == 2, "drain() returned before step 2's commit ended"
 
 
-def test_I5_after_a_closing_drain_a_last_report_fails_its_step_instead_of_committing(tmp_path):
+@pytest.mark.parametrize("arrives", ["after the drain", "while the drain answers"])
+def test_I5_after_a_closing_drain_a_last_report_fails_its_step_instead_of_committing(
+    tmp_path, arrives
+):
     """From the last review's leads: the coordinator's close() drains, then waits for the
     Hugging Face exports, then kills the finalizer. A step's last report that arrived after
     the drain (while close() waited for the exports) started a commit, which the kill could
     cut between the commit record and the tracker, though close() had logged that the step
-    would not commit. After a closing drain the step fails instead, naming the close."""
+    would not commit. After a closing drain the step fails instead, naming the close. "while
+    the drain answers" (helper-56's review of the fix): a report run by the actor's loop in
+    the turn drain() yields before its answer is sealed out too."""
 
     async def run() -> tuple[list[int], str]:
         finalizer = CheckpointFinalizer(str(tmp_path), DRIVER_ONLY, None)
         directory = Path(await finalizer.begin_step(1, "driver", 0, 1, 30.0))
-        uncommitted = await finalizer.drain(10.0, closing=True)
         written = write_checksummed(directory / DRIVER_STATE_FILENAME, lambda s: s.write(b"x"))
         entry = FileEntry(DRIVER_STATE_FILENAME, written.size, written.checksum)
-        await finalizer.report(RankReport(1, "driver", 0, 1, "save1", files=[entry]))
+        last_report = RankReport(1, "driver", 0, 1, "save1", files=[entry])
+        if arrives == "after the drain":
+            uncommitted = await finalizer.drain(10.0, closing=True)
+            await finalizer.report(last_report)
+        else:
+            # Both queued on the loop, the drain first (as the actor runs concurrent calls):
+            # the report runs when the drain first yields.
+            draining = asyncio.create_task(finalizer.drain(10.0, closing=True))
+            reporting = asyncio.create_task(finalizer.report(last_report))
+            uncommitted, _ = await asyncio.gather(draining, reporting)
         with pytest.raises(StepNotCommittedError) as failed:
             await finalizer.wait_for_commit(1, 10.0)
         return uncommitted, str(failed.value)
 
     uncommitted, failure = asyncio.run(run())
-    assert uncommitted == [1]
+    # While the drain answered, the step had failed already: it is no longer in flight.
+    assert uncommitted == ([1] if arrives == "after the drain" else [])
     assert f"the coordinator of {tmp_path} closed before its last report arrived" in failure
     assert read_tracker(tmp_path) is None
     assert not (step_dir(tmp_path, 1) / COMMIT_RECORD_FILENAME).exists()

@@ -329,13 +329,15 @@ class CheckpointFinalizer:
                 f"{timeout_s:.0f}s; the next start rolls forward any commit that got as "
                 "far as its commit record"
             )
+        if closing:
+            # In the turn of the loop in which ended() found no task left (it returns without
+            # awaiting after that check): a report taken in any later turn, the one below
+            # included, fails its step instead of starting a commit.
+            self._committer.refuse_new_commits(f"the coordinator of {self._root} closed")
         # A finished task leaves the task set in its done callback, which runs on the next
         # turn of the loop: let it, so that nothing finished looks pending (also when every
         # task had finished before this call: their callbacks may not have run yet).
         await asyncio.sleep(0)
-        if closing:
-            # In the same turn of the loop as the answer: no report can slip in between.
-            self._committer.refuse_new_commits(f"the coordinator of {self._root} closed")
         return self._ledger.in_flight()
 
     async def wait_for_exports(self, timeout_s: float) -> list[dict[str, Any]]:

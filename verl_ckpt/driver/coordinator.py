@@ -247,7 +247,8 @@ class CheckpointCoordinator:
             uncommitted = self._client.drain(timeout, closing=True)
             if uncommitted:
                 logger.warning(
-                    "closing %s with steps %s still waiting for reports: they will not commit",
+                    "closing %s with steps %s still waiting for reports: they will not commit "
+                    "(wait_for_commit before close() keeps a step whose ranks still write)",
                     self.root,
                     uncommitted,
                 )
