@@ -52,6 +52,11 @@ class RecipeConfigError(ValueError):
     """A recipe setting is invalid; the message names the key and says why."""
 
 
+# The largest trainer.seed (either sign) whose derived seeds (seed * 1000 + offset) stay in
+# the signed 64 bits that torch.Generator.manual_seed takes.
+MAX_SEED = (2**63 - 1) // 1000 - 1
+
+
 def derive_seed(seed: int, purpose: str, index: int = 0) -> int:
     """A distinct, reproducible seed per purpose (model init, sampler, prompts) and index."""
     offsets = {
@@ -206,6 +211,9 @@ class PPOToyConfig:
             _fail("trainer.cpus_per_worker", t.cpus_per_worker, "must be >= 0")
         if t.startup_timeout_s <= 0:
             _fail("trainer.startup_timeout_s", t.startup_timeout_s, "must be > 0")
+        if not -MAX_SEED <= t.seed <= MAX_SEED:
+            # Else the first seeded generator, made after Ray started, overflows.
+            _fail("trainer.seed", t.seed, f"must lie in [-{MAX_SEED}, {MAX_SEED}]")
 
     def _check_model(self) -> None:
         m = self.model
@@ -230,6 +238,14 @@ class PPOToyConfig:
             _fail("rollout.mode", r.mode, f"must be one of {', '.join(ROLLOUT_MODES)}")
         if r.num_workers < 1:
             _fail("rollout.num_workers", r.num_workers, "must be >= 1")
+        if r.mode == "sync" and r.num_workers != 1:
+            # Else ignored: in sync mode the actor ranks generate, and no worker starts.
+            _fail(
+                "rollout.num_workers",
+                r.num_workers,
+                "only rollout.mode=async starts rollout workers: set rollout.mode=async, "
+                "or leave rollout.num_workers at 1",
+            )
         if r.mode == "async" and r.batch_size % r.num_workers:
             _fail(
                 "rollout.num_workers",
@@ -282,6 +298,14 @@ class PPOToyConfig:
         # Known before Ray starts: the export would fail after every commit (workers.py
         # describes the critic's model as a value model, which the export refuses).
         architectures = self.checkpoint.hf_export.architectures
+        for role in architectures:
+            if role not in ROLES:
+                # Else refused after Ray started, when the coordinator plans the exports.
+                _fail(
+                    f"checkpoint.hf_export.architectures.{role}",
+                    architectures[role],
+                    f"this recipe has no role {role!r} (its roles: {', '.join(ROLES)})",
+                )
         if "critic" in architectures:
             _fail(
                 "checkpoint.hf_export.architectures.critic",

@@ -335,6 +335,32 @@ def test_recipe_refuses_an_export_of_its_critic_before_ray():
         to_recipe_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("settings", "key", "why"),
+    [
+        # Refused after Ray started, when the coordinator planned the exports.
+        (
+            {"checkpoint": {"hf_export": {"architectures": {"actr": "gpt2"}}}},
+            "checkpoint.hf_export.architectures.actr",
+            "this recipe has no role 'actr' (its roles: actor, critic)",
+        ),
+        # Ignored: in sync mode no rollout worker starts.
+        (
+            {"rollout": {"num_workers": 4}},
+            "rollout.num_workers",
+            "only rollout.mode=async starts rollout workers",
+        ),
+        # A traceback after Ray started: the first seeded generator overflowed.
+        ({"trainer": {"seed": 20000000000000000}}, "trainer.seed", "must lie in ["),
+    ],
+)
+def test_recipe_settings_known_to_fail_after_ray_are_refused_before_it(settings, key, why):
+    """From helper-58's review of the front door: each was accepted before Ray started."""
+    with pytest.raises(RecipeConfigError) as refused:
+        to_recipe_config(OmegaConf.create(settings))
+    assert str(refused.value).startswith(f"{key}=") and why in str(refused.value), refused.value
+
+
 def test_a_metrics_path_that_cannot_be_written_is_one_line_before_ray(tmp_path):
     """Found by review: the metrics file was opened by the trainer after Ray and the
     finalizer had started, and an OSError there was a traceback."""

@@ -42,6 +42,11 @@ DEADLINE_VAR = "VERL_CKPT_TEST_DEADLINE"
     [
         ({"preemption": {"signals": ["SIGNOPE"]}}, "checkpoint.preemption.signals"),
         ({"preemption": {"signals": ["SIGKILL"]}}, "checkpoint.preemption.signals"),
+        # From helper-58's review: a child's exit (embedded Ray's processes) or a terminal
+        # resize would save and exit 75; a handler of SIGSEGV returns to the fault.
+        ({"preemption": {"signals": ["SIGCHLD"]}}, "checkpoint.preemption.signals"),
+        ({"preemption": {"signals": ["SIGWINCH"]}}, "checkpoint.preemption.signals"),
+        ({"preemption": {"signals": ["SIGTERM", "SIGSEGV"]}}, "checkpoint.preemption.signals"),
         ({"preemption": {"grace_s": 0}}, "checkpoint.preemption.grace_s"),
         ({"preemption": {"margin_s": -1}}, "checkpoint.preemption.margin_s"),
         ({"preemption": {"deadline_env": "A=B"}}, "checkpoint.preemption.deadline_env"),

@@ -52,6 +52,21 @@ RESUME_VERIFY_MODES = ("record", "checksums")
 RESUME_FALLBACKS = ("error", "previous")
 # Signals that cannot be caught, or that stop the process before any handler runs.
 _UNCATCHABLE_SIGNALS = ("SIGKILL", "SIGSTOP")
+# Signals that are no request to stop: sent in normal running (a child's exit, a terminal
+# resized, a closed pipe, a profiler's timer, a stopped job continued), each of which would
+# then save and exit, or raised by a fault of the faulting thread itself, whose handler
+# (which only sets a flag) would return to the faulting instruction.
+_NOT_A_STOP_REQUEST = {
+    **dict.fromkeys(
+        ("SIGCHLD", "SIGCLD", "SIGWINCH", "SIGURG", "SIGPIPE", "SIGCONT", "SIGIO", "SIGPOLL"),
+        "is sent in normal running",
+    ),
+    **dict.fromkeys(("SIGPROF", "SIGVTALRM"), "is a profiler's timer"),
+    **dict.fromkeys(
+        ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT"),
+        "reports a fault of the process itself",
+    ),
+}
 
 
 def _fail(key: str, value: Any, why: str) -> None:
@@ -184,6 +199,13 @@ class PreemptionConfig:
                 )
             if name in _UNCATCHABLE_SIGNALS:
                 _fail("preemption.signals", signals, f"{name} cannot be caught by any process")
+            if name in _NOT_A_STOP_REQUEST:
+                _fail(
+                    "preemption.signals",
+                    signals,
+                    f"{name} {_NOT_A_STOP_REQUEST[name]}, not a request to stop (schedulers "
+                    "send SIGTERM, or SIGUSR1 or SIGUSR2 as asked)",
+                )
         self.signals = list(dict.fromkeys(signals))
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s < math.inf):
             _fail("preemption.grace_s", self.grace_s, "must be a positive number of seconds")
