@@ -203,6 +203,31 @@ def test_interrupted_rollback_is_completed_and_the_tracker_ends_at_the_target(
     assert complete_interrupted_rollback(root) is None  # nothing left to do
 
 
+def test_a_planted_intent_whose_archive_is_a_link_moves_nothing_out_of_the_root(
+    root, tmp_path, capsys
+):
+    """From helper-57's review: the archive's name was checked, but an archive that already
+    existed was taken as it was. A planted intent with its archive a link to another
+    directory moved the root's newer steps there, and (delete) unlinked files through it.
+    The intent is a file of the root, which others may write; start-up recovery and a rerun
+    of the command (which prune's refusal recommends) both complete it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "theirs.txt").write_text("not the root's")
+    (root / f"{ARCHIVE_PREFIX}planted").symlink_to(elsewhere, target_is_directory=True)
+    intent = {"format_version": 1, "to": 20, "archive": f"{ARCHIVE_PREFIX}planted"}
+    intent |= {"steps": [30, LEFTOVER], "delete": True}
+    (root / INTENT_FILENAME).write_text(json.dumps(intent))
+    before = tree(root)
+    with pytest.raises(RollbackError, match=r"rolled_back_planted is not a directory of .*"):
+        complete_interrupted_rollback(root)
+    code, out, err = run_cli(capsys, "rollback", root, "--to", 20)
+    assert code == 1 and out == "" and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("verl-ckpt: error: the rollback archive "), err
+    assert tree(root) == before and read_tracker(root) == 30
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["theirs.txt"]
+
+
 def test_rerunning_the_command_completes_an_interrupted_rollback(root, capsys):
     """The same `verl-ckpt rollback` again completes the journaled rollback (a warning says
     so); one to another step is refused while it is pending, naming the intent file."""

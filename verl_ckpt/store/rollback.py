@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -381,6 +382,14 @@ def _finish(root: Path, intent: RollbackIntent) -> None:
     """Steps 2-5 of the module docstring; each is skipped where a previous run did it."""
     archive = root / intent.archive
     make_dir(archive, exist_ok=True)
+    # A rerun finds the archive the interrupted run made; one planted as a link (the intent
+    # is a file of the root, which others may write) would move steps out of the root and
+    # delete files wherever it points.
+    if not stat.S_ISDIR(os.lstat(archive).st_mode):
+        raise RollbackError(
+            f"the rollback archive {archive} is not a directory of {root} (a link?): "
+            f"nothing moved; remove it, or remove {intent_path(root)} to give the rollback up"
+        )
     for step in sorted(intent.steps, reverse=True):
         source = step_dir(root, step)
         target = archive / source.name
