@@ -274,6 +274,30 @@ def test_rollback_and_prune_refused_while_another_process_holds_the_root(root, h
     assert run_cli(capsys, "rollback", root, "--to", 10)[0] == 0
 
 
+def test_a_local_root_named_by_a_file_url_is_refused_for_changes(root, holders, capsys):
+    """From helper-57's review: a file:// URL is opened as a remote tier, which has no lock
+    and no rollback journal. Naming a running job's root so, rollback --delete and prune
+    bypassed its lock; naming a root with a rollback pending, prune deleted the rollback's
+    target. Refused in one line (exit 2) naming the path to pass instead; nothing changes."""
+    proc = holders.start(root)
+    before = tree(root)
+    for argv in (
+        ["rollback", f"file://{root}", "--to", 10, "--delete"],
+        ["prune", f"file://{root}", "--keep", 1],
+    ):
+        code, out, err = run_cli(capsys, *argv)
+        assert (code, out) == (2, "") and err.count("\n") == 1, err
+        assert f"is a job's local root (it holds .verl_ckpt.lock): pass its path, {root}," in err
+    assert tree(root) == before
+    holders.kill(proc)
+    crash_during_rollback(root, 10)
+    (root / ".verl_ckpt.lock").unlink(missing_ok=True)  # only the pending rollback marks it
+    before = tree(root)
+    code, out, err = run_cli(capsys, "prune", f"file://{root}", "--keep", 1)
+    assert (code, out) == (2, "") and f"(it holds {INTENT_FILENAME})" in err, err
+    assert tree(root) == before
+
+
 def test_ls_lists_leftovers_pending_rollback_archives_deletions_and_holder(root, holders, capsys):
     """`ls` shows what its table does not: the lock holder, a pending rollback, rollback
     archives with their steps, and `.deleting_*` directories of an interrupted retention."""
