@@ -258,6 +258,29 @@ def _tracker_names_missing_step(root: Path) -> None:
             "ROOT file://{root}/nope does not exist or is not a directory",
             id="no-file-url-root",
         ),
+        # From helper-57's review: a URL as the local directory became ./s3:/c/q, created
+        # and pulled into (exit 0); a storage option of the wrong type was a traceback.
+        pytest.param(
+            ["pull", "file://{root}", "s3://c/q"],
+            None,
+            2,
+            "argument ROOT: must be a local directory, not the URL 's3://c/q'",
+            id="pull-into-a-url",
+        ),
+        pytest.param(
+            ["export", "{root}", "s3://c/q", "--role", "actor"],
+            None,
+            2,
+            "argument OUT: must be a local directory, not the URL 's3://c/q'",
+            id="export-into-a-url",
+        ),
+        pytest.param(
+            ["prune", "s3://b/p", "--keep", "1", "--storage-options", '{{"config_kwargs": 5}}'],
+            None,
+            2,
+            "storage option config_kwargs must be a mapping of botocore Config settings",
+            id="storage-option-of-a-wrong-type",
+        ),
         pytest.param(
             ["ls", "nosuch://{root}"],
             None,

@@ -35,6 +35,7 @@ from verl_ckpt.protocol.errors import CheckpointError, CommitTimeoutError
 from verl_ckpt.protocol.redaction import without_password
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.local import LocalStore
+from verl_ckpt.store.open_store import is_remote_url
 from verl_ckpt.store.signing import keyring_from
 
 __all__ = ["main"]
@@ -67,6 +68,15 @@ def _keep_count(text: str) -> int:
             f"must be an integer >= 1, got {text!r}: prune never deletes every committed step"
         )
     return int(text)
+
+
+def _local_directory(text: str) -> Path:
+    # Path() would make s3://bucket/x the local s3:/bucket/x, created and written into.
+    if is_remote_url(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a local directory, not the URL {without_password(text)!r}"
+        )
+    return Path(text)
 
 
 def _seconds(text: str) -> float:
@@ -198,7 +208,9 @@ def _add_change_commands(command: _Command) -> None:
         "huggingface/ (refused while a job holds the root). Written aside and renamed into "
         "place: never a partial export. An export that already verifies is kept.",
     )
-    export.add_argument("out", metavar="OUT", type=Path, nargs="?", help="output directory")
+    export.add_argument(
+        "out", metavar="OUT", type=_local_directory, nargs="?", help="output directory"
+    )
     export.add_argument("--step", type=_step_number, help="default: the tracker's step")
     export.add_argument("--role", required=True, help="the role to export, e.g. actor")
     export.add_argument(
@@ -222,7 +234,9 @@ def _add_pull_command(commands: Any) -> None:
     )
     pull.add_argument("root", metavar="URL", help="the remote tier URL (s3://bucket/prefix)")
     pull.add_argument("--step", type=_step_number, help="default: the newest committed step")
-    pull.add_argument("dest", metavar="ROOT", help="the local checkpoint root to pull into")
+    pull.add_argument(
+        "dest", metavar="ROOT", type=_local_directory, help="the local checkpoint root to pull into"
+    )
     pull.set_defaults(handler=cmd_pull)
     _storage_options_flag(pull)
     _signing_flags(pull)

@@ -113,6 +113,13 @@ class FsspecStore(Store):
         self.call_timeout_s = call_timeout_s
         self.url = url.rstrip("/")
         protocol = self.url.split("://", 1)[0]
+        botocore_settings = (storage_options or {}).get("config_kwargs")
+        if botocore_settings is not None and not isinstance(botocore_settings, dict):
+            # Named by type only: a storage option's value may be a secret.
+            raise CheckpointConfigError(
+                f"{setting}={url!r}: storage option config_kwargs must be a mapping of "
+                f"botocore Config settings, not a {type(botocore_settings).__name__}"
+            )
         options = _with_defaults(protocol, dict(storage_options or {}))
         try:
             self.fs, path = fsspec.core.url_to_fs(self.url, **options)
@@ -123,6 +130,11 @@ class FsspecStore(Store):
             ) from None
         except ValueError as exc:
             raise CheckpointConfigError(f"{setting}={url!r} is invalid: {exc}") from None
+        except TypeError as exc:
+            # A storage option the filesystem's constructor does not take (its name only).
+            raise CheckpointConfigError(
+                f"{setting}={url!r}: a storage option is refused: {exc}"
+            ) from None
         self.path = path.rstrip("/")
         self.is_local = "file" in _protocols(self.fs)
         # Calls past their deadline, still running, by object (`_bounded`).
