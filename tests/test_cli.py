@@ -224,6 +224,18 @@ def test_I3_prune_never_deletes_the_tracker_target(root_copy, capsys):
     assert run_cli(capsys, "verify", root_copy)[1].startswith("OK step 1: ")
 
 
+def test_I3_prune_refuses_when_the_tracker_names_a_step_without_a_record(root_copy, capsys):
+    """From helper-57's review: a rollback of a tier that cannot rename deletes the newer
+    steps and moves the tracker last; interrupted in between, the tracker names a step
+    without its record. Retention spares only the tracker's step, so prune --keep 1 deleted
+    every older committed step, the rollback's target among them."""
+    (step_dir(root_copy, 3) / COMMIT_RECORD_FILENAME).unlink()  # as the rollback left it
+    code, out, err = run_cli(capsys, "prune", root_copy, "--keep", 1)
+    assert (code, out) == (1, "") and err.count("\n") == 1, err
+    assert f"{tracker_path(root_copy)} names step 3, which has no commit record" in err
+    assert steps_on_disk(root_copy) == [*COMMITTED, LEFTOVER]
+
+
 def test_I3_prune_refuses_when_the_tracker_is_unreadable(root_copy, capsys):
     tracker_path(root_copy).write_bytes(b"\xef\xbb\xbf3\n")
     code, out, err = run_cli(capsys, "prune", root_copy, "--keep", 1)

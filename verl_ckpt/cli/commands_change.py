@@ -23,7 +23,7 @@ from verl_ckpt.store.commit_record import (
     read_record_bytes,
 )
 from verl_ckpt.store.fsio import make_dir
-from verl_ckpt.store.layout import step_of_dir
+from verl_ckpt.store.layout import TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.retention import apply_retention
 from verl_ckpt.store.rollback import (
@@ -60,6 +60,18 @@ def _prune(store: Store, args: argparse.Namespace) -> int:
         # Without the tracker we cannot know which step a resume would load (I3).
         raise CliError(f"{exc}; refusing to prune", EXIT_BAD_CHECKPOINT) from None
     rows = step_rows(store, args.keyring)
+    recorded = {row.step for row in rows if row.status != "not committed"}
+    if target is not None and target not in recorded:
+        # Retention spares the tracker's step only: with its record gone, a rollback's
+        # target (an interrupted rollback of a tier that cannot rename moves the tracker
+        # last) could be among the steps deleted. (A record this version cannot read, or
+        # refuses, is a step of its own: retention neither counts nor deletes it.)
+        raise CliError(
+            f"the tracker {store.uri(TRACKER_FILENAME)} names step {target}, which has no "
+            f"commit record in {store.url} (a rollback interrupted there leaves it so: run "
+            "the same `verl-ckpt rollback` again); refusing to prune",
+            EXIT_BAD_CHECKPOINT,
+        )
     # Retention itself (store/retention.py), as a job's finalizer runs it after a commit.
     outcome = apply_retention(store, args.keep, dry_run=args.dry_run, keyring=args.keyring)
     verb = "would delete" if args.dry_run else "deleted"
