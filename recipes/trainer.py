@@ -36,9 +36,10 @@ DRIVER_STATE_FORMAT = 2
 
 def data_stream(cfg: PPOToyConfig) -> dict[str, Any]:
     """The keys that make the prompt stream the data cursor points into (and, in async
-    mode, the shape of the batch the rollout workers hold ahead): saved with each step, and
-    a resume with other values is refused before Ray (the cursor would point into another
-    stream: prompts skipped or repeated without a word)."""
+    mode, the shape of the batch the rollout workers hold ahead; with a replay buffer, the
+    width of the sequences it holds): saved with each step, and a resume with other values
+    is refused before Ray (the cursor would point into another stream: prompts skipped or
+    repeated without a word; replayed sequences of another width fail the first update)."""
     keys = {
         "data.num_prompts": cfg.data.num_prompts,
         "rollout.prompt_length": cfg.rollout.prompt_length,
@@ -47,6 +48,7 @@ def data_stream(cfg: PPOToyConfig) -> dict[str, Any]:
     }
     if cfg.rollout.mode == "async":
         keys["rollout.batch_size"] = cfg.rollout.batch_size
+    if cfg.rollout.mode == "async" or cfg.rollout.replay_size > 0:
         keys["rollout.response_length"] = cfg.rollout.response_length
     return keys
 

@@ -274,6 +274,20 @@ def test_replay_buffer_is_saved_with_the_step_and_a_resume_reuses_the_same_seque
     root = tmp_path / "ckpt"
     run_to_end(tmp_path / "run1", root, *replay, "trainer.total_steps=2")
     assert (step_dir(root, 2) / "replay" / "state_0.pt").is_file()
+    # From helper-58's review: resumed with another response length, the replayed sequences
+    # (of the saved width) failed the first update after Ray started, with a traceback.
+    proc = start_recipe(
+        tmp_path / "wider",
+        f"checkpoint.root_dir={root}",
+        *replay,
+        "rollout.response_length=12",
+        "trainer.total_steps=4",
+    )
+    output, _ = proc.communicate(timeout=120)
+    errors = [line for line in output.splitlines() if line.startswith("ppo_toy:")]
+    assert proc.returncode == 2, output[-3000:]
+    assert len(errors) == 1 and "rollout.response_length=8" in errors[0], output[-3000:]
+    assert "Traceback" not in output and "Ray" not in output, output[-3000:]
     out = run_to_end(tmp_path / "run2", root, *replay, "trainer.total_steps=4")
     assert f"resumed from {step_dir(root, 2)} (step 2)" in out
     ref = read_metrics(tmp_path / "ref" / "metrics.jsonl")
