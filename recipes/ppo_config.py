@@ -53,7 +53,8 @@ class RecipeConfigError(ValueError):
 
 
 # The largest trainer.seed (either sign) whose derived seeds (seed * 1000 + offset) stay in
-# the signed 64 bits that torch.Generator.manual_seed takes.
+# the signed 64-bit range (torch.Generator.manual_seed takes [-2**63, 2**64); the bound is
+# kept symmetric).
 MAX_SEED = (2**63 - 1) // 1000 - 1
 
 

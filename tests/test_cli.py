@@ -286,6 +286,14 @@ def _tracker_names_missing_step(root: Path) -> None:
             "argument OUT: must be a local directory, not the URL 's3://c/q'",
             id="export-into-a-url",
         ),
+        # helper-59: OUT after the options, as docs/huggingface.md writes it.
+        pytest.param(
+            ["export", "{root}", "--role", "actor", "s3://c/q"],
+            None,
+            2,
+            "argument OUT: must be a local directory, not the URL 's3://c/q'",
+            id="export-into-a-url-given-last",
+        ),
         pytest.param(
             ["prune", "s3://b/p", "--keep", "1", "--storage-options", '{{"config_kwargs": 5}}'],
             None,

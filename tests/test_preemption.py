@@ -47,6 +47,7 @@ DEADLINE_VAR = "VERL_CKPT_TEST_DEADLINE"
         ({"preemption": {"signals": ["SIGCHLD"]}}, "checkpoint.preemption.signals"),
         ({"preemption": {"signals": ["SIGWINCH"]}}, "checkpoint.preemption.signals"),
         ({"preemption": {"signals": ["SIGTERM", "SIGSEGV"]}}, "checkpoint.preemption.signals"),
+        ({"preemption": {"signals": ["SIGIOT"]}}, "checkpoint.preemption.signals"),  # SIGABRT
         ({"preemption": {"grace_s": 0}}, "checkpoint.preemption.grace_s"),
         ({"preemption": {"margin_s": -1}}, "checkpoint.preemption.margin_s"),
         ({"preemption": {"deadline_env": "A=B"}}, "checkpoint.preemption.deadline_env"),

@@ -265,6 +265,25 @@ def test_I3_a_file_tier_overlapping_the_root_is_refused_before_anything_is_writt
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+def test_I3_a_file_tier_that_is_another_jobs_root_in_use_is_refused(tmp_path):
+    """helper-59's review: remote.url=file://<a root another job holds> was accepted, and
+    this job's remote retention and uploads would change that root under its lock."""
+    from tests.lock_holder import HolderProcesses
+
+    other = tmp_path / "other"
+    committed_step(other, 10)
+    holders = HolderProcesses()
+    try:
+        holders.start(other)
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        config = {"root_dir": str(tmp_path / "ckpt"), "remote": {"url": f"file://{other}"}}
+        with pytest.raises(CheckpointConfigError, match=r"is a local checkpoint root in use"):
+            prepare_start(config)
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    finally:
+        holders.close()
+
+
 def test_without_a_remote_url_nothing_of_fsspec_is_imported():
     import subprocess
     import sys

@@ -203,8 +203,9 @@ def test_interrupted_rollback_is_completed_and_the_tracker_ends_at_the_target(
     assert complete_interrupted_rollback(root) is None  # nothing left to do
 
 
+@pytest.mark.parametrize("planted", ["a link to a directory", "a broken link", "a file"])
 def test_a_planted_intent_whose_archive_is_a_link_moves_nothing_out_of_the_root(
-    root, tmp_path, capsys
+    root, tmp_path, capsys, planted
 ):
     """From helper-57's review: the archive's name was checked, but an archive that already
     existed was taken as it was. A planted intent with its archive a link to another
@@ -214,7 +215,12 @@ def test_a_planted_intent_whose_archive_is_a_link_moves_nothing_out_of_the_root(
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "theirs.txt").write_text("not the root's")
-    (root / f"{ARCHIVE_PREFIX}planted").symlink_to(elsewhere, target_is_directory=True)
+    archive = root / f"{ARCHIVE_PREFIX}planted"
+    if planted == "a file":
+        archive.write_text("")
+    else:  # helper-59: a broken link failed in make_dir with a bare "File exists"
+        target = elsewhere if planted == "a link to a directory" else tmp_path / "gone"
+        archive.symlink_to(target, target_is_directory=True)
     intent = {"format_version": 1, "to": 20, "archive": f"{ARCHIVE_PREFIX}planted"}
     intent |= {"steps": [30, LEFTOVER], "delete": True}
     (root / INTENT_FILENAME).write_text(json.dumps(intent))
@@ -287,14 +293,16 @@ def test_a_local_root_named_by_a_file_url_is_refused_for_changes(root, holders, 
     ):
         code, out, err = run_cli(capsys, *argv)
         assert (code, out) == (2, "") and err.count("\n") == 1, err
-        assert f"is a job's local root (it holds .verl_ckpt.lock): pass its path, {root}," in err
+        assert "is a local root in use (a job or command holds it as its checkpoint root " in err
+        assert f"pass its path, {root}, so that" in err
     assert tree(root) == before
     holders.kill(proc)
+    # Held by nobody, it is a directory like any tier (a copy of a root may serve as one).
+    assert run_cli(capsys, "prune", f"file://{root}", "--keep", 1, "--dry-run")[0] == 0
     crash_during_rollback(root, 10)
-    (root / ".verl_ckpt.lock").unlink(missing_ok=True)  # only the pending rollback marks it
     before = tree(root)
     code, out, err = run_cli(capsys, "prune", f"file://{root}", "--keep", 1)
-    assert (code, out) == (2, "") and f"(it holds {INTENT_FILENAME})" in err, err
+    assert (code, out) == (2, "") and f"(a rollback of it is pending ({INTENT_FILENAME}))" in err
     assert tree(root) == before
 
 

@@ -10,12 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from verl_ckpt.protocol.errors import CheckpointConfigError, RootLockedError, TrackerError
-from verl_ckpt.startup.root_lock import LEASE_FILENAME, LOCK_FILENAME, RootLock
+from verl_ckpt.startup.root_lock import RootLock, local_root_in_use
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.layout import TRACKER_FILENAME, step_of_dir
 from verl_ckpt.store.local import LocalStore
 from verl_ckpt.store.open_store import is_remote_url, open_store
-from verl_ckpt.store.rollback import INTENT_FILENAME
 from verl_ckpt.store.tracker import read_tracker
 
 __all__ = [
@@ -127,17 +126,15 @@ def locked(store: Store, purpose: str) -> Iterator[None]:
 
 def _refuse_a_local_root_by_url(store: Store) -> None:
     """A file:// URL is opened as a remote tier (no lock, no rollback journal). One that
-    names a job's local root would let a change bypass the root's lock, held by a running
-    job, and a pending rollback's journal: refused, naming the path that takes both."""
+    names a local root in use would let a change bypass that root's lock or a pending
+    rollback's journal: refused, naming the path that takes both."""
     if not getattr(store, "is_local", False):
         return
     path = Path(store.path)
-    marks = [
-        name for name in (LOCK_FILENAME, LEASE_FILENAME, INTENT_FILENAME) if (path / name).exists()
-    ]
-    if marks:
+    why = local_root_in_use(path)
+    if why is not None:
         raise CliError(
-            f"ROOT {store.url} is a job's local root (it holds {marks[0]}): pass its path, "
-            f"{path}, so that the command takes the root's lock",
+            f"ROOT {store.url} is a local root in use ({why}): pass its path, {path}, so "
+            "that the command takes the root's lock",
             EXIT_USAGE,
         )

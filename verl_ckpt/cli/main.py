@@ -318,7 +318,11 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     args, extra = parser.parse_known_args(argv)
     if getattr(args, "command", None) == "export" and args.out is None and len(extra) == 1:
         if not extra[0].startswith("-"):
-            args.out, extra = Path(extra[0]), []
+            # OUT after the options (as docs/huggingface.md writes it): checked as OUT is.
+            try:
+                args.out, extra = _local_directory(extra[0]), []
+            except argparse.ArgumentTypeError as exc:
+                parser.error(f"argument OUT: {exc}")
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args

@@ -67,6 +67,11 @@ _NOT_A_STOP_REQUEST = {
         "reports a fault of the process itself",
     ),
 }
+_NOT_A_STOP_REQUEST_BY_NUMBER = {
+    signal.Signals[name]: why
+    for name, why in _NOT_A_STOP_REQUEST.items()
+    if name in signal.Signals.__members__
+}
 
 
 def _fail(key: str, value: Any, why: str) -> None:
@@ -199,12 +204,14 @@ class PreemptionConfig:
                 )
             if name in _UNCATCHABLE_SIGNALS:
                 _fail("preemption.signals", signals, f"{name} cannot be caught by any process")
-            if name in _NOT_A_STOP_REQUEST:
+            # By number: an alias (SIGIOT is SIGABRT, SIGCLD SIGCHLD) is the same signal.
+            why = _NOT_A_STOP_REQUEST_BY_NUMBER.get(signal.Signals[name])
+            if why is not None:
                 _fail(
                     "preemption.signals",
                     signals,
-                    f"{name} {_NOT_A_STOP_REQUEST[name]}, not a request to stop (schedulers "
-                    "send SIGTERM, or SIGUSR1 or SIGUSR2 as asked)",
+                    f"{name} {why}, not a request to stop (schedulers send SIGTERM, or "
+                    "SIGUSR1 or SIGUSR2 as asked)",
                 )
         self.signals = list(dict.fromkeys(signals))
         if not (isinstance(self.grace_s, (int, float)) and 0 < self.grace_s < math.inf):

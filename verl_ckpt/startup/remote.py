@@ -38,6 +38,7 @@ from verl_ckpt.protocol.errors import (
     ResumeConflictError,
 )
 from verl_ckpt.remote.pull import PullSummary, install_staged, pull_step, stage_step
+from verl_ckpt.startup.root_lock import local_root_in_use
 from verl_ckpt.store.base import Store
 from verl_ckpt.store.commit_record import (
     find_commit_record,
@@ -250,6 +251,14 @@ def _refuse_overlap_with_root(url: str, root: Path) -> None:
         raise CheckpointConfigError(
             f"checkpoint.remote.url={url!r} overlaps checkpoint.root_dir {root}: the remote "
             "tier needs a directory of its own, neither the root nor inside or above it"
+        )
+    # Another job's root: this job's remote retention and uploads would change it under
+    # that job's lock (helper-59's review).
+    why = local_root_in_use(tier)
+    if why is not None:
+        raise CheckpointConfigError(
+            f"checkpoint.remote.url={url!r} is a local checkpoint root in use ({why}): the "
+            "remote tier needs a directory of its own"
         )
 
 

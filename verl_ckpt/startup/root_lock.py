@@ -71,6 +71,7 @@ from verl_ckpt.store.lock_record import (
     lease_window,
     read_lock_record,
 )
+from verl_ckpt.store.rollback import INTENT_FILENAME
 
 __all__ = [
     "LEASE_FILENAME",
@@ -594,6 +595,19 @@ def read_holder(root: str | os.PathLike) -> LockHolder | None:
         if read.holder is not None:
             found.append((read.mtime, read.holder))
     return max(found, key=lambda pair: pair[0])[1] if found else None
+
+
+def local_root_in_use(path: str | os.PathLike) -> str | None:
+    """Why the directory `path`, named as a remote tier (a file:// URL, which has no lock and
+    no rollback journal), is a local root that a change through that URL would bypass: a
+    process holds it now, or a rollback of it is pending. None otherwise (a directory that
+    only once held a job, such as a copy of a root used as a tier, is a tier like any)."""
+    path = Path(path)
+    if is_locked(path):
+        return "a job or command holds it as its checkpoint root now"
+    if (path / INTENT_FILENAME).exists():
+        return f"a rollback of it is pending ({INTENT_FILENAME})"
+    return None
 
 
 def is_locked(root: str | os.PathLike) -> bool:

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
@@ -114,7 +114,7 @@ class FsspecStore(Store):
         self.url = url.rstrip("/")
         protocol = self.url.split("://", 1)[0]
         botocore_settings = (storage_options or {}).get("config_kwargs")
-        if botocore_settings is not None and not isinstance(botocore_settings, dict):
+        if botocore_settings is not None and not isinstance(botocore_settings, Mapping):
             # Named by type only: a storage option's value may be a secret.
             raise CheckpointConfigError(
                 f"{setting}={url!r}: storage option config_kwargs must be a mapping of "

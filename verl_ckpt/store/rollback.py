@@ -381,15 +381,16 @@ def _check_target(root: Path, intent: RollbackIntent, journaled: bool) -> None:
 def _finish(root: Path, intent: RollbackIntent) -> None:
     """Steps 2-5 of the module docstring; each is skipped where a previous run did it."""
     archive = root / intent.archive
-    make_dir(archive, exist_ok=True)
     # A rerun finds the archive the interrupted run made; one planted as a link (the intent
     # is a file of the root, which others may write) would move steps out of the root and
-    # delete files wherever it points.
-    if not stat.S_ISDIR(os.lstat(archive).st_mode):
+    # delete files wherever it points. Checked before make_dir, which fails on a broken
+    # link or a file without naming the way out.
+    if os.path.lexists(archive) and not stat.S_ISDIR(os.lstat(archive).st_mode):
         raise RollbackError(
             f"the rollback archive {archive} is not a directory of {root} (a link?): "
             f"nothing moved; remove it, or remove {intent_path(root)} to give the rollback up"
         )
+    make_dir(archive, exist_ok=True)
     for step in sorted(intent.steps, reverse=True):
         source = step_dir(root, step)
         target = archive / source.name
